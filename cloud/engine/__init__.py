@@ -1,0 +1,1 @@
+"""relayinfer.cloud.engine."""

@@ -1,0 +1,1 @@
+"""relayinfer.protocol."""
