@@ -1,0 +1,1 @@
+"""relayinfer.cloud.relay: RelayGR, pre-inferred user prefixes for GR ranking."""
