@@ -1,0 +1,339 @@
+"""Wire messages: msgspec Structs in one tagged union, encoded as MessagePack.
+
+Every message is a MessagePack map with a ``"type"`` key holding a short snake_case tag
+(``{"type": "token", "request_id": "r1", ...}``). Fields with default values are omitted on the
+wire. Decoding validates every field type; tensors travel as dtype name + shape + raw
+little-endian bytes (never pickle).
+
+Units: times are milliseconds (float), sizes are bytes, indices are 0-based token positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import msgspec
+import numpy as np
+
+from .errors import ErrorCode, ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "TENSOR_DTYPES",
+    "Tensor", "Hello", "Welcome", "Generate", "Token", "RefinedPrompt", "ExtendBudget", "Stop",
+    "Cancel", "Done", "Error", "Ping", "Pong", "KVTransfer", "PreInfer", "Rank", "Scores",
+    "TileBatch", "Embeddings", "Message", "MESSAGE_TYPES", "encode", "decode", "bfloat16_to_float32",
+]
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to the messages below."""
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+"""Default largest frame (one encoded message) a connection accepts, in bytes (64 MiB)."""
+
+# dtype name -> little-endian numpy dtype of the raw bytes. bfloat16 travels as its raw 16-bit patterns.
+TENSOR_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "bool": np.dtype("?"),
+}
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    """An n-d array as ``dtype`` name, ``shape`` (list of dims) and raw little-endian C-order ``data``.
+
+    Allowed dtypes: float32, float16, bfloat16, int8, uint8, int32, int64, bool. bfloat16 is carried
+    as its raw 16-bit patterns; :meth:`to_numpy` returns them as a ``uint16`` array (numpy has no
+    bfloat16) and :func:`bfloat16_to_float32` widens them. Construction and decoding check that
+    ``len(data) == prod(shape) * itemsize`` and raise ``ProtocolError(BAD_FRAME)`` otherwise.
+    """
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        np_dtype = TENSOR_DTYPES.get(self.dtype)
+        if np_dtype is None:
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"tensor dtype {self.dtype!r} not allowed; use one of {', '.join(TENSOR_DTYPES)}")
+        if any(d < 0 for d in self.shape):
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"tensor shape {self.shape} has a negative dimension")
+        expected = math.prod(self.shape) * np_dtype.itemsize
+        if len(self.data) != expected:
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME,
+                f"tensor data is {len(self.data)} bytes but {self.dtype} shape {self.shape} needs {expected} bytes",
+            )
+        if self.dtype == "bool" and self.data.translate(None, b"\x00\x01"):
+            raise ProtocolError(ErrorCode.BAD_FRAME, "bool tensor data holds bytes other than 0 and 1")
+
+    @classmethod
+    def from_numpy(cls, arr: np.ndarray, dtype: str | None = None) -> "Tensor":
+        """Pack a numpy array (any byte order / memory layout; converted to little-endian C order).
+
+        ``dtype`` overrides the wire dtype name; only needed to send a ``uint16`` array of raw
+        bfloat16 patterns as ``"bfloat16"``. An ``ml_dtypes.bfloat16`` array is recognised by name.
+        Raises ``ProtocolError(BAD_FRAME)`` for a dtype outside the allowed set.
+        """
+        arr = np.asarray(arr)
+        name = dtype or ("bfloat16" if arr.dtype.name == "bfloat16" else arr.dtype.name)
+        wire = TENSOR_DTYPES.get(name)
+        if wire is None:
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"cannot send numpy dtype {arr.dtype} as {name!r}; allowed: {', '.join(TENSOR_DTYPES)}")
+        if name == "bfloat16":
+            if arr.dtype.name != "bfloat16" and not (arr.dtype.kind == "u" and arr.dtype.itemsize == 2):
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"bfloat16 needs raw uint16 patterns, got {arr.dtype}")
+            if arr.dtype.kind != "u":
+                arr = np.ascontiguousarray(arr).view(np.uint16)
+        elif arr.dtype.kind != wire.kind or arr.dtype.itemsize != wire.itemsize:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"numpy dtype {arr.dtype} does not match wire dtype {name!r}")
+        data = np.ascontiguousarray(arr, dtype=wire).tobytes()
+        return cls(dtype=name, shape=list(arr.shape), data=data)
+
+    def to_numpy(self) -> np.ndarray:
+        """Read-only numpy view of ``data`` (no copy); ``uint16`` raw patterns for bfloat16."""
+        return np.frombuffer(self.data, dtype=TENSOR_DTYPES[self.dtype]).reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of ``data`` in bytes."""
+        return len(self.data)
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Widen raw bfloat16 patterns (uint16 array, e.g. from ``Tensor.to_numpy``) to float32, exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True):
+    """Base of all wire messages (not itself a message)."""
+
+
+# -- handshake --------------------------------------------------------------------------------------
+
+class Hello(_Msg, tag="hello"):
+    """Client -> server, first frame. ``model_fingerprint``: hash of the model file the client runs;
+    ``token``: auth token if the server requires one; ``client``: free-form name/version."""
+
+    protocol_version: int
+    model_fingerprint: str
+    token: Union[str, None] = None
+    client: str = ""
+
+
+class Welcome(_Msg, tag="welcome"):
+    """Server -> client, accepts a Hello. ``session_id`` identifies the connection in server logs."""
+
+    protocol_version: int
+    model_fingerprint: str
+    server: str = ""
+    session_id: str = ""
+
+
+# -- P/D-Device token stream -----------------------------------------------------------------------
+
+class Generate(_Msg, tag="generate"):
+    """Device -> cloud: start a generation.
+
+    ``prompt_ids``: token ids of the full prompt; ``max_new_tokens``: cap on generated tokens;
+    sampling: ``temperature`` (0 = greedy), ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed``;
+    ``cloud_budget``: max tokens the cloud streams (None = to the end); ``refine``: keep ratio in
+    (0, 1] for prompt refinement (None = off); ``stop_ids``: token ids that end generation.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Union[int, None] = None
+    cloud_budget: Union[int, None] = None
+    refine: Union[float, None] = None
+    stop_ids: list[int] = []
+
+
+class Token(_Msg, tag="token"):
+    """Cloud -> device: one generated token. ``index``: 0-based position in the generated answer;
+    ``t_cloud_ms``: cloud wall-clock milliseconds since the Generate was received."""
+
+    request_id: str
+    token_id: int
+    index: int
+    t_cloud_ms: float
+
+
+class RefinedPrompt(_Msg, tag="refined_prompt"):
+    """Cloud -> device: indices (0-based, ascending) of the prompt tokens worth keeping for the device prefill."""
+
+    request_id: str
+    kept_indices: list[int]
+
+
+class ExtendBudget(_Msg, tag="extend_budget"):
+    """Device -> cloud: raise the cloud budget to ``cloud_budget`` tokens in total (device is slower than planned)."""
+
+    request_id: str
+    cloud_budget: int
+
+
+class Stop(_Msg, tag="stop"):
+    """Device -> cloud: the device generates from generated index ``handoff_index`` on; cloud frees the request."""
+
+    request_id: str
+    handoff_index: int
+
+
+class Cancel(_Msg, tag="cancel"):
+    """Either way: abandon the request (the user went away)."""
+
+    request_id: str
+
+
+class Done(_Msg, tag="done"):
+    """Cloud -> device: the cloud stream ended. ``reason``: "eos", "length", "stop", "budget" or "cancel";
+    ``cloud_tokens``: tokens the cloud sent; ``prefill_ms``: cloud prefill time in milliseconds."""
+
+    request_id: str
+    reason: str
+    cloud_tokens: int
+    prefill_ms: float
+
+
+class Error(_Msg, tag="error"):
+    """Either way: something failed. ``code``: an ``ErrorCode`` value; ``request_id``: the request it
+    concerns, or None for a connection-level error (the sender closes the connection after it)."""
+
+    code: str
+    message: str
+    request_id: Union[str, None] = None
+
+
+class Ping(_Msg, tag="ping"):
+    """Either way: liveness / RTT probe. ``t_ms``: sender's clock in milliseconds; the peer echoes both in a Pong."""
+
+    nonce: int
+    t_ms: float
+
+
+class Pong(_Msg, tag="pong"):
+    """Answer to a Ping with the same ``nonce`` and ``t_ms`` (RTT = now - t_ms on the pinger's clock)."""
+
+    nonce: int
+    t_ms: float
+
+
+# -- P/D-Serve, RelayGR, pathology ----------------------------------------------------------------
+
+class KVTransfer(_Msg, tag="kv_transfer"):
+    """Prefill -> decode instance: KV cache of ``num_tokens`` prompt tokens, layers from ``layer_start`` on, in one tensor."""
+
+    request_id: str
+    layer_start: int
+    kv: Tensor
+    num_tokens: int
+
+
+class PreInfer(_Msg, tag="pre_infer"):
+    """Retrieval -> ranking instance: compute and keep the user-prefix KV cache. ``timestamps`` in seconds, one per item."""
+
+    request_id: str
+    user_id: int
+    item_ids: list[int]
+    timestamps: list[int]
+
+
+class Rank(_Msg, tag="rank"):
+    """Ranking request: user history (``item_ids``, ``timestamps`` in seconds) and the ``candidate_ids`` to score."""
+
+    request_id: str
+    user_id: int
+    item_ids: list[int]
+    timestamps: list[int]
+    candidate_ids: list[int]
+
+
+class Scores(_Msg, tag="scores"):
+    """Answer to Rank: one score per candidate. ``prefix_source``: "hbm", "dram", "recompute" or "none"."""
+
+    request_id: str
+    scores: Tensor
+    prefix_source: str
+
+
+class TileBatch(_Msg, tag="tile_batch"):
+    """Device -> cloud: candidate tiles of a slide. ``coords``: [x, y] pixel offsets per tile; ``tiles``: N x H x W x C uint8."""
+
+    request_id: str
+    slide_id: str
+    coords: list[list[int]]
+    tiles: Tensor
+
+
+class Embeddings(_Msg, tag="embeddings"):
+    """Cloud -> device: one embedding row per tile of the matching TileBatch."""
+
+    request_id: str
+    embeddings: Tensor
+
+
+Message = Union[
+    Hello, Welcome, Generate, Token, RefinedPrompt, ExtendBudget, Stop, Cancel, Done, Error, Ping, Pong,
+    KVTransfer, PreInfer, Rank, Scores, TileBatch, Embeddings,
+]
+"""The tagged union of every wire message."""
+
+MESSAGE_TYPES: dict[str, type] = {cls.__struct_config__.tag: cls for cls in Message.__args__}
+"""Tag ("type" value) -> message class."""
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class _TypeOnly(msgspec.Struct):
+    type: Union[str, None] = None
+
+
+_type_decoder = msgspec.msgpack.Decoder(_TypeOnly)
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message to a MessagePack frame body. Raises TypeError for a non-message object."""
+    if not isinstance(msg, _Msg):
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one frame body into a message, validating every field.
+
+    Raises ``ProtocolError`` with ``BAD_FRAME`` (not msgpack, truncated, trailing bytes, wrong field
+    types, bad tensor) or ``UNKNOWN_MESSAGE`` (valid msgpack map whose "type" is not a known tag).
+    """
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise _explain(data, exc) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(data)} bytes is not valid MessagePack: {exc}") from None
+
+
+def _explain(data: bytes, exc: msgspec.ValidationError) -> ProtocolError:
+    """Turn a validation failure into UNKNOWN_MESSAGE (unknown tag) or BAD_FRAME (bad fields)."""
+    try:
+        tag = _type_decoder.decode(data).type
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return ProtocolError(ErrorCode.BAD_FRAME, f"frame is not a message map with a string 'type': {exc}")
+    if tag is None:
+        return ProtocolError(ErrorCode.BAD_FRAME, "frame has no 'type' field")
+    if tag not in MESSAGE_TYPES:
+        return ProtocolError(ErrorCode.UNKNOWN_MESSAGE,
+                             f"unknown message type {tag[:64]!r} (protocol version {PROTOCOL_VERSION})")
+    return ProtocolError(ErrorCode.BAD_FRAME, f"invalid {tag!r} message: {exc}")

@@ -1,0 +1,284 @@
+"""Thin asyncio adapter between the sans-I/O sessions and the ``websockets`` library (v13+ asyncio API).
+
+One binary websocket message = one frame. The adapter only moves bytes: every decision is made by
+``ServerSession`` / ``ClientSession``.
+
+Server::
+
+    async def handler(channel: ServerChannel):
+        async for msg in channel:          # ends when the client closes normally
+            await channel.send(...)
+
+    async with serve(handler, "0.0.0.0", 8765, expected_fingerprint=fp, auth_token=tok) as server:
+        await server.serve_forever()
+
+Client::
+
+    async with await open_channel("ws://host:8765", fingerprint=fp, token=tok) as channel:
+        await channel.send(Generate(...))
+        async for msg in channel: ...
+
+Oversized frames: websockets is given ``max_size = ws_max_size(max_frame_bytes)``, a margin above
+the protocol limit. A frame between the two limits reaches the core, which answers with an Error
+frame FRAME_TOO_LARGE and closes the connection (the sender's ``recv`` raises
+``RemoteError(FRAME_TOO_LARGE)``). A frame above the margin is refused by websockets itself,
+which closes with code 1009 before reading it; the adapter maps that close to
+``RemoteError(FRAME_TOO_LARGE)`` on the sender's side too, so both cases look the same to callers.
+Locally, ``send`` refuses a message above ``max_frame_bytes`` with ``ProtocolError(FRAME_TOO_LARGE)``
+before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, Awaitable, Callable
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import ServerConnection
+from websockets.asyncio.server import serve as _ws_serve
+from websockets.exceptions import ConnectionClosed
+
+from .errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
+from .messages import MAX_FRAME_BYTES, Message, Welcome, Hello
+from .session import ClientSession, HandshakeDone, MessageReceived, PeerError, ProtocolViolation, ServerSession
+
+__all__ = ["ws_max_size", "ServerChannel", "ClientChannel", "accept", "serve", "open_channel"]
+
+_CLOSE_CODES = {  # websocket close code used after sending an Error frame with this code
+    ErrorCode.BAD_FRAME: 1002, ErrorCode.UNKNOWN_MESSAGE: 1002, ErrorCode.HANDSHAKE_REQUIRED: 1002,
+    ErrorCode.FRAME_TOO_LARGE: 1009, ErrorCode.INTERNAL: 1011, ErrorCode.OVERLOADED: 1013,
+}
+
+
+def ws_max_size(max_frame_bytes: int) -> int:
+    """websockets ``max_size`` (bytes) for a protocol limit: the limit plus max(limit/4, 64 KiB) margin,
+    so that moderately oversized frames are answered with an Error frame instead of a bare 1009 close."""
+    return max_frame_bytes + max(max_frame_bytes // 4, 64 * 1024)
+
+
+class _Channel:
+    """Common send/recv loop over one websocket connection and one session."""
+
+    def __init__(self, ws: ServerConnection | ClientConnection, session: ServerSession | ClientSession) -> None:
+        self.ws = ws
+        self.session = session
+        self._received: deque[Message] = deque()
+
+    @property
+    def hello(self) -> Hello | None:
+        """The client's Hello (None before the handshake)."""
+        return self.session.hello
+
+    @property
+    def welcome(self) -> Welcome | None:
+        """The server's Welcome (None before the handshake)."""
+        return self.session.welcome
+
+    async def send(self, msg: Message) -> None:
+        """Send one message. Raises ``ProtocolError`` from ``session.send`` (closed, before the handshake,
+        FRAME_TOO_LARGE) or ``ChannelClosed`` / ``RemoteError`` if the connection is gone."""
+        frame = self.session.send(msg)
+        try:
+            await self.ws.send(frame)
+        except ConnectionClosed as exc:
+            self.session.close()
+            raise self._closed_error(exc) from None
+
+    async def recv(self) -> Message:
+        """Next message from the peer (only one task may call recv at a time).
+
+        Raises ``ProtocolError`` if the peer broke the protocol (an Error frame has been sent and the
+        connection closed), ``RemoteError`` if the peer sent a connection-level Error, and
+        ``ChannelClosed`` when the connection closes (``clean`` tells a normal close). Per-request
+        ``Error`` messages (with a request_id) are returned, not raised.
+        """
+        while not self._received:
+            await self._receive_events()
+        return self._received.popleft()
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Close the connection normally (websocket close ``code``, ``reason`` up to 123 bytes)."""
+        self.session.close()
+        await self.ws.close(code, reason)
+
+    def __aiter__(self) -> "_Channel":
+        return self
+
+    async def __anext__(self) -> Message:
+        try:
+            return await self.recv()
+        except ChannelClosed as exc:
+            if exc.clean:
+                raise StopAsyncIteration from None
+            raise
+
+    async def __aenter__(self) -> "_Channel":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    async def _receive_events(self) -> list:
+        """Read one websocket message, feed the session, flush its output and act on its events."""
+        try:
+            data = await self.ws.recv()
+        except ConnectionClosed as exc:
+            self.session.close()
+            raise self._closed_error(exc) from None
+        if isinstance(data, str):
+            frame = self.session.fail(ErrorCode.BAD_FRAME, "text websocket message; frames must be binary")
+            await self._send_quietly(frame)
+            await self.ws.close(1003, ErrorCode.BAD_FRAME.value)
+            raise ProtocolError(ErrorCode.BAD_FRAME, "peer sent a text websocket message")
+        events = self.session.receive_frame(data)
+        for frame in self.session.data_to_send():
+            await self._send_quietly(frame)
+        for event in events:
+            if isinstance(event, MessageReceived):
+                self._received.append(event.message)
+            elif isinstance(event, ProtocolViolation):
+                code = ErrorCode(event.error.code)
+                await self.ws.close(_CLOSE_CODES.get(code, 1008), code.value)
+                raise ProtocolError(code, event.error.message)
+            elif isinstance(event, PeerError):
+                await self.ws.close()
+                raise RemoteError(event.error.code, event.error.message)
+        return events
+
+    async def _send_quietly(self, frame: bytes) -> None:
+        try:
+            await self.ws.send(frame)
+        except ConnectionClosed:
+            pass  # the next recv reports the closure
+
+    def _closed_error(self, exc: ConnectionClosed) -> RelayInferError:
+        limit = ws_max_size(self.session.max_frame_bytes)
+        we_first = exc.sent is not None and (exc.rcvd is None or exc.rcvd_then_sent is False)
+        if we_first and exc.sent.code == 1009:
+            return ProtocolError(ErrorCode.FRAME_TOO_LARGE,
+                                 f"peer sent a websocket message above {limit} bytes; connection closed")
+        if exc.rcvd is not None and exc.rcvd.code == 1009:
+            return RemoteError(ErrorCode.FRAME_TOO_LARGE,
+                               f"peer closed the connection: message too big ({exc.rcvd.reason})")
+        close = exc.rcvd if exc.rcvd is not None else exc.sent
+        code = close.code if close is not None else None
+        reason = close.reason if close is not None else ""
+        return ChannelClosed(f"connection closed: {exc}", code, reason, clean=code in (1000, 1001))
+
+
+class ServerChannel(_Channel):
+    """Server side of one accepted connection, after a successful handshake (see :func:`accept`).
+
+    ``hello``: the client's Hello; ``welcome``: the Welcome sent; ``session_id``: ``welcome.session_id``.
+    """
+
+    @property
+    def session_id(self) -> str:
+        """Id of this connection, as sent in the Welcome."""
+        return self.session.session_id
+
+
+class ClientChannel(_Channel):
+    """Client side of a connection, after a successful handshake (see :func:`open_channel`)."""
+
+
+async def accept(ws: ServerConnection, session: ServerSession, timeout: float = 10.0) -> ServerChannel:
+    """Run the server handshake on an accepted websocket and return the open channel.
+
+    Waits up to ``timeout`` seconds for the Hello. Raises ``ProtocolError`` (Error frame sent,
+    connection closed) on a bad Hello, ``RemoteError`` if the client sent an Error, ``ChannelClosed``
+    if the client went away, and ``TimeoutError`` (after sending HANDSHAKE_REQUIRED and closing).
+    """
+    channel = ServerChannel(ws, session)
+    try:
+        await asyncio.wait_for(_until_handshake(channel), timeout)
+    except asyncio.TimeoutError:
+        if not session.closed:
+            await channel._send_quietly(session.fail(ErrorCode.HANDSHAKE_REQUIRED, f"no hello within {timeout} s"))
+        await ws.close(1002, ErrorCode.HANDSHAKE_REQUIRED.value)
+        raise TimeoutError(f"no hello within {timeout} s") from None
+    return channel
+
+
+async def _until_handshake(channel: _Channel) -> None:
+    while not any(isinstance(e, HandshakeDone) for e in await channel._receive_events()):
+        pass
+
+
+def serve(
+    handler: Callable[[ServerChannel], Awaitable[None]],
+    host: str | None,
+    port: int | None,
+    *,
+    expected_fingerprint: str,
+    auth_token: str | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    handshake_timeout: float = 10.0,
+    server: str = "",
+    **serve_kwargs: Any,
+) -> Any:
+    """Start a websockets server whose ``handler`` receives handshaken :class:`ServerChannel`\\ s.
+
+    Returns websockets' ``serve`` object: use ``async with serve(...) as server`` (a
+    ``websockets.asyncio.server.Server``; ``port=0`` picks a free port, see ``server.sockets``).
+    Connections failing the handshake are answered with an Error frame and closed without calling
+    ``handler``. Protocol errors, remote errors and closures escaping ``handler`` end only that
+    connection quietly; another ``RelayInferError`` is sent to the client as an Error frame with its
+    code; any other exception sends an INTERNAL Error frame and is re-raised (logged by
+    websockets). Extra keyword arguments go to ``websockets.asyncio.server.serve``.
+    """
+
+    async def _handler(ws: ServerConnection) -> None:
+        session = ServerSession(expected_fingerprint, auth_token, max_frame_bytes, server=server)
+        try:
+            channel = await accept(ws, session, handshake_timeout)
+            await handler(channel)
+        except (ProtocolError, RemoteError, ChannelClosed, TimeoutError):
+            return
+        except RelayInferError as exc:  # a component's error escaped the handler: tell the client why
+            if not session.closed:
+                await _Channel(ws, session)._send_quietly(session.fail(exc.code, exc.message))
+                await ws.close(_CLOSE_CODES.get(exc.code, 1008), exc.code.value)
+        except Exception:
+            if not session.closed:
+                await _Channel(ws, session)._send_quietly(session.fail(ErrorCode.INTERNAL, "internal server error"))
+                await ws.close(1011, ErrorCode.INTERNAL.value)
+            raise
+
+    return _ws_serve(_handler, host, port, max_size=ws_max_size(max_frame_bytes), **serve_kwargs)
+
+
+async def open_channel(
+    url: str,
+    fingerprint: str,
+    token: str | None = None,
+    *,
+    client: str = "",
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    open_timeout: float = 10.0,
+    **connect_kwargs: Any,
+) -> ClientChannel:
+    """Connect to ``url`` (ws:// or wss://), handshake, and return the open :class:`ClientChannel`.
+
+    ``open_timeout`` (seconds) bounds the TCP/websocket opening and the handshake, each.
+    Raises ``RemoteError`` if the server refuses the Hello (its code: FINGERPRINT_MISMATCH,
+    UNAUTHORIZED, VERSION_MISMATCH, OVERLOADED, ...), ``ProtocolError`` if the Welcome is bad,
+    ``OSError`` / ``TimeoutError`` if the server is unreachable, and websockets'
+    ``InvalidHandshake`` if the HTTP upgrade fails.
+    """
+    ws = await connect(url, max_size=ws_max_size(max_frame_bytes), open_timeout=open_timeout, **connect_kwargs)
+    session = ClientSession(fingerprint, token, max_frame_bytes, client=client)
+    channel = ClientChannel(ws, session)
+    try:
+        await channel._send_quietly(session.start())
+        await asyncio.wait_for(_until_handshake(channel), open_timeout)
+    except asyncio.TimeoutError:
+        await ws.close()
+        raise TimeoutError(f"no welcome from {url} within {open_timeout} s") from None
+    except BaseException:
+        await ws.close()
+        raise
+    return channel
