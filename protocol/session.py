@@ -82,7 +82,7 @@ def _tag(msg: Message) -> str:
     return type(msg).__struct_config__.tag
 
 
-def _short(fingerprint: str, n: int = 12) -> str:
+def _short(fingerprint: str, n: int = 16) -> str:
     return fingerprint if len(fingerprint) <= n else fingerprint[:n] + "…"
 
 

@@ -40,7 +40,7 @@ from websockets.asyncio.server import serve as _ws_serve
 from websockets.exceptions import ConnectionClosed
 
 from .errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
-from .messages import MAX_FRAME_BYTES, Message, Welcome, Hello
+from .messages import MAX_FRAME_BYTES, Hello, Message, Welcome
 from .session import ClientSession, HandshakeDone, MessageReceived, PeerError, ProtocolViolation, ServerSession
 
 __all__ = ["ws_max_size", "ServerChannel", "ClientChannel", "accept", "serve", "open_channel"]
@@ -55,6 +55,20 @@ def ws_max_size(max_frame_bytes: int) -> int:
     """websockets ``max_size`` (bytes) for a protocol limit: the limit plus max(limit/4, 64 KiB) margin,
     so that moderately oversized frames are answered with an Error frame instead of a bare 1009 close."""
     return max_frame_bytes + max(max_frame_bytes // 4, 64 * 1024)
+
+
+async def _send_quietly(conn: ServerConnection | ClientConnection, frame: bytes) -> None:
+    try:
+        await conn.send(frame)
+    except ConnectionClosed:
+        pass  # the next recv reports the closure
+
+
+async def _fail(conn: ServerConnection | ClientConnection, session: ServerSession | ClientSession,
+                code: ErrorCode, message: str) -> None:
+    """Send a connection-level Error frame and close the websocket with the matching close code."""
+    await _send_quietly(conn, session.fail(code, message))
+    await conn.close(_CLOSE_CODES.get(ErrorCode(code), 1008), ErrorCode(code).value)
 
 
 class _Channel:
@@ -129,13 +143,11 @@ class _Channel:
             self.session.close()
             raise self._closed_error(exc) from None
         if isinstance(data, str):
-            frame = self.session.fail(ErrorCode.BAD_FRAME, "text websocket message; frames must be binary")
-            await self._send_quietly(frame)
-            await self.ws.close(1003, ErrorCode.BAD_FRAME.value)
+            await _fail(self.ws, self.session, ErrorCode.BAD_FRAME, "text websocket message; frames must be binary")
             raise ProtocolError(ErrorCode.BAD_FRAME, "peer sent a text websocket message")
         events = self.session.receive_frame(data)
         for frame in self.session.data_to_send():
-            await self._send_quietly(frame)
+            await _send_quietly(self.ws, frame)
         for event in events:
             if isinstance(event, MessageReceived):
                 self._received.append(event.message)
@@ -147,12 +159,6 @@ class _Channel:
                 await self.ws.close()
                 raise RemoteError(event.error.code, event.error.message)
         return events
-
-    async def _send_quietly(self, frame: bytes) -> None:
-        try:
-            await self.ws.send(frame)
-        except ConnectionClosed:
-            pass  # the next recv reports the closure
 
     def _closed_error(self, exc: ConnectionClosed) -> RelayInferError:
         limit = ws_max_size(self.session.max_frame_bytes)
@@ -197,8 +203,7 @@ async def accept(ws: ServerConnection, session: ServerSession, timeout: float = 
         await asyncio.wait_for(_until_handshake(channel), timeout)
     except asyncio.TimeoutError:
         if not session.closed:
-            await channel._send_quietly(session.fail(ErrorCode.HANDSHAKE_REQUIRED, f"no hello within {timeout} s"))
-        await ws.close(1002, ErrorCode.HANDSHAKE_REQUIRED.value)
+            await _fail(ws, session, ErrorCode.HANDSHAKE_REQUIRED, f"no hello within {timeout} s")
         raise TimeoutError(f"no hello within {timeout} s") from None
     return channel
 
@@ -225,9 +230,9 @@ def serve(
     Returns websockets' ``serve`` object: use ``async with serve(...) as server`` (a
     ``websockets.asyncio.server.Server``; ``port=0`` picks a free port, see ``server.sockets``).
     Connections failing the handshake are answered with an Error frame and closed without calling
-    ``handler``. Protocol errors, remote errors and closures escaping ``handler`` end only that
-    connection quietly; another ``RelayInferError`` is sent to the client as an Error frame with its
-    code; any other exception sends an INTERNAL Error frame and is re-raised (logged by
+    ``handler``. A ``RelayInferError`` escaping ``handler`` ends only that connection: quietly if the
+    channel is already closed (protocol violation, remote error, closure), otherwise with an Error
+    frame carrying the exception's code and message; any other exception sends an INTERNAL Error frame and is re-raised (logged by
     websockets). Extra keyword arguments go to ``websockets.asyncio.server.serve``.
     """
 
@@ -235,17 +240,16 @@ def serve(
         session = ServerSession(expected_fingerprint, auth_token, max_frame_bytes, server=server)
         try:
             channel = await accept(ws, session, handshake_timeout)
+        except (RelayInferError, TimeoutError):
+            return  # already answered with an Error frame and closed
+        try:
             await handler(channel)
-        except (ProtocolError, RemoteError, ChannelClosed, TimeoutError):
-            return
-        except RelayInferError as exc:  # a component's error escaped the handler: tell the client why
+        except RelayInferError as exc:  # a closed channel ends quietly; any other error is told to the client
             if not session.closed:
-                await _Channel(ws, session)._send_quietly(session.fail(exc.code, exc.message))
-                await ws.close(_CLOSE_CODES.get(exc.code, 1008), exc.code.value)
+                await _fail(ws, session, exc.code, exc.message)
         except Exception:
             if not session.closed:
-                await _Channel(ws, session)._send_quietly(session.fail(ErrorCode.INTERNAL, "internal server error"))
-                await ws.close(1011, ErrorCode.INTERNAL.value)
+                await _fail(ws, session, ErrorCode.INTERNAL, "internal server error")
             raise
 
     return _ws_serve(_handler, host, port, max_size=ws_max_size(max_frame_bytes), **serve_kwargs)
@@ -273,7 +277,7 @@ async def open_channel(
     session = ClientSession(fingerprint, token, max_frame_bytes, client=client)
     channel = ClientChannel(ws, session)
     try:
-        await channel._send_quietly(session.start())
+        await _send_quietly(ws, session.start())
         await asyncio.wait_for(_until_handshake(channel), open_timeout)
     except asyncio.TimeoutError:
         await ws.close()

@@ -334,8 +334,8 @@ def test_token_ignored_when_not_required():
     (encode(Error("x", "y", request_id="r")), ErrorCode.HANDSHAKE_REQUIRED, "got 'error'"),
     (hello(protocol_version=2), ErrorCode.VERSION_MISMATCH, "protocol version mismatch: server speaks 1, client sent 2"),
     (hello(model_fingerprint="sha256:ffffffffffffffffffff"), ErrorCode.FINGERPRINT_MISMATCH,
-     "model fingerprint mismatch: server has sha256:01234…, client sent sha256:fffff…"),
-    (hello(model_fingerprint="cd34"), ErrorCode.FINGERPRINT_MISMATCH, "server has sha256:01234…, client sent cd34$"),
+     "model fingerprint mismatch: server has sha256:012345678…, client sent sha256:fffffffff…"),
+    (hello(model_fingerprint="cd34"), ErrorCode.FINGERPRINT_MISMATCH, "server has sha256:012345678…, client sent cd34$"),
     (b"\x00" * 1025, ErrorCode.FRAME_TOO_LARGE, "frame of 1025 bytes exceeds the limit of 1024 bytes"),
 ])
 def test_server_handshake_errors(frame, code, match):
@@ -397,7 +397,7 @@ def test_client_handshake_errors():
     for welcome, code, match in [
         (Welcome(protocol_version=7, model_fingerprint=FP), ErrorCode.VERSION_MISMATCH, "client speaks 1, server sent 7"),
         (Welcome(protocol_version=1, model_fingerprint="xyz"), ErrorCode.FINGERPRINT_MISMATCH,
-         "client has sha256:01234…, server sent xyz"),
+         "client has sha256:012345678…, server sent xyz"),
         (Token("r", 1, 0, 0.0), ErrorCode.HANDSHAKE_REQUIRED, "expected 'welcome' in answer to 'hello', got 'token'"),
     ]:
         client = ClientSession(FP)
