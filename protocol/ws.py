@@ -232,8 +232,9 @@ def serve(
     Connections failing the handshake are answered with an Error frame and closed without calling
     ``handler``. A ``RelayInferError`` escaping ``handler`` ends only that connection: quietly if the
     channel is already closed (protocol violation, remote error, closure), otherwise with an Error
-    frame carrying the exception's code and message; any other exception sends an INTERNAL Error frame and is re-raised (logged by
-    websockets). Extra keyword arguments go to ``websockets.asyncio.server.serve``.
+    frame carrying the exception's code and message; any other exception sends an INTERNAL Error
+    frame and is re-raised (logged by websockets). Extra keyword arguments go to
+    ``websockets.asyncio.server.serve``.
     """
 
     async def _handler(ws: ServerConnection) -> None:
