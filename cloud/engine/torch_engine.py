@@ -1,0 +1,76 @@
+"""The cloud's single-request engine: prefill and decode over an explicit, pre-allocated KV cache."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from relayinfer.cloud.models.llama import Llama, StaticKV, load_llama
+from relayinfer.protocol.decoding import GenerationOutput, SamplingParams, generate
+from relayinfer.protocol.model_file import ModelConfig, fingerprint, resolve_model_path
+
+
+def pick_device(device: str | None) -> str:
+    """'cpu', 'cuda', 'npu' (when torch_npu is installed) or None for the best available.
+
+    Raises:
+        ValueError: the asked device is not available in this torch build.
+    """
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise ValueError("device 'npu' needs the torch_npu package") from None
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but this torch build sees no CUDA device")
+    return device
+
+
+class TorchEngine:
+    """Llama on PyTorch with an explicit KV cache (`StaticKV`).
+
+    `prefill(ids, kv=None) -> (logits, kv)` and `decode(token, kv) -> (logits, kv)`: logits are
+    float32 numpy [vocab] of the last position; `kv` is a `StaticKV` ([layers, 1, kv_heads, T,
+    head_dim] K and V tensors) that the engine grows in place.
+    """
+
+    def __init__(self, model_path: str | os.PathLike | None = None, device: str | None = "cpu",
+                 threads: int | None = None, model: Llama | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = pick_device(device)
+        self.model_path = resolve_model_path(model_path)
+        self.model = model if model is not None else load_llama(self.model_path, device=self.device)
+        self.cfg: ModelConfig = self.model.cfg
+        self.context_length = self.cfg.context_length
+        self.eos_id = self.cfg.eos_id
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.model_path)
+
+    def new_cache(self, capacity: int = 256) -> StaticKV:
+        return StaticKV(self.cfg, capacity=capacity, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int], kv: StaticKV, last_only: bool = True) -> torch.Tensor:
+        """Run `ids` after the tokens cached in `kv`; logits float32 [V] (or [S, V])."""
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        kv.reserve(x.shape[1])
+        logits = self.model(x, kv, kv.length, last_only=last_only)
+        kv.commit()
+        return logits[0].float()
+
+    def prefill(self, ids: Sequence[int], kv: StaticKV | None = None) -> tuple[np.ndarray, StaticKV]:
+        kv = kv if kv is not None else self.new_cache(max(256, len(ids) + 64))
+        return self.forward(ids, kv).cpu().numpy(), kv
+
+    def decode(self, token_id: int, kv: StaticKV) -> tuple[np.ndarray, StaticKV]:
+        return self.forward([token_id], kv).cpu().numpy(), kv
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
+        return generate(self, prompt_ids, params)

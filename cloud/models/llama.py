@@ -1,0 +1,242 @@
+"""A compact Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) loaded from a GGUF file.
+
+One readable model file in the style of gpt-fast: the KV cache is explicit tensors behind a
+two-method interface, so the same module serves the cloud engine (a pre-allocated cache written in
+place) and the ONNX export (past/present tensors concatenated, the layout ONNX Runtime expects).
+
+GGUF stores the Q/K projection rows permuted for llama.cpp's interleaved rotary layout
+(`convert_hf_to_gguf.py`, `LlamaModel.permute`); `load_llama` undoes it so RoPE here is the
+`rotate_half` form of the Hugging Face checkpoints and our KV cache matches theirs element for element.
+"""
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relayinfer.protocol.model_file import ModelConfig, open_gguf, read_config
+
+
+class KVCache(Protocol):
+    """Per-layer key/value store. `update(layer, k, v)` appends k, v ([B, kv_heads, S, head_dim])
+    and returns all keys/values of that layer including them ([B, kv_heads, T, head_dim])."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ConcatKV:
+    """Past tensors in, present tensors out (concatenation along the sequence axis); the ONNX
+    export's cache. `past[i]` is (k, v) of layer i, each [B, kv_heads, P, head_dim] float32."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.past, self.present = past, [None] * len(past)
+
+    def update(self, layer, k, v):
+        pk, pv = self.past[layer]
+        k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        self.present[layer] = (k, v)
+        return k, v
+
+
+class StaticKV:
+    """Pre-allocated cache written in place (gpt-fast style): k and v are
+    [n_layers, B, kv_heads, capacity, head_dim]; `length` tokens are filled. Grows by doubling
+    when a write would overflow, so callers need not know the answer length up front."""
+
+    def __init__(self, cfg: ModelConfig, batch: int = 1, capacity: int = 256,
+                 dtype=torch.float32, device="cpu"):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self._pending = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more tokens; called once per forward before the layers run."""
+        need = self.length + n
+        if need > self.capacity:
+            cap = max(need, 2 * self.capacity)
+            pad = (0, 0, 0, cap - self.capacity)
+            self.k, self.v = F.pad(self.k, pad), F.pad(self.v, pad)
+        self._pending = n
+
+    def update(self, layer, k, v):
+        s, e = self.length, self.length + k.shape[2]
+        self.k[layer, :, :, s:e] = k
+        self.v[layer, :, :, s:e] = v
+        return self.k[layer, :, :, :e], self.v[layer, :, :, :e]
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the filled part of the cache (K and V, all layers)."""
+        n_layers, b, kvh, _, hd = self.k.shape
+        return 2 * n_layers * b * kvh * self.length * hd * self.k.element_size()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, head_dim] for integer `positions` [S] (RoFormer, Su et al. 2021)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, S, head_dim] rotated in the rotate_half layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.kvh, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, self.h * self.hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.kvh * self.hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.kvh * self.hd, bias=False)
+        self.wo = nn.Linear(self.h * self.hd, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.h, self.hd).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kvh, self.hd).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kvh, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.update(layer, k, v)
+        rep = self.h // self.kvh  # grouped-query attention: each KV head serves `rep` query heads
+        t = k.shape[2]
+        k = k[:, :, None].expand(b, self.kvh, rep, t, self.hd).reshape(b, self.h, t, self.hd)
+        v = v[:, :, None].expand(b, self.kvh, rep, t, self.hd).reshape(b, self.h, t, self.hd)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(o.transpose(1, 2).reshape(b, s, self.h * self.hd))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+        h = self.ffn_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))  # SwiGLU (Shazeer 2020)
+
+
+class Llama(nn.Module):
+    """Llama decoder. Weights fp32 by default; `cfg` from the GGUF metadata."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, start: torch.Tensor | int,
+                last_only: bool = True) -> torch.Tensor:
+        """Run `input_ids` [B, S] (int64) at positions start..start+S-1 after the `start` cached
+        tokens. Returns logits float32 [B, V] for the last position (`last_only`) or [B, S, V]."""
+        b, s = input_ids.shape
+        pos = start + torch.arange(s, device=input_ids.device)
+        cos, sin = rope(pos, self.inv_freq)
+        if isinstance(start, int) and s == 1:
+            mask = None  # one query sees every cached key
+        else:  # causal over cached + new keys: key j visible to query i iff j <= start + i
+            mask = torch.arange(start + s, device=input_ids.device)[None, :] <= pos[:, None]
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        x = self.norm(x[:, -1] if last_only else x)
+        return self.lm_head(x)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> rotate_half rotary layout)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_NAMES = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight", "attn_q": "attn.wq.weight",
+          "attn_k": "attn.wk.weight", "attn_v": "attn.wv.weight", "attn_output": "attn.wo.weight",
+          "ffn_gate": "gate.weight", "ffn_up": "up.weight", "ffn_down": "down.weight"}
+
+
+def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> Llama:
+    """Read a Llama-family GGUF (default model when None), dequantize every tensor to float32 with
+    `gguf.quants.dequantize`, and return the model in eval mode on `device`.
+
+    Raises:
+        ModelFileError: missing, truncated or corrupt file, or a tensor missing/misshapen.
+        UnsupportedModelError: not a Llama-family architecture.
+    """
+    import gguf
+
+    from relayinfer.protocol.errors import ModelFileError
+
+    reader = open_gguf(path)
+    cfg = read_config(reader)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    state = {}
+    for t in reader.tensors:
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except Exception as e:
+            raise ModelFileError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            key = _NAMES.get(parts[2])
+            if key is None:
+                continue
+            if parts[2] == "attn_q":
+                w = _unpermute(w, cfg.n_heads)
+            elif parts[2] == "attn_k":
+                w = _unpermute(w, cfg.n_kv_heads)
+            state[f"layers.{parts[1]}.{key}"] = w
+        elif t.name == "token_embd.weight":
+            state["embed.weight"] = w
+        elif t.name == "output_norm.weight":
+            state["norm.weight"] = w
+        elif t.name == "output.weight":
+            state["lm_head.weight"] = w
+    if cfg.tied_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for k, shape in expected.items():
+        if k not in state:
+            raise ModelFileError(f"GGUF file lacks tensor for {k}")
+        if tuple(state[k].shape) != shape:
+            raise ModelFileError(f"tensor {k} has shape {state[k].shape}, expected {shape}")
+    model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in state.items()},
+                          assign=True)
+    if cfg.tied_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
+                                                 / cfg.head_dim)))
+    return model.to(device=device, dtype=dtype).eval()
