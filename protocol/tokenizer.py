@@ -6,9 +6,7 @@ in GPT-2's byte-to-unicode alphabet, so vocabulary and merges load as they are.
 
 Pre-tokenization follows `tokenizer.ggml.pre`. For `smollm` (SmolLM/SmolLM2) it is llama.cpp's
 `LLAMA_VOCAB_PRE_TYPE_SMOLLM` and the original `tokenizer.json` of HuggingFaceTB/SmolLM2: digits
-split one by one, then GPT-2's regex. Note: `transformers`' GGUF loader (5.x) omits the digit split,
-so it differs from us (and from the model's training tokenizer) on runs of 2+ digits only; the tests
-pin both facts.
+split one by one, then GPT-2's regex. The tests check ids against `transformers`' GGUF tokenizer.
 """
 from __future__ import annotations
 

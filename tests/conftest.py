@@ -1,0 +1,56 @@
+"""Shared fixtures: the real default model on both runtimes, built once per test session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests share 2 cores with the servers they start; one intra-op thread each avoids oversubscription.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from relayinfer.protocol.model_file import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from relayinfer.protocol.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(model_path)
+
+
+@pytest.fixture(scope="session")
+def torch_engine(model_path):
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+
+    return TorchEngine(model_path, device="cpu", threads=1)
+
+
+@pytest.fixture(scope="session")
+def device_model_dir(model_path):
+    """The exported ONNX device model (exported on first use: about 1-2 minutes on 2 cores)."""
+    from relayinfer.cloud.export import ensure_device_model
+
+    return ensure_device_model(model_path)
+
+
+@pytest.fixture(scope="session")
+def onnx_engine(device_model_dir):
+    from relayinfer.device.onnx_engine import OnnxEngine
+
+    return OnnxEngine(device_model_dir, threads=1)
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(tokenizer):
+    return [tokenizer.encode_chat(p) for p in CHAT_PROMPTS]
