@@ -1,1 +1,5 @@
-"""relayinfer.sdk."""
+"""relayinfer.sdk: the public API (Client, TokenEvent, GenerationResult) and the CLI."""
+from relayinfer.device.split import GenerationResult, TokenEvent
+from relayinfer.sdk.client import Client
+
+__all__ = ["Client", "TokenEvent", "GenerationResult"]

@@ -1,0 +1,285 @@
+"""The cloud prefill service of P/D-Device: a websockets stream endpoint plus an aiohttp HTTP side.
+
+Per `Generate` the cloud prefills the prompt, sends the first `Token` at once, keeps decoding and
+streaming tokens until the device sends `Stop` (it has taken over), the cloud token budget is spent,
+or the answer ends; then it sends `Done` and frees the request's KV cache.
+
+Model steps of all sessions run on one worker thread (a FIFO executor), so concurrent requests
+interleave step by step and the event loop stays free for I/O. (Continuous batching replaces this
+in the serving engine.) HTTP side: `/healthz`, `/metrics` (Prometheus text), `/v1/device-model`
+(the exported ONNX file, `X-Content-SHA256` header) and `/v1/device-model/{name}` for the other
+device files listed in `/v1/device-model/manifest`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
+from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
+from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, Stop, Token
+
+log = logging.getLogger("relayinfer.cloud")
+
+
+class Metrics:
+    """Prometheus metrics of one service (own registry, so several services can share a process)."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("relayinfer_requests", "Generate requests by outcome", ["outcome"], registry=r)
+        self.cloud_tokens = Counter("relayinfer_cloud_tokens", "Tokens streamed by the cloud", registry=r)
+        self.prefill_ms = Histogram("relayinfer_prefill_ms", "Cloud prefill time (ms)", registry=r,
+                                    buckets=(5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000))
+        self.active_sessions = Gauge("relayinfer_active_sessions", "Open device sessions", registry=r)
+        self.active_requests = Gauge("relayinfer_active_requests", "Requests holding a KV cache", registry=r)
+        self.errors = Counter("relayinfer_protocol_errors", "Errors sent to clients by code", ["code"], registry=r)
+
+
+@dataclass
+class _Request:
+    msg: Generate
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    budget: int | None = None
+    stop_reason: str = "stop"
+
+
+class CloudService:
+    """Serves device sessions over websockets with a `TorchEngine` (or anything with the
+    `prefill`/`decode` engine interface, `eos_id`, `context_length`, `cfg.vocab_size`).
+
+    Args:
+        engine: the cloud runtime.
+        fingerprint: sha256 of the model file; a device with another fingerprint is refused
+            (FINGERPRINT_MISMATCH).
+        auth_token: bearer token devices must present, or None for none.
+        device_model_dir: directory of exported device files served on `/v1/device-model`.
+        step_delay_ms: extra wait before each decode step (simulates a slower or loaded cloud in
+            tests and benchmarks; 0 in production).
+    """
+
+    def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
+                 device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0):
+        self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
+        self.device_model_dir = Path(device_model_dir) if device_model_dir else None
+        self.step_delay_ms = step_delay_ms
+        self.metrics = Metrics()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
+        self.ws_port = self.http_port = None
+        self._ws_server = self._http_runner = None
+        self.completed: list[Done] = []  # the last Done of every request, for tests and benches
+
+    # --- websockets side ------------------------------------------------------------------------
+
+    async def _session(self, channel: proto_ws.ServerChannel) -> None:
+        """One device connection: dispatch messages, run each Generate as its own task."""
+        self.metrics.active_sessions.inc()
+        requests: dict[str, _Request] = {}
+        tasks: set[asyncio.Task] = set()
+        try:
+            async for msg in channel:
+                if isinstance(msg, Generate):
+                    err = self._validate(msg, requests)
+                    if err:
+                        self.metrics.errors.labels(err.code).inc()
+                        await channel.send(err)
+                        continue
+                    req = requests[msg.request_id] = _Request(msg, budget=msg.cloud_budget)
+                    task = asyncio.create_task(self._run(channel, req, requests))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                elif isinstance(msg, (Stop, Cancel)):
+                    req = requests.get(msg.request_id)
+                    if req is None:
+                        continue  # finished already: the Done crossed the Stop on the wire
+                    req.stop_reason = "stop" if isinstance(msg, Stop) else "cancel"
+                    req.stop.set()
+                elif isinstance(msg, ExtendBudget):
+                    if msg.request_id in requests:
+                        requests[msg.request_id].budget = msg.cloud_budget
+                else:
+                    await channel.send(Error(ErrorCode.BAD_REQUEST.value,
+                                             f"unexpected {type(msg).__name__} from a device", None))
+        except RelayInferError as e:  # protocol violation already answered, or peer gone
+            if not isinstance(e, ChannelClosed):
+                self.metrics.errors.labels(e.code.value).inc()
+            log.info("session %s ended: %s", channel.session_id, e)
+        finally:
+            for req in requests.values():  # peer gone: free every request's KV cache
+                req.stop_reason = "cancel"
+                req.stop.set()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            self.metrics.active_sessions.dec()
+
+    def _validate(self, msg: Generate, requests: dict) -> Error | None:
+        """A request-level Error for a Generate we will not run, else None."""
+        rid = msg.request_id
+        n, vocab = len(msg.prompt_ids), self.engine.cfg.vocab_size
+        if rid in requests:
+            return Error(ErrorCode.BAD_REQUEST.value, f"request_id {rid!r} is already running", rid)
+        if n == 0:
+            return Error(ErrorCode.BAD_REQUEST.value, "empty prompt", rid)
+        if msg.max_new_tokens < 1:
+            return Error(ErrorCode.BAD_REQUEST.value, f"max_new_tokens must be >= 1, got {msg.max_new_tokens}", rid)
+        if n + msg.max_new_tokens > self.engine.context_length:
+            return Error(ErrorCode.PROMPT_TOO_LONG.value,
+                         f"prompt too long: {n} prompt tokens + {msg.max_new_tokens} new tokens exceed the "
+                         f"context length of {self.engine.context_length} tokens", rid)
+        bad = next((t for t in msg.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return Error(ErrorCode.BAD_REQUEST.value, f"token id {bad} outside the vocabulary [0, {vocab})", rid)
+        try:
+            self._params(msg)
+        except ValueError as e:
+            return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
+        return None
+
+    @staticmethod
+    def _params(msg: Generate) -> SamplingParams:
+        return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
+                              max_new_tokens=msg.max_new_tokens, stop_ids=tuple(msg.stop_ids))
+
+    async def _run(self, channel, req: _Request, requests: dict) -> None:
+        """Prefill, stream tokens until Stop/Cancel/budget/EOS/length, send Done, free the KV cache."""
+        msg, loop = req.msg, asyncio.get_running_loop()
+        params, t0 = self._params(msg), time.perf_counter()
+        ms = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
+        self.metrics.active_requests.inc()
+        kv, sent, reason, prefill_ms = None, 0, "length", 0.0
+        try:
+            logits, kv = await loop.run_in_executor(self.worker, self.engine.prefill, msg.prompt_ids)
+            prefill_ms = ms()
+            self.metrics.prefill_ms.observe(prefill_ms)
+            for i in range(params.max_new_tokens):
+                if req.stop.is_set():
+                    reason = req.stop_reason
+                    break
+                if req.budget is not None and sent >= req.budget:
+                    reason = "budget"
+                    break
+                tok = sample(logits, params, i)
+                await channel.send(Token(msg.request_id, tok, i, ms()))
+                sent += 1
+                self.metrics.cloud_tokens.inc()
+                end = is_stop(tok, self.engine.eos_id, params)
+                if end:
+                    reason = end
+                    break
+                if i + 1 == params.max_new_tokens:
+                    break
+                if self.step_delay_ms:
+                    await asyncio.sleep(self.step_delay_ms / 1e3)
+                logits, kv = await loop.run_in_executor(self.worker, self.engine.decode, tok, kv)
+            done = Done(msg.request_id, reason, sent, prefill_ms)
+            self.completed.append(done)
+            self.metrics.requests.labels(reason).inc()
+            await channel.send(done)
+        except RelayInferError:
+            self.metrics.requests.labels("disconnected").inc()
+        except Exception:
+            log.exception("request %s failed", msg.request_id)
+            self.metrics.requests.labels("error").inc()
+            try:
+                await channel.send(Error(ErrorCode.INTERNAL.value, "internal error while generating", msg.request_id))
+            except RelayInferError:
+                pass
+        finally:
+            del kv  # the request's KV cache is freed here
+            requests.pop(msg.request_id, None)
+            self.metrics.active_requests.dec()
+
+    # --- HTTP side --------------------------------------------------------------------------------
+
+    def http_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/device-model", self._device_model)
+        app.router.add_get("/v1/device-model/manifest", self._manifest)
+        app.router.add_get("/v1/device-model/{name}", self._device_model)
+        return app
+
+    async def _healthz(self, request):
+        return web.json_response({"status": "ok", "model_fingerprint": self.fingerprint})
+
+    async def _metrics(self, request):
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    def _manifest_data(self) -> dict:
+        if self.device_model_dir is None or not (self.device_model_dir / "manifest.json").is_file():
+            raise web.HTTPNotFound(text="this service has no exported device model")
+        m = json.loads((self.device_model_dir / "manifest.json").read_text())
+        for name in ("config.json", "tokenizer.json", "tokenizer_meta.json"):
+            from relayinfer.cloud.export import file_sha256
+
+            m["files"].setdefault(name, file_sha256(self.device_model_dir / name))
+        return m
+
+    async def _manifest(self, request):
+        return web.json_response(self._manifest_data())
+
+    async def _device_model(self, request):
+        files = self._manifest_data()["files"]
+        name = request.match_info.get("name", "model.fp32.onnx")
+        if name not in files:
+            raise web.HTTPNotFound(text=f"no device file {name!r}; available: {sorted(files)}")
+        return web.FileResponse(self.device_model_dir / name, headers={"X-Content-SHA256": files[name]})
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0) -> None:
+        """Listen on `host` (websockets on `ws_port`, HTTP on `http_port`; 0 = a free port, None =
+        no HTTP side). The bound ports are in `self.ws_port` / `self.http_port`."""
+        self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
+                                               auth_token=self.auth_token, server="relayinfer-cloud")
+        self.ws_port = self._ws_server.sockets[0].getsockname()[1]
+        if http_port is not None:
+            self._http_runner = web.AppRunner(self.http_app(), access_log=None)
+            await self._http_runner.setup()
+            site = web.TCPSite(self._http_runner, host, http_port)
+            await site.start()
+            self.http_port = site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._ws_server is not None:
+            self._ws_server.close()
+            await self._ws_server.wait_closed()
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.ws_port}"
+
+
+class ServiceThread:
+    """Run a `CloudService` on its own event loop in a daemon thread (embedded cloud of `relayinfer
+    demo`, tests, benchmarks). Use as a context manager; it stops the service on exit."""
+
+    def __init__(self, service: CloudService, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0):
+        self.service, self._args = service, (host, ws_port, http_port)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="cloud-service", daemon=True)
+
+    def __enter__(self) -> CloudService:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.service.start(*self._args), self.loop).result(30)
+        return self.service
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.service.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)

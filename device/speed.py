@@ -1,0 +1,64 @@
+"""The speed controller: shows tokens to the user at a steady pace, whatever their source.
+
+Cloud tokens arrive in bursts (network, cloud batching) and faster than a person reads; device tokens
+arrive at the device's decode speed. The controller releases token k at
+
+    shown[k] = max(ready[k], shown[k-1] + interval)
+
+so a buffer of cloud tokens is spread out evenly instead of dumped, and the time it buys covers the
+device's catch-up prefill (P/D-Device, the "speed controller" of the paper; interval chosen by the
+settings algorithm, else the target TPOT). The first token is shown as soon as it is ready (TTFT).
+A *stall* is a gap between two shown tokens longer than `stall_factor` x the target TPOT.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SpeedController:
+    """Pacing state of one answer. Times are ms on any monotonic clock.
+
+    Attributes:
+        target_tpot_ms: the TPOT the user should see (ms per token).
+        interval_ms: the current release interval (defaults to the target; the settings algorithm
+            may set it lower or higher during a request).
+        stall_factor: a gap above stall_factor x target_tpot_ms counts as a stall.
+    """
+
+    target_tpot_ms: float = 50.0
+    interval_ms: float | None = None
+    stall_factor: float = 2.0
+    shown_ms: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.target_tpot_ms <= 0:
+            raise ValueError(f"target_tpot_ms must be > 0, got {self.target_tpot_ms}")
+        if self.interval_ms is None:
+            self.interval_ms = self.target_tpot_ms
+
+    def release_at(self, ready_ms: float) -> float:
+        """When to show the next token, ready since `ready_ms`."""
+        if not self.shown_ms:
+            return ready_ms
+        return max(ready_ms, self.shown_ms[-1] + self.interval_ms)
+
+    def shown(self, t_ms: float) -> None:
+        """Record that the next token was shown at `t_ms`."""
+        self.shown_ms.append(t_ms)
+
+    def gaps(self) -> np.ndarray:
+        """Inter-token gaps as shown (ms), float64 [n_shown - 1]."""
+        return np.diff(np.asarray(self.shown_ms, dtype=np.float64))
+
+    def stats(self, start_ms: float) -> dict:
+        """ttft_ms (first shown - start), tpot_ms_p50, tpot_ms_max and stalls of the shown stream."""
+        g = self.gaps()
+        return {
+            "ttft_ms": (self.shown_ms[0] - start_ms) if self.shown_ms else float("nan"),
+            "tpot_ms_p50": float(np.median(g)) if g.size else 0.0,
+            "tpot_ms_max": float(g.max()) if g.size else 0.0,
+            "stalls": int((g > self.stall_factor * self.target_tpot_ms).sum()),
+        }

@@ -1,0 +1,152 @@
+"""The public API: `Client.generate` / `agenerate` over the cloud -> device split.
+
+    from relayinfer.sdk import Client
+    client = Client(cloud_url="ws://127.0.0.1:8765", target_tpot_ms=50)
+    stream = client.generate("What is the capital of France?", max_new_tokens=64)
+    for ev in stream:                       # TokenEvent(text, token_id, source, shown_at_ms, index)
+        print(ev.text, end="", flush=True)
+    print(stream.result.mode, stream.result.ttft_ms)
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Iterator, Sequence
+
+from relayinfer.device.split import GenerationResult, SplitOptions, SplitSession, TokenEvent
+from relayinfer.protocol.decoding import SamplingParams
+
+_END = object()
+
+
+class Stream:
+    """Iterator of `TokenEvent`s as they are shown; `result` (a `GenerationResult`) once exhausted.
+    Errors raised by the generation are re-raised from the iteration."""
+
+    def __init__(self, run):
+        self._q: queue.Queue = queue.Queue()
+        self.result: GenerationResult | None = None
+
+        def target():
+            try:
+                self.result = asyncio.run(run(self._q.put))
+                self._q.put(_END)
+            except BaseException as e:  # surfaced to the consumer
+                self._q.put(e)
+
+        self._thread = threading.Thread(target=target, name="relayinfer-generate", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            item = self._q.get()
+            if item is _END:
+                self._thread.join()
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def collect(self) -> GenerationResult:
+        """Consume the stream and return the final result."""
+        for _ in self:
+            pass
+        return self.result
+
+
+class AsyncStream:
+    """Async iterator of `TokenEvent`s; `result` once exhausted."""
+
+    def __init__(self, run):
+        self._q: asyncio.Queue = asyncio.Queue()
+        self.result: GenerationResult | None = None
+        self._task = asyncio.get_running_loop().create_task(self._go(run))
+
+    async def _go(self, run):
+        try:
+            self.result = await run(self._q.put_nowait)
+            self._q.put_nowait(_END)
+        except BaseException as e:
+            self._q.put_nowait(e)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        item = await self._q.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def collect(self) -> GenerationResult:
+        async for _ in self:
+            pass
+        return self.result
+
+
+class Client:
+    """Split-inference client: the device runtime plus an optional cloud prefill service.
+
+    Args:
+        cloud_url: ws:// URL of `relayinfer cloud serve` (None = device-only).
+        model: GGUF path (default SmolLM2-135M-Instruct); its exported ONNX model is used on device.
+        target_tpot_ms: the TPOT shown to the user (ms per token).
+        token: bearer token for the cloud.
+        mode: 'split' (default), 'device-only' or 'cloud-only'.
+        threads: ONNX Runtime intra-op threads (device default 1).
+        quantize: None or 'int8' device weights.
+        cloud_budget: most tokens the cloud streams per request (None = until the device takes over).
+
+    Raises:
+        ModelFileError: no model file, or no exported device model and no torch to export it.
+    """
+
+    def __init__(self, cloud_url: str | None = None, model: str | os.PathLike | None = None,
+                 target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int = 1,
+                 quantize: str | None = None, cloud_budget: int | None = None, connect_timeout_s: float = 5.0):
+        from relayinfer.sdk.engines import load_engine
+
+        self.cloud_url, self.token = cloud_url, token
+        self.options = SplitOptions(mode=mode, target_tpot_ms=target_tpot_ms, cloud_budget=cloud_budget,
+                                    connect_timeout_s=connect_timeout_s)
+        self.engine = load_engine("onnx", model, quantize, threads)
+        self.tokenizer = self.engine.tokenizer()
+        self.fingerprint = self.engine.fingerprint
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-model")
+
+    def prompt_ids(self, prompt: str | Sequence[dict]) -> list[int]:
+        """Chat-templated prompt ids for a user string or a list of {role, content} messages."""
+        return self.tokenizer.encode_chat(prompt)
+
+    def _runner(self, prompt, sampling: dict):
+        ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.prompt_ids(prompt)
+        opts = dict(vars(self.options))
+        for k in ("mode", "target_tpot_ms", "cloud_budget"):
+            if k in sampling:
+                opts[k] = sampling.pop(k)
+        params = SamplingParams(**{**sampling, "stop_ids": tuple(sampling.get("stop_ids", ()))})
+        session = SplitSession(self.engine, self.tokenizer, self.cloud_url, self.fingerprint, self.token,
+                               SplitOptions(**opts), self._executor)
+        return lambda on_token: session.run(ids, params, on_token)
+
+    def generate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> Stream:
+        """Start generating; returns a `Stream` of `TokenEvent`s (its `.result` once exhausted).
+
+        `prompt`: a user string, a list of chat messages, or prompt token ids. `sampling`:
+        max_new_tokens, temperature, top_p, top_k, seed, stop_ids; per-request mode,
+        target_tpot_ms, cloud_budget.
+        """
+        return Stream(self._runner(prompt, dict(sampling)))
+
+    def agenerate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> AsyncStream:
+        """`generate` for asyncio code: an async iterator of `TokenEvent`s (call inside a running loop)."""
+        return AsyncStream(self._runner(prompt, dict(sampling)))
+
+    def complete(self, prompt, **sampling) -> GenerationResult:
+        """Generate to the end and return the `GenerationResult`."""
+        return self.generate(prompt, **sampling).collect()
