@@ -1,0 +1,190 @@
+"""A ranking instance: HSTU + HBM prefix pool + DRAM tier + trigger + expander (in-process core).
+
+pre_infer(user, history) is the retrieval-time signal: the trigger admits it or not; an admitted
+prefix is computed and kept in the HBM pool until its ranking request consumes it or ttl_s expires.
+rank(user, history, candidates) scores from the cached prefix when there is one (source "hbm"),
+reloads it from DRAM when the user returned within the window ("dram"), and otherwise runs full
+inference ("recompute"; "none" when the relay is disabled, i.e. the baseline). After ranking the
+prefix moves to DRAM. A prefix is keyed by (user id, digest of the exact history), so a stale or
+different history can never be served from the cache.
+
+The network server (relayinfer.cloud.relay.server) runs the same object: submit_pre_infer() decides
+admission on the event loop and returns a job for the compute worker; rank() cancels a still-queued
+job of its own key (full inference instead) or waits for a running one.
+Source: RelayGR (pre-inferred user prefixes for long-sequence GR ranking).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from relayinfer.cloud.models.hstu import HSTU, PrefixKV, kv_bytes_per_token
+from relayinfer.cloud.relay.expander import Expander
+from relayinfer.cloud.relay.latency import LatencyModel
+from relayinfer.cloud.relay.pool import DramTier, Entry, HBMPool
+from relayinfer.cloud.relay.trigger import Trigger, TriggerConfig
+
+MAX_HISTORY = 16_384
+MAX_CANDS = 4_096
+
+
+@dataclass
+class InstanceConfig:
+    relay: bool = True                  # False: baseline, full inference on the critical path
+    hbm_bytes: int = 64 << 20           # prefix pool budget (accounted "HBM")
+    dram_bytes: int = 256 << 20         # DRAM tier budget
+    ttl_s: float = 5.0                  # lifecycle timeout of a pre-inferred prefix in the pool
+    dram_window_s: float = 10.0         # reuse window in DRAM
+    trigger: TriggerConfig = field(default_factory=TriggerConfig)
+
+
+def history_key(user: int, items: np.ndarray, ts: np.ndarray) -> tuple[int, str]:
+    d = hashlib.blake2b(np.ascontiguousarray(items, np.int64).tobytes(), digest_size=12)
+    d.update(np.ascontiguousarray(ts, np.int64).tobytes())
+    return int(user), d.hexdigest()
+
+
+class PreInferJob:
+    """An admitted pre-inference waiting for the compute worker. state: queued|running|done|cancelled."""
+
+    def __init__(self, inst: "RankingInstance", key, items, ts, reserved: int):
+        self.inst, self.key, self.items, self.ts, self.reserved = inst, key, items, ts, reserved
+        self.state, self.event = "queued", threading.Event()
+
+    def __call__(self) -> None:
+        inst = self.inst
+        with inst.lock:
+            if self.state != "queued":
+                return
+            self.state = "running"
+        try:
+            kv = inst.model.prefix_forward(self.items[None], self.ts[None], torch.tensor([len(self.items)]))
+            inst.pool.put(Entry(self.key, kv, self.reserved, inst.clock() + inst.cfg.ttl_s), self.reserved)
+            inst.counts["preinfer_done"] += 1
+        except Exception:
+            inst.pool.release(self.reserved)
+            raise
+        finally:
+            with inst.lock:
+                self.state = "done"
+                inst.pending.pop(self.key, None)
+            self.event.set()
+
+
+class RankingInstance:
+    """Thread-safe ranking instance. Errors: ValueError on bad input (empty history, unknown ids,
+    length mismatch, too long); the instance stays usable."""
+
+    def __init__(self, model: HSTU, latency: LatencyModel, cfg: InstanceConfig | None = None, clock=time.monotonic):
+        self.model, self.latency, self.cfg, self.clock = model.eval(), latency, cfg or InstanceConfig(), clock
+        c = self.cfg
+        self.bpt = kv_bytes_per_token(model.cfg) + 8      # K, V of all layers + the timestamp
+        self.pool = HBMPool(c.hbm_bytes, clock)
+        self.dram = DramTier(c.dram_bytes, c.dram_window_s, clock)
+        self.expander = Expander(self.pool, self.dram, c.ttl_s, copy=PrefixKV.clone)
+        self.trigger = Trigger(c.trigger, latency.full_ms, self.pool, self.bpt, clock)
+        self.pending: dict[tuple, PreInferJob] = {}
+        self.counts: Counter = Counter()
+        self.lock = threading.RLock()
+
+    # ---- input checks ----------------------------------------------------------------------------
+    def _tensors(self, items, ts, cands=None):
+        items = torch.as_tensor(np.asarray(items, np.int64))
+        ts = torch.as_tensor(np.asarray(ts, np.int64))
+        n = self.model.cfg.num_items
+        if items.ndim != 1 or len(items) == 0:
+            raise ValueError("empty history: at least one history event is required")
+        if items.shape != ts.shape:
+            raise ValueError(f"history has {len(items)} items but {len(ts)} timestamps")
+        if len(items) > MAX_HISTORY:
+            raise ValueError(f"history longer than {MAX_HISTORY} events")
+        if int(items.min()) < 1 or int(items.max()) > n:
+            raise ValueError(f"unknown history item id (valid ids are 1..{n})")
+        if cands is not None:
+            cands = torch.as_tensor(np.asarray(cands, np.int64))
+            if cands.ndim != 1 or not 1 <= len(cands) <= MAX_CANDS:
+                raise ValueError(f"need 1..{MAX_CANDS} candidates")
+            if int(cands.min()) < 1 or int(cands.max()) > n:
+                raise ValueError(f"unknown candidate item id (valid ids are 1..{n})")
+        return items, ts, cands
+
+    # ---- pre-infer -------------------------------------------------------------------------------
+    def submit_pre_infer(self, user: int, items, ts) -> tuple[str, PreInferJob | None]:
+        """Admission only. Outcome: admitted | pending | cached | dram | disabled | short | load | footprint."""
+        items, ts, _ = self._tensors(items, ts)
+        key = history_key(user, items.numpy(), ts.numpy())
+        with self.lock:
+            if not self.cfg.relay:
+                outcome, job = "disabled", None
+            elif key in self.pending:
+                outcome, job = "pending", None
+            elif self.pool.get(key) is not None:
+                outcome, job = "cached", None
+            elif key in self.dram and self.expander.reload(key) is not None:
+                outcome, job = "dram", None
+            else:
+                ok, reason, nbytes = self.trigger.admit(len(items))
+                if ok:
+                    job = self.pending[key] = PreInferJob(self, key, items, ts, nbytes)
+                    outcome = "admitted"
+                else:
+                    outcome, job = reason, None
+            self.counts[f"preinfer_{outcome}"] += 1
+        return outcome, job
+
+    def pre_infer(self, user: int, items, ts) -> str:
+        """Admit and (if admitted) compute the prefix now. Returns the outcome string."""
+        outcome, job = self.submit_pre_infer(user, items, ts)
+        if job is not None:
+            job()
+        return outcome
+
+    # ---- rank ------------------------------------------------------------------------------------
+    def rank(self, user: int, items, ts, cands) -> tuple[np.ndarray, str]:
+        """Scores (N,) float32 for the candidates and the prefix source hbm | dram | recompute | none."""
+        items, ts, cands = self._tensors(items, ts, cands)
+        key = history_key(user, items.numpy(), ts.numpy())
+        with self.lock:
+            job = self.pending.get(key)
+            if job is not None and job.state == "queued":   # not started: cheaper to rank in full now
+                job.state = "cancelled"
+                self.pending.pop(key, None)
+                self.pool.release(job.reserved)
+                self.counts["preinfer_cancelled"] += 1
+                job = None
+        if job is not None:
+            job.event.wait(60)
+        entry, source = None, "none"
+        if self.cfg.relay:
+            entry, source = self.pool.get(key), "hbm"
+            if entry is None:
+                with self.lock:
+                    in_dram = key in self.dram
+                entry, source = (self.expander.reload(key), "dram") if in_dram else (None, "recompute")
+                if entry is None:
+                    source = "recompute"
+        if entry is not None:
+            scores = self.model.rank(entry.kv, cands[None])[0]
+            self.expander.demote(key)
+        else:
+            kv = self.model.prefix_forward(items[None], ts[None], torch.tensor([len(items)]))
+            scores = self.model.rank(kv, cands[None])[0]
+            if self.cfg.relay:
+                self.expander.keep(Entry(key, kv, len(items) * self.bpt, 0.0))
+        self.counts[f"rank_{source}"] += 1
+        return scores.numpy().astype(np.float32), source
+
+    def stats(self) -> dict:
+        """Counters plus pool/DRAM occupancy (bytes) and trigger/expander counters."""
+        with self.lock:
+            return {**dict(self.counts), "hbm_used": self.pool.used, "hbm_reserved": self.pool.reserved,
+                    "hbm_peak": self.pool.peak, "hbm_capacity": self.pool.capacity, "hbm_expired": self.pool.expired,
+                    "dram_used": self.dram.used, "reloads": self.expander.reloads,
+                    "reload_waits": self.expander.reload_waits, "trigger": dict(self.trigger.counts),
+                    "preinfer_tokens": self.trigger.admitted_tokens}

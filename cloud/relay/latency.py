@@ -1,0 +1,96 @@
+"""Latency model of ranking cost vs history length, fitted on this machine (least squares).
+
+full_ms(L, N)   = a0 + a1*L + a2*L^2 + a3*N*L   full inference on the critical path (prefix + candidates)
+prefix_ms(L)    = b0 + b1*L + b2*L^2            pre-inference of the user prefix
+cached_ms(L, N) = c0 + c1*N + c2*N*L            ranking against a cached prefix
+Measured by timing the real HSTU (one request, float32, torch threads as set by the caller).
+The sequence-aware trigger and the cascade simulator both read it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relayinfer.cloud.models.hstu import HSTU
+
+
+def _feats(kind: str, L, N):
+    L, N = np.asarray(L, float), np.asarray(N, float)
+    one = np.ones_like(L)
+    return {"full": [one, L, L * L, N * L], "prefix": [one, L, L * L], "cached": [one, N, N * L]}[kind]
+
+
+@dataclass
+class LatencyModel:
+    """Coefficients per cost kind (ms) plus the raw samples they were fitted on."""
+    full: list[float]
+    prefix: list[float]
+    cached: list[float]
+    samples: list[dict] = field(default_factory=list)
+
+    def _eval(self, kind, L, N=0) -> float:
+        return float(max(0.01, np.dot(getattr(self, kind), [f for f in _feats(kind, L, N)])))
+
+    def full_ms(self, L: int, N: int) -> float:
+        return self._eval("full", L, N)
+
+    def prefix_ms(self, L: int) -> float:
+        return self._eval("prefix", L)
+
+    def cached_ms(self, L: int, N: int) -> float:
+        return self._eval("cached", L, N)
+
+    @classmethod
+    def fit(cls, samples: list[dict]) -> "LatencyModel":
+        """samples: [{"L", "N", "full_ms", "prefix_ms", "cached_ms"}] (medians). Relative-error least
+        squares so that short and long lengths weigh alike."""
+        L = np.array([s["L"] for s in samples], float)
+        N = np.array([s["N"] for s in samples], float)
+        coefs = {}
+        for kind in ("full", "prefix", "cached"):
+            y = np.array([s[f"{kind}_ms"] for s in samples])
+            X = np.stack(_feats(kind, L, N), 1) / y[:, None]
+            coefs[kind] = np.linalg.lstsq(X, np.ones_like(y), rcond=None)[0].tolist()
+        return cls(coefs["full"], coefs["prefix"], coefs["cached"], samples)
+
+    def to_json(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def from_json(cls, path: Path) -> "LatencyModel":
+        return cls(**json.loads(path.read_text()))
+
+
+@torch.no_grad()
+def measure(model: HSTU, lengths: list[int], n_cands: list[int], repeats: int = 3, seed: int = 0) -> list[dict]:
+    """Time the three paths on random histories of each length (median of `repeats`, ms)."""
+    g = torch.Generator().manual_seed(seed)
+    n = model.cfg.num_items
+    out = []
+
+    def med(f):
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(ts))
+
+    model.score(torch.randint(1, n + 1, (1, 32), generator=g), torch.arange(32)[None] * 60, torch.tensor([32]),
+                torch.randint(1, n + 1, (1, 8), generator=g))  # warm-up
+    for L in lengths:
+        items = torch.randint(1, n + 1, (1, L), generator=g)
+        ts = torch.cumsum(torch.randint(0, 3600, (1, L), generator=g), 1)
+        lens = torch.tensor([L])
+        kv = model.prefix_forward(items, ts, lens)
+        p = med(lambda: model.prefix_forward(items, ts, lens))
+        for N in n_cands:
+            c = torch.randint(1, n + 1, (1, N), generator=g)
+            out.append({"L": L, "N": N, "prefix_ms": p, "full_ms": med(lambda: model.score(items, ts, lens, c)),
+                        "cached_ms": med(lambda: model.rank(kv, c))})
+    return out

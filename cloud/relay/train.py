@@ -1,0 +1,182 @@
+"""Train the HSTU ranker on MovieLens-100K (next-item ranking) and evaluate HR@10 / NDCG@10.
+
+Objective: the serving task itself. Each step samples users and a cut point t in their training
+history; the model scores [true next item] + K sampled negatives (half uniform, half by popularity)
+as target-aware candidates after history[:t], with a softmax cross-entropy over the 1 + K scores.
+
+Evaluation (leave-last-out, RecBole's full-sort protocol): the history is every event but the last,
+all 1,682 items are ranked except those already in the history, HR@10 = hit rate of the held-out item
+in the top 10, NDCG@10 = 1/log2(rank+1) when it is. Popularity baseline: items ranked by their count in
+the training events, same exclusions.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from relayinfer.cloud.models.hstu import HSTU, HSTUConfig
+from relayinfer.cloud.relay.data import ML100K, load_ml100k
+
+
+def cache_dir() -> Path:
+    """$RELAYINFER_CACHE, else $XDG_CACHE_HOME/relayinfer, else ~/.cache/relayinfer (created)."""
+    d = os.environ.get("RELAYINFER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "relayinfer")
+    Path(d).mkdir(parents=True, exist_ok=True)
+    return Path(d)
+
+
+def checkpoint_path() -> Path:
+    return cache_dir() / "relay" / "hstu_ml100k.pt"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1500
+    batch: int = 64
+    negatives: int = 63
+    max_len: int = 100          # training/eval histories are the last max_len events
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+    users: int | None = None    # train on the first `users` users only (tests)
+
+
+def pad(seqs: list[np.ndarray], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad the last max_len events of each sequence -> (B, Lmax) int64, lengths (B,)."""
+    seqs = [s[-max_len:] for s in seqs]
+    L = max(len(s) for s in seqs)
+    out = np.zeros((len(seqs), L), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return torch.from_numpy(out), torch.tensor([len(s) for s in seqs])
+
+
+def popularity(data: ML100K) -> np.ndarray:
+    """Item counts over the training events (all but each user's last two), shape (num_items + 1,)."""
+    c = np.zeros(data.num_items + 1, dtype=np.int64)
+    for u in data.users:
+        np.add.at(c, data.items[u][:-2], 1)
+    return c
+
+
+def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=print) -> HSTU:
+    """Train and return the model (eval mode). `log` gets a line every ~10% of the steps."""
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    model = HSTU(mcfg or HSTUConfig(num_items=data.num_items))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    users, hist, hts, _ = data.split("train")
+    if cfg.users:
+        users, hist, hts = users[: cfg.users], hist[: cfg.users], hts[: cfg.users]
+    keep = [i for i, h in enumerate(hist) if len(h) >= 2]
+    pop = popularity(data).astype(np.float64)[1:] ** 0.75
+    pop /= pop.sum()
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        model.train()
+        idx = rng.choice(keep, size=min(cfg.batch, len(keep)), replace=False)
+        cuts = [int(rng.integers(1, len(hist[i]))) for i in idx]
+        items, lengths = pad([hist[i][:c] for i, c in zip(idx, cuts)], cfg.max_len)
+        ts, _ = pad([hts[i][:c] for i, c in zip(idx, cuts)], cfg.max_len)
+        pos = torch.tensor([hist[i][c] for i, c in zip(idx, cuts)])[:, None]
+        k = cfg.negatives
+        neg = np.concatenate([rng.integers(1, data.num_items + 1, size=(len(idx), k // 2)),
+                              1 + rng.choice(data.num_items, size=(len(idx), k - k // 2), p=pop)], 1)
+        cands = torch.cat([pos, torch.from_numpy(neg)], 1)
+        logits = model.score(items, ts, lengths, cands)
+        dup = cands == pos
+        dup[:, 0] = False                               # sampled copies of the positive are not negatives
+        logits = logits.masked_fill(dup, -1e9)
+        loss = F.cross_entropy(logits, torch.zeros(len(idx), dtype=torch.long))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % max(1, cfg.steps // 10) == 0 or step == cfg.steps - 1:
+            log(f"step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - t0:6.1f}s")
+    return model.eval()
+
+
+@torch.no_grad()
+def evaluate(model: HSTU, data: ML100K, part: str = "test", max_len: int = 100, k: int = 10,
+             users: int | None = None, batch: int = 32) -> dict:
+    """Full-sort HR@k / NDCG@k of the model and of popularity on the leave-last-out split.
+
+    Uses the cached path (prefix_forward once per user, then rank all items). Returns
+    {"hr": float, "ndcg": float, "pop_hr": float, "pop_ndcg": float, "users": int}.
+    """
+    model.eval()
+    us, hist, hts, ys = data.split(part)
+    if users:
+        hist, hts, ys = hist[:users], hts[:users], ys[:users]
+    allc = torch.arange(1, data.num_items + 1)
+    pop = torch.from_numpy(popularity(data)[1:]).double()
+    ranks, pranks = [], []
+    for s in range(0, len(hist), batch):
+        h, t, y = hist[s:s + batch], hts[s:s + batch], torch.from_numpy(ys[s:s + batch])
+        items, lengths = pad(h, max_len)
+        ts, _ = pad(t, max_len)
+        kv = model.prefix_forward(items, ts, lengths)
+        sc = model.rank(kv, allc.expand(len(h), -1).contiguous()).double()
+        psc = pop.expand(len(h), -1).clone()
+        for i, hh in enumerate(h):           # exclude already-seen items (RecBole full sort)
+            seen = torch.from_numpy(np.setdiff1d(hh, [y[i].item()])) - 1
+            sc[i, seen] = -math.inf
+            psc[i, seen] = -math.inf
+        for sco, out in ((sc, ranks), (psc, pranks)):
+            tgt = sco.gather(1, (y - 1)[:, None])
+            out.append((sco > tgt).sum(1) + 1)    # 1-based rank of the held-out item (ties favour it)
+    res = {}
+    for name, r in (("", torch.cat(ranks)), ("pop_", torch.cat(pranks))):
+        hit = r <= k
+        res[name + "hr"] = hit.double().mean().item()
+        res[name + "ndcg"] = (hit.double() / torch.log2(r.double() + 1)).mean().item()
+    res["users"] = len(hist)
+    return res
+
+
+def save(model: HSTU, metrics: dict, path: Path | None = None) -> Path:
+    """Write {"config", "state", "metrics"} to the checkpoint path (under the user cache dir)."""
+    path = path or checkpoint_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"config": asdict(model.cfg), "state": model.state_dict(), "metrics": metrics}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load(path: Path | None = None) -> tuple[HSTU, dict]:
+    """Load the checkpoint -> (model in eval mode, metrics). Raises FileNotFoundError if absent."""
+    ck = torch.load(path or checkpoint_path(), map_location="cpu", weights_only=True)
+    model = HSTU(HSTUConfig(**ck["config"]))
+    model.load_state_dict(ck["state"])
+    return model.eval(), ck["metrics"]
+
+
+def ensure_checkpoint(quick: bool = True, log=print) -> Path:
+    """Return the checkpoint path, training one first (quick: fewer steps) if there is none."""
+    p = checkpoint_path()
+    if not p.exists():
+        log(f"no checkpoint at {p}; training one ({'quick' if quick else 'full'})")
+        train_and_save(TrainConfig(steps=400) if quick else TrainConfig(), log=log)
+    return p
+
+
+def train_and_save(cfg: TrainConfig | None = None, log=print) -> dict:
+    """Train on ML-100K, evaluate on the test split, save; returns the metrics dict."""
+    torch.set_num_threads(1)
+    data = load_ml100k()
+    cfg = cfg or TrainConfig()
+    t0 = time.perf_counter()
+    model = train(data, cfg, log=log)
+    metrics = {**evaluate(model, data, "test", cfg.max_len), "train_s": time.perf_counter() - t0,
+               "train": asdict(cfg)}
+    metrics["path"] = str(save(model, metrics))
+    return metrics
