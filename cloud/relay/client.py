@@ -1,0 +1,170 @@
+"""Cascade front end: spawns ranking-instance processes and talks to them through the router.
+
+pre_infer() is sent at retrieval time to the instance the router picks for the user; rank() goes to
+the same instance (affinity). If that instance is gone, the request is re-routed and the new instance
+runs full inference: correctness never depends on the cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from relayinfer.cloud.relay.router import Router
+from relayinfer.protocol.errors import ChannelClosed, RelayInferError, RemoteError
+from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores
+from relayinfer.protocol.ws import ClientChannel, open_channel
+
+
+@dataclass
+class InstanceProc:
+    """A spawned ranking instance: name, port, model fingerprint, process."""
+    name: str
+    port: int
+    fingerprint: str
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def stats(self, timeout: float = 5.0) -> dict:
+        """GET /stats from the instance (counters as a dict)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+
+
+def spawn_instance(name: str, checkpoint: str, latency: str, config: dict | None = None, baseline: bool = False,
+                   lifetime_s: float = 600.0, start_timeout_s: float = 120.0, env: dict | None = None) -> InstanceProc:
+    """Start `python -m relayinfer.cloud.relay.server` on a free 127.0.0.1 port and wait for READY.
+    The child exits when this process dies, after lifetime_s, or on stop(). Raises RuntimeError if it
+    does not come up within start_timeout_s."""
+    cmd = [sys.executable, "-m", "relayinfer.cloud.relay.server", "--port", "0", "--checkpoint", checkpoint,
+           "--latency", latency, "--parent-pid", str(os.getpid()), "--lifetime-s", str(lifetime_s)]
+    if config:
+        cmd += ["--config", json.dumps(config)]
+    if baseline:
+        cmd.append("--baseline")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **(env or {})})
+    t_end = time.monotonic() + start_timeout_s
+    line = ""
+    while time.monotonic() < t_end and proc.poll() is None:
+        line = proc.stdout.readline()
+        if line.startswith("READY"):
+            _, port, fp = line.split()
+            return InstanceProc(name, int(port), fp, proc)
+    proc.kill()
+    raise RuntimeError(f"ranking instance {name} did not start (last line {line!r}, rc {proc.poll()})")
+
+
+@dataclass
+class RelayClient:
+    """Router + one protocol channel per instance. Counters in `counts`: sent pre-infers, ranks by
+    prefix source, instance_down (a send or reply failed because the instance is gone), fallback (a
+    ranking request served by another instance than its pre-infer, so by full inference)."""
+    router: Router
+    channels: dict[str, ClientChannel] = field(default_factory=dict)
+    pending: dict[str, asyncio.Future] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)
+    ids: itertools.count = field(default_factory=itertools.count)
+    readers: list = field(default_factory=list)
+    placed: dict[int, str] = field(default_factory=dict)   # user -> instance that got its pre-infer
+
+    @classmethod
+    async def connect(cls, instances: dict[str, str], fingerprint: str, **router_kw) -> "RelayClient":
+        """instances: name -> ws url. Opens one channel each (handshake with the model fingerprint)."""
+        self = cls(Router(list(instances), **router_kw))
+        for name, url in instances.items():
+            ch = await open_channel(url, fingerprint, client="relay-client")
+            self.channels[name] = ch
+            self.readers.append(asyncio.create_task(self._read(name, ch)))
+        return self
+
+    async def _read(self, name: str, ch: ClientChannel) -> None:
+        try:
+            async for msg in ch:
+                fut = self.pending.pop(getattr(msg, "request_id", None) or "", None)
+                if isinstance(msg, Error) and msg.request_id and msg.request_id.startswith("pre-"):
+                    self.counts["preinfer_error"] += 1
+                elif fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except RelayInferError:
+            pass
+        finally:
+            self._down(name)
+
+    def _down(self, name: str) -> None:
+        if name in self.channels:
+            self.channels.pop(name)
+            self.router.remove(name)
+            self.counts["instance_down"] += 1
+        for rid, fut in list(self.pending.items()):
+            if rid.endswith(f"@{name}") and not fut.done():
+                fut.set_exception(ChannelClosed(f"instance {name} is gone", None))
+
+    async def pre_infer(self, user: int, items, ts) -> str | None:
+        """Send the retrieval-time signal; returns the chosen instance (None if it was unreachable)."""
+        inst = self.router.route_preinfer(user)
+        try:
+            await self.channels[inst].send(PreInfer(request_id=f"pre-{next(self.ids)}", user_id=int(user),
+                                                    item_ids=[int(i) for i in items], timestamps=[int(t) for t in ts]))
+            self.counts["preinfer_sent"] += 1
+            self.placed[int(user)] = inst
+            return inst
+        except (KeyError, RelayInferError):
+            self._down(inst)
+            return None
+
+    async def rank(self, user: int, items, ts, cands, timeout_s: float = 60.0) -> tuple[np.ndarray, str, str]:
+        """Scores (N,) float32, prefix source, instance. Re-routes once per failed instance.
+        Raises RemoteError for a per-request error (e.g. BAD_REQUEST on unknown ids)."""
+        for _ in range(len(self.router.load) + 1):
+            inst, _affine = self.router.route_rank(user)
+            rid = f"rank-{next(self.ids)}@{inst}"
+            fut = self.pending[rid] = asyncio.get_running_loop().create_future()
+            try:
+                await self.channels[inst].send(Rank(request_id=rid, user_id=int(user), item_ids=[int(i) for i in items],
+                                                    timestamps=[int(t) for t in ts], candidate_ids=[int(c) for c in cands]))
+                msg = await asyncio.wait_for(fut, timeout_s)
+            except (KeyError, ChannelClosed, OSError):
+                self.pending.pop(rid, None)
+                self._down(inst)
+                continue
+            finally:
+                self.router.done(inst)
+            if isinstance(msg, Error):
+                raise RemoteError(msg.code, msg.message, msg.request_id)
+            assert isinstance(msg, Scores)
+            self.counts[f"rank_{msg.prefix_source}"] += 1
+            if self.placed.pop(int(user), inst) != inst:
+                self.counts["fallback"] += 1                    # pre-inferred elsewhere: full inference here
+            return msg.scores.to_numpy().copy(), msg.prefix_source, inst
+        raise RuntimeError("no live ranking instance")
+
+    async def close(self) -> None:
+        for ch in list(self.channels.values()):
+            try:
+                await ch.close()
+            except Exception:
+                pass
+        for t in self.readers:
+            t.cancel()

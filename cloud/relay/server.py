@@ -1,0 +1,158 @@
+"""A ranking instance as its own process, serving PreInfer / Rank over the shared protocol.
+
+    python -m relayinfer.cloud.relay.server --port 0 [--baseline] [--parent-pid PID] [--lifetime-s S]
+
+Prints `READY <port> <fingerprint>` on stdout once listening. Messages (relayinfer.protocol):
+PreInfer (fire-and-forget signal; answered only by an Error on bad input), Rank -> Scores
+(prefix_source hbm|dram|recompute|none) or Error(BAD_REQUEST | OVERLOADED), Ping -> Pong.
+Plain HTTP `GET /stats` on the same port returns the instance counters as JSON.
+One compute thread runs the model; ranking requests go before queued pre-inferences.
+The process stops by itself when its parent dies, after --lifetime-s, or on SIGTERM/SIGINT.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import hashlib
+import itertools
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from relayinfer.protocol.errors import ErrorCode
+from relayinfer.protocol.messages import Error, Ping, Pong, PreInfer, Rank, Scores, Tensor
+from relayinfer.protocol.ws import ServerChannel, serve
+
+MAX_QUEUE = 256  # requests waiting for the compute thread before OVERLOADED
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 of the checkpoint file (the model fingerprint checked at the handshake)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class Worker:
+    """One compute thread with a priority queue (0 = rank, 1 = pre-infer), FIFO within a priority."""
+
+    def __init__(self):
+        self.q: queue.PriorityQueue = queue.PriorityQueue()
+        self.seq = itertools.count()
+        threading.Thread(target=self._run, daemon=True, name="relay-compute").start()
+
+    def submit(self, prio: int, fn) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.q.put((prio, next(self.seq), fn, fut))
+        return fut
+
+    def _run(self):
+        while True:
+            _, _, fn, fut = self.q.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # reported to the awaiting request, never kills the thread
+                fut.set_exception(e)
+
+
+def make_handler(inst, worker: Worker):
+    async def handle_rank(channel: ServerChannel, msg: Rank):
+        try:
+            if worker.q.qsize() >= MAX_QUEUE:
+                raise OverflowError("ranking instance overloaded")
+            fut = worker.submit(0, lambda: inst.rank(msg.user_id, msg.item_ids, msg.timestamps, msg.candidate_ids))
+            scores, source = await asyncio.wrap_future(fut)
+            reply = Scores(request_id=msg.request_id, scores=Tensor.from_numpy(scores), prefix_source=source)
+        except ValueError as e:
+            reply = Error(code=ErrorCode.BAD_REQUEST.value, message=str(e), request_id=msg.request_id)
+        except OverflowError as e:
+            reply = Error(code=ErrorCode.OVERLOADED.value, message=str(e), request_id=msg.request_id)
+        except Exception as e:
+            reply = Error(code=ErrorCode.INTERNAL.value, message=f"{type(e).__name__}: {e}", request_id=msg.request_id)
+        try:
+            await channel.send(reply)
+        except Exception:
+            pass  # client gone
+
+    async def handler(channel: ServerChannel):
+        tasks = set()
+        async for msg in channel:
+            if isinstance(msg, PreInfer):
+                try:
+                    _, job = inst.submit_pre_infer(msg.user_id, msg.item_ids, msg.timestamps)
+                    if job is not None:
+                        worker.submit(1, job)
+                except ValueError as e:
+                    await channel.send(Error(code=ErrorCode.BAD_REQUEST.value, message=str(e), request_id=msg.request_id))
+            elif isinstance(msg, Rank):
+                t = asyncio.create_task(handle_rank(channel, msg))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            elif isinstance(msg, Ping):
+                await channel.send(Pong(nonce=msg.nonce, t_ms=msg.t_ms))
+            else:
+                rid = getattr(msg, "request_id", None)
+                await channel.send(Error(code=ErrorCode.BAD_REQUEST.value,
+                                         message=f"ranking instance does not handle {type(msg).__name__}", request_id=rid))
+        for t in list(tasks):
+            await t
+    return handler
+
+
+async def amain(args) -> None:
+    from relayinfer.cloud.relay.instance import InstanceConfig, RankingInstance
+    from relayinfer.cloud.relay.latency import LatencyModel
+    from relayinfer.cloud.relay.train import load
+    torch.set_num_threads(args.threads)
+    model, _ = load(Path(args.checkpoint))
+    latency = LatencyModel.from_json(Path(args.latency))
+    cfg = InstanceConfig(**json.loads(args.config)) if args.config else InstanceConfig()
+    if isinstance(cfg.trigger, dict):
+        from relayinfer.cloud.relay.trigger import TriggerConfig
+        cfg.trigger = TriggerConfig(**cfg.trigger)
+    cfg.relay = not args.baseline
+    inst, worker = RankingInstance(model, latency, cfg), Worker()
+    fp = fingerprint(Path(args.checkpoint))
+
+    def process_request(connection, request):
+        if request.path == "/stats":
+            return connection.respond(200, json.dumps({**inst.stats(), "pid": os.getpid(), "relay": cfg.relay}) + "\n")
+        return None
+
+    stop = asyncio.get_running_loop().create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    async with serve(make_handler(inst, worker), "127.0.0.1", args.port, expected_fingerprint=fp,
+                     process_request=process_request, server="relay-instance") as server:
+        port = server.sockets[0].getsockname()[1]
+        print(f"READY {port} {fp}", flush=True)
+        t_end = time.monotonic() + args.lifetime_s
+        while not stop.done() and time.monotonic() < t_end:
+            if args.parent_pid and os.getppid() != args.parent_pid:
+                break  # parent died: we were re-parented
+            await asyncio.wait([stop], timeout=0.5)
+
+
+def main(argv=None) -> None:
+    from relayinfer.cloud.relay.train import checkpoint_path
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--checkpoint", default=str(checkpoint_path()))
+    p.add_argument("--latency", default=str(checkpoint_path().with_name("latency.json")))
+    p.add_argument("--config", default="", help="InstanceConfig as JSON")
+    p.add_argument("--baseline", action="store_true", help="disable the relay (full inference always)")
+    p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument("--lifetime-s", type=float, default=3600.0)
+    p.add_argument("--threads", type=int, default=1)
+    asyncio.run(amain(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
