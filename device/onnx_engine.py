@@ -107,5 +107,10 @@ class OnnxEngine:
     def decode(self, token_id: int, kv: OnnxKV) -> tuple[np.ndarray, OnnxKV]:
         return self.prefill([token_id], kv)
 
+    def warmup(self) -> None:
+        """One short prefill and decode so the first request does not pay for allocations."""
+        _, kv = self.prefill(list(range(16)))
+        self.decode(0, kv)
+
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
         return generate(self, prompt_ids, params)

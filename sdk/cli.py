@@ -74,6 +74,152 @@ def export_cmd(
     print(d)
 
 
+cloud_app = typer.Typer(help="The cloud prefill service.", no_args_is_help=True)
+app.add_typer(cloud_app, name="cloud")
+
+
+def _cloud_service(model, device: str, threads: int | None, token: str | None, export: bool = True):
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.export import ensure_device_model
+    from relayinfer.cloud.serve.service import CloudService
+
+    engine = TorchEngine(model, device=device, threads=threads)
+    model_dir = ensure_device_model(model) if export else None
+    return CloudService(engine, engine.fingerprint, auth_token=token, device_model_dir=model_dir)
+
+
+@cloud_app.command("serve")
+def cloud_serve(
+    host: str = typer.Option("127.0.0.1", help="Listen address."),
+    port: int = typer.Option(8765, help="Websocket (device stream) port."),
+    http_port: int = typer.Option(8766, help="HTTP port: /healthz, /metrics, /v1/device-model."),
+    model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
+    device: str = typer.Option("cpu", help="torch device: cpu, cuda, npu."),
+    threads: Optional[int] = typer.Option(None, help="torch intra-op threads."),
+    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token devices must send."),
+    duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
+):
+    """Run the cloud prefill service until Ctrl-C (or --duration-s)."""
+    import asyncio
+
+    try:
+        svc = _cloud_service(model, device, threads, token)
+    except (RelayInferError, ValueError) as e:
+        fail(e)
+
+    async def main():
+        await svc.start(host, port, http_port)
+        typer.echo(f"cloud service: ws://{host}:{svc.ws_port}  http://{host}:{svc.http_port}  "
+                   f"model {svc.fingerprint[:16]}", err=True)
+        try:
+            await asyncio.sleep(duration_s if duration_s else 1e9)
+        finally:
+            await svc.stop()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+def _print_stream(stream, tty: bool) -> None:
+    colours = {"cloud": "\x1b[36m", "device": "\x1b[32m"}
+    for ev in stream:
+        text = ev.text
+        if tty:
+            text = f"{colours[ev.source]}{text}\x1b[0m"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+@app.command()
+def demo(
+    prompt: Optional[str] = typer.Argument(None, help="User message; default: a real conversation from chitchat-dataset."),
+    max_new_tokens: int = typer.Option(64), temperature: float = typer.Option(0.0), seed: Optional[int] = typer.Option(None),
+    target_tpot_ms: float = typer.Option(60.0, help="TPOT shown to the user (ms)."),
+    profile: str = typer.Option("phone", help="Device profile pacing the device engine: phone, local, or a JSON path."),
+    cloud_budget: Optional[int] = typer.Option(None, help="Most tokens the cloud streams."),
+    model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
+    as_json: bool = typer.Option(False, "--json", help="Print the GenerationResult as one JSON object."),
+):
+    """The main job: an embedded cloud service on loopback and a device session against it."""
+    from relayinfer.cloud.serve.service import ServiceThread
+    from relayinfer.sdk.client import Client
+    from relayinfer.sdk.datasets import chitchat_prompt
+
+    say = (lambda m: typer.echo(m, err=True)) if not as_json else (lambda m: None)
+    try:
+        say("loading the cloud model (torch) and the device model (ONNX; exported once, about 2 minutes)...")
+        svc = _cloud_service(model, "cpu", 1, None)
+        messages = [{"role": "user", "content": prompt}] if prompt else chitchat_prompt()
+        with ServiceThread(svc) as running:
+            client = Client(cloud_url=running.url, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
+                            cloud_budget=cloud_budget)
+            if not prompt:
+                for m in messages:
+                    say(f"[{m['role']}] {m['content']}")
+            say(f"cloud {running.url}  device profile {profile}  target TPOT {target_tpot_ms:.0f} ms")
+            sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+            stream = client.generate(messages, **sampling)
+            if as_json:
+                res = stream.collect()
+            else:
+                tty = sys.stdout.isatty()
+                if tty:
+                    say("(\x1b[36mcloud tokens\x1b[0m, \x1b[32mdevice tokens\x1b[0m)")
+                _print_stream(stream, tty)
+                res = stream.result
+            device_only = client.complete(messages, **{**sampling, "max_new_tokens": 1}, mode="device-only")
+    except (RelayInferError, ValueError) as e:
+        fail(e)
+    out = res.to_dict()
+    out["device_only_ttft_ms"] = device_only.ttft_ms
+    if as_json:
+        print(json.dumps(out))
+        return
+    if not sys.stdout.isatty():
+        print(f"[cloud tokens 0..{(res.handoff_index or res.cloud_tokens) - 1}, device tokens after]"
+              if res.cloud_tokens and res.device_tokens else "")
+    typer.echo(
+        f"mode {res.mode}  TTFT {res.ttft_ms:.0f} ms (device-only {device_only.ttft_ms:.0f} ms)  "
+        f"TPOT p50 {res.tpot_ms_p50:.0f} ms max {res.tpot_ms_max:.0f} ms  stalls {res.stalls}  "
+        f"cloud tokens {res.cloud_tokens}  device tokens {res.device_tokens}  hand-off at {res.handoff_index}"
+        + (f"  fault {res.fault}" if res.fault else ""), err=True)
+
+
+@app.command()
+def chat(
+    cloud: str = typer.Option(..., help="ws:// URL of a running `relayinfer cloud serve`."),
+    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN"),
+    model: Optional[str] = typer.Option(None), profile: Optional[str] = typer.Option(None),
+    target_tpot_ms: float = typer.Option(50.0), max_new_tokens: int = typer.Option(256),
+    temperature: float = typer.Option(0.0),
+):
+    """Interactive chat against a running cloud service (empty line or Ctrl-D ends)."""
+    from relayinfer.sdk.client import Client
+
+    try:
+        client = Client(cloud_url=cloud, token=token, model=model, target_tpot_ms=target_tpot_ms, profile=profile)
+    except (RelayInferError, ValueError) as e:
+        fail(e)
+    history: list[dict] = []
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        stream = client.generate(history, max_new_tokens=max_new_tokens, temperature=temperature)
+        _print_stream(stream, sys.stdout.isatty())
+        res = stream.result
+        history.append({"role": "assistant", "content": res.text})
+        typer.echo(f"[{res.mode} TTFT {res.ttft_ms:.0f} ms, cloud {res.cloud_tokens} / device {res.device_tokens}]",
+                   err=True)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -101,6 +101,9 @@ class Client:
         threads: ONNX Runtime intra-op threads (device default 1).
         quantize: None or 'int8' device weights.
         cloud_budget: most tokens the cloud streams per request (None = until the device takes over).
+        profile: device profile ('local', 'phone', a JSON path, or a `DeviceProfile`) pacing the device engine.
+        engine: an already loaded device engine to share (tests, load generators); `model`,
+            `quantize` and `threads` are then ignored.
 
     Raises:
         ModelFileError: no model file, or no exported device model and no torch to export it.
@@ -108,14 +111,24 @@ class Client:
 
     def __init__(self, cloud_url: str | None = None, model: str | os.PathLike | None = None,
                  target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int = 1,
-                 quantize: str | None = None, cloud_budget: int | None = None, connect_timeout_s: float = 5.0):
+                 quantize: str | None = None, cloud_budget: int | None = None, connect_timeout_s: float = 5.0,
+                 profile=None, engine=None):
         from relayinfer.sdk.engines import load_engine
 
         self.cloud_url, self.token = cloud_url, token
         self.options = SplitOptions(mode=mode, target_tpot_ms=target_tpot_ms, cloud_budget=cloud_budget,
                                     connect_timeout_s=connect_timeout_s)
-        self.engine = load_engine("onnx", model, quantize, threads)
-        self.tokenizer = self.engine.tokenizer()
+        if engine is None:
+            engine = load_engine("onnx", model, quantize, threads)
+            engine.warmup()
+        self.engine = engine
+        self.tokenizer = engine.tokenizer()
+        self.profile = None
+        if profile:
+            from relayinfer.device.profiles import DeviceProfile, PacedEngine, load_profile
+
+            self.profile = profile if isinstance(profile, DeviceProfile) else load_profile(profile)
+            self.engine = PacedEngine(engine, self.profile)
         self.fingerprint = self.engine.fingerprint
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-model")
 

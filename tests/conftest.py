@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 CHAT_PROMPTS = [
-    "What is the capital of France?",
+    "Tell me a short story about a robot who learns to paint.",
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue.",
 ]

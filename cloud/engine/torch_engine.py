@@ -72,5 +72,10 @@ class TorchEngine:
     def decode(self, token_id: int, kv: StaticKV) -> tuple[np.ndarray, StaticKV]:
         return self.forward([token_id], kv).cpu().numpy(), kv
 
+    def warmup(self) -> None:
+        """One short prefill and decode so the first request does not pay for allocations."""
+        _, kv = self.prefill(list(range(16)))
+        self.decode(0, kv)
+
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
         return generate(self, prompt_ids, params)

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
-from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, Stop, Token
+from relayinfer.protocol.messages import MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, Stop, Token
 
 log = logging.getLogger("relayinfer.cloud")
 
@@ -66,13 +66,15 @@ class CloudService:
         device_model_dir: directory of exported device files served on `/v1/device-model`.
         step_delay_ms: extra wait before each decode step (simulates a slower or loaded cloud in
             tests and benchmarks; 0 in production).
+        max_frame_bytes: largest frame accepted from a device (bytes); larger ones get FRAME_TOO_LARGE.
     """
 
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
-                 device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0):
+                 device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.device_model_dir = Path(device_model_dir) if device_model_dir else None
-        self.step_delay_ms = step_delay_ms
+        self.step_delay_ms, self.max_frame_bytes = step_delay_ms, max_frame_bytes
         self.metrics = Metrics()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
         self.ws_port = self.http_port = None
@@ -242,8 +244,11 @@ class CloudService:
     async def start(self, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0) -> None:
         """Listen on `host` (websockets on `ws_port`, HTTP on `http_port`; 0 = a free port, None =
         no HTTP side). The bound ports are in `self.ws_port` / `self.http_port`."""
+        if hasattr(self.engine, "warmup"):  # first forward allocates; keep that out of the first TTFT
+            await asyncio.get_running_loop().run_in_executor(self.worker, self.engine.warmup)
         self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
-                                               auth_token=self.auth_token, server="relayinfer-cloud")
+                                               auth_token=self.auth_token, server="relayinfer-cloud",
+                                               max_frame_bytes=self.max_frame_bytes)
         self.ws_port = self._ws_server.sockets[0].getsockname()[1]
         if http_port is not None:
             self._http_runner = web.AppRunner(self.http_app(), access_log=None)

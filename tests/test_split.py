@@ -1,0 +1,267 @@
+"""End to end: a real cloud service on loopback, the real model on both sides, the split hand-off."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+
+from relayinfer.cloud.serve.service import CloudService, ServiceThread
+from relayinfer.device.profiles import DeviceProfile
+from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.errors import ErrorCode, RemoteError
+from relayinfer.protocol.messages import Generate, Token, encode
+from relayinfer.sdk import Client
+
+# A device slower at prefill than the cloud, so the cloud's first tokens come before the device is
+# ready; with a cloud budget the hand-off index does not depend on how loaded this machine is.
+SLOW_DEVICE = DeviceProfile("test-slow", prefill_ms_per_token=40.0)
+BUDGET = 8
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def cloud(torch_engine, device_model_dir):
+    svc = CloudService(torch_engine, torch_engine.fingerprint, device_model_dir=device_model_dir,
+                       step_delay_ms=20.0, max_frame_bytes=1 << 20)
+    with ServiceThread(svc) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(torch_engine, chat_prompt_ids):
+    """Cloud-engine greedy answers computed directly (no service)."""
+    return [torch_engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW)).token_ids for ids in chat_prompt_ids]
+
+
+def client(cloud, onnx_engine, **kw) -> Client:
+    return Client(cloud_url=cloud.url, engine=onnx_engine, profile=kw.pop("profile", SLOW_DEVICE),
+                  target_tpot_ms=kw.pop("target_tpot_ms", 30.0), cloud_budget=kw.pop("cloud_budget", BUDGET), **kw)
+
+
+def test_split_equals_cloud_only_and_device_only(cloud, onnx_engine, chat_prompt_ids, reference):
+    c = client(cloud, onnx_engine)
+    for ids, ref in zip(chat_prompt_ids, reference):
+        split = c.complete(ids, max_new_tokens=MAX_NEW)
+        cloud_only = c.complete(ids, max_new_tokens=MAX_NEW, mode="cloud-only")
+        device_only = c.complete(ids, max_new_tokens=MAX_NEW, mode="device-only")
+        assert split.token_ids == cloud_only.token_ids == device_only.token_ids == ref
+        assert split.mode == "split" and split.cloud_tokens > 0 and split.device_tokens > 0
+        assert split.handoff_index == split.cloud_tokens <= BUDGET and split.fault is None
+        assert cloud_only.mode == "cloud-only" and cloud_only.device_tokens == 0
+        assert device_only.mode == "device-only" and device_only.cloud_tokens == 0
+        assert split.text == c.tokenizer.decode(ref, skip_special=True)
+
+
+def test_stream_events_have_no_gap_or_duplicate(cloud, onnx_engine, chat_prompt_ids, reference):
+    c = client(cloud, onnx_engine)
+    stream = c.generate(chat_prompt_ids[0], max_new_tokens=MAX_NEW)
+    events = list(stream)
+    res = stream.result
+    assert [e.index for e in events] == list(range(len(res.token_ids)))
+    assert [e.token_id for e in events] == res.token_ids == reference[0]
+    sources = [e.source for e in events]
+    h = res.handoff_index
+    assert sources == ["cloud"] * h + ["device"] * (len(events) - h)
+    times = [e.shown_at_ms for e in events]
+    assert times == sorted(times) and res.ttft_ms == pytest.approx(times[0])
+    # the speed controller never shows two tokens closer than its interval
+    assert min(b - a for a, b in zip(times, times[1:])) >= 30.0 - 1.0
+    assert "".join(e.text for e in events) == c.tokenizer.decode(res.token_ids)
+
+
+def test_async_generate(cloud, onnx_engine, chat_prompt_ids, reference):
+    c = client(cloud, onnx_engine)
+
+    async def main():
+        stream = c.agenerate(chat_prompt_ids[1], max_new_tokens=MAX_NEW)
+        ids = [ev.token_id async for ev in stream]
+        return ids, stream.result
+
+    ids, res = asyncio.run(main())
+    assert ids == res.token_ids == reference[1] and res.mode == "split"
+
+
+def test_seeded_sampling_split_equals_device_only(cloud, onnx_engine, chat_prompt_ids):
+    c = client(cloud, onnx_engine)
+    sampling = dict(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, seed=11)
+    split = c.complete(chat_prompt_ids[2], **sampling)
+    device_only = c.complete(chat_prompt_ids[2], **sampling, mode="device-only")
+    assert split.mode == "split" and split.token_ids == device_only.token_ids
+
+
+# --- faults ----------------------------------------------------------------------------------
+
+def test_cloud_unreachable_falls_back_to_device(onnx_engine, chat_prompt_ids, reference):
+    import socket
+
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Client(cloud_url=f"ws://127.0.0.1:{port}", engine=onnx_engine, connect_timeout_s=2.0)
+    res = c.complete(chat_prompt_ids[0], max_new_tokens=MAX_NEW)
+    assert res.mode == "device-only" and res.fault == "cloud-unreachable" and res.token_ids == reference[0]
+
+
+class _DroppingChannel:
+    """Proxy of a server channel that closes the socket after `after` tokens (a cloud crash)."""
+
+    def __init__(self, channel, after: int):
+        self._c, self._left = channel, after
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    async def send(self, msg):
+        if isinstance(msg, Token):
+            if self._left == 0:
+                await self._c.ws.close(1011, "simulated crash")
+            self._left -= 1
+        await self._c.send(msg)
+
+
+class DroppingService(CloudService):
+    async def _run(self, channel, req, requests):
+        await super()._run(_DroppingChannel(channel, 3), req, requests)
+
+
+def test_connection_lost_mid_stream_device_completes(torch_engine, onnx_engine, chat_prompt_ids, reference):
+    svc = DroppingService(torch_engine, torch_engine.fingerprint, step_delay_ms=20.0)
+    with ServiceThread(svc, http_port=None) as running:
+        # prefill takes seconds on this device: the crash comes long before it could take over
+        c = Client(cloud_url=running.url, engine=onnx_engine, profile=DeviceProfile("slower", prefill_ms_per_token=80.0),
+                   target_tpot_ms=30.0)
+        res = c.complete(chat_prompt_ids[1], max_new_tokens=MAX_NEW)
+    assert res.fault == "connection-lost" and res.mode == "split"
+    assert res.token_ids == reference[1]
+    assert 1 <= res.cloud_tokens <= 3 and res.device_tokens == len(res.token_ids) - res.cloud_tokens
+
+
+def test_device_slower_than_answer_cloud_streams_to_end(cloud, onnx_engine, chat_prompt_ids, reference):
+    glacial = DeviceProfile("glacial", prefill_ms_per_token=2000.0)
+    c = client(cloud, onnx_engine, profile=glacial, cloud_budget=None)
+    res = c.complete(chat_prompt_ids[0], max_new_tokens=8)
+    assert res.mode == "cloud-only" and res.fault == "device-too-slow"
+    assert res.token_ids == reference[0][:8] and res.device_tokens == 0
+
+
+async def _raw(url: str, frames: list[bytes]) -> list:
+    """Send raw frames on a fresh websocket and return the decoded replies until the close."""
+    from websockets.asyncio.client import connect
+
+    from relayinfer.protocol.messages import decode
+
+    got = []
+    async with connect(url, max_size=None) as ws:
+        for f in frames:
+            await ws.send(f)
+        try:
+            async for data in ws:
+                got.append(decode(data))
+        except Exception:
+            pass
+    return got
+
+
+def test_bad_clients_get_errors_while_others_finish(torch_engine, onnx_engine, chat_prompt_ids, reference):
+    from relayinfer.protocol.messages import Hello
+
+    fp = torch_engine.fingerprint
+    svc = CloudService(torch_engine, fp, auth_token="s3cret", step_delay_ms=20.0, max_frame_bytes=1 << 20)
+    with ServiceThread(svc, http_port=None) as running:
+        good = Client(cloud_url=running.url, engine=onnx_engine, token="s3cret", profile=SLOW_DEVICE,
+                      target_tpot_ms=30.0, cloud_budget=BUDGET)
+        stream = good.generate(chat_prompt_ids[2], max_new_tokens=MAX_NEW)  # runs in its own thread
+
+        async def attacks():
+            hello = encode(Hello(1, fp, "s3cret"))
+            garbage = await _raw(running.url, [b"\x00\xffnot msgpack at all"])
+            oversized = await _raw(running.url, [hello, b"\x91" + b"x" * ((1 << 20) + 10)])
+            with pytest.raises(RemoteError) as wrong_fp:
+                await proto_ws.open_channel(running.url, "0" * 64, "s3cret")
+            with pytest.raises(RemoteError) as wrong_token:
+                await proto_ws.open_channel(running.url, fp, "guess")
+            ch = await proto_ws.open_channel(running.url, fp, "s3cret")  # request-level errors keep the connection
+            await ch.send(Generate("too-long", [1] * 8190, 16))
+            too_long = await ch.recv()
+            await ch.send(Generate("bad-id", [10 ** 6], 4))
+            bad_id = await ch.recv()
+            await ch.close()
+            return garbage, oversized, wrong_fp.value, wrong_token.value, too_long, bad_id
+
+        garbage, oversized, wrong_fp, wrong_token, too_long, bad_id = asyncio.run(attacks())
+        res = stream.collect()
+    assert garbage[-1].code == ErrorCode.BAD_FRAME.value
+    assert oversized[-1].code == ErrorCode.FRAME_TOO_LARGE.value
+    assert wrong_fp.code == ErrorCode.FINGERPRINT_MISMATCH and "fingerprint" in wrong_fp.message
+    assert wrong_token.code == ErrorCode.UNAUTHORIZED
+    assert too_long.code == ErrorCode.PROMPT_TOO_LONG.value and too_long.request_id == "too-long"
+    assert bad_id.code == ErrorCode.BAD_REQUEST.value and "outside the vocabulary" in bad_id.message
+    assert res.token_ids == reference[2] and res.mode == "split"
+
+
+def test_eight_concurrent_sessions(cloud, onnx_engine, tokenizer):
+    from relayinfer.sdk.datasets import chitchat_prompt
+
+    prompts = [tokenizer.encode_chat(chitchat_prompt(index=i, max_turns=3)) for i in range(8)]
+    refs = [onnx_engine.generate(p, SamplingParams(max_new_tokens=12)).token_ids for p in prompts]
+    before = len(cloud.completed)
+    results = [None] * 8
+
+    def one(i):  # each device has its own client (executor), sharing the loaded ONNX model
+        c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=10.0,
+                   cloud_budget=BUDGET)
+        results[i] = c.complete(prompts[i], max_new_tokens=12)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [r.token_ids for r in results] == refs
+    assert all(r.fault is None for r in results)
+    assert sum(r.cloud_tokens for r in results) > 0
+    assert len(cloud.completed) - before == 8  # every request ended on the cloud and freed its cache
+
+
+def test_http_side_health_metrics_and_device_model(cloud, tmp_path, device_model_dir):
+    from relayinfer.device.fetch import download_device_model
+    from relayinfer.device.onnx_engine import OnnxEngine
+
+    base = f"http://127.0.0.1:{cloud.http_port}"
+    health = json.loads(urllib.request.urlopen(f"{base}/healthz").read())
+    assert health == {"status": "ok", "model_fingerprint": cloud.fingerprint}
+    metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
+    tokens = [line for line in metrics.splitlines() if line.startswith("relayinfer_cloud_tokens_total")]
+    assert tokens and float(tokens[0].split()[-1]) > 0
+    assert "relayinfer_active_sessions" in metrics and "relayinfer_prefill_ms_bucket" in metrics
+    d = download_device_model(base, tmp_path / "dl")
+    onnx = (d / "model.fp32.onnx").read_bytes()
+    assert hashlib.sha256(onnx).hexdigest() == json.loads((device_model_dir / "manifest.json").read_text())[
+        "files"]["model.fp32.onnx"]
+    eng = OnnxEngine(d)
+    assert eng.fingerprint == cloud.fingerprint
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{base}/v1/device-model/../../etc/passwd")
+    assert e.value.code == 404
+
+
+@pytest.mark.slow
+def test_demo_cli_json():
+    exe = shutil.which("relayinfer") or f"{sys.prefix}/bin/relayinfer"
+    out = subprocess.run([exe, "demo", "--json", "--temperature", "0", "--max-new-tokens", "32",
+                          "Tell me three facts about the moon."], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    for key in ("text", "token_ids", "mode", "ttft_ms", "tpot_ms_p50", "tpot_ms_max", "stalls", "cloud_tokens",
+                "device_tokens", "handoff_index", "prompt_ids", "device_only_ttft_ms"):
+        assert key in res
+    assert res["mode"] == "split" and res["cloud_tokens"] > 0 and res["device_tokens"] > 0
+    assert len(res["token_ids"]) == 32 or res["token_ids"][-1] == 2
