@@ -77,3 +77,19 @@ def test_bad_input(model):
         model.rank(kv, torch.tensor([[5000]]))
     with pytest.raises(ValueError, match="unknown history"):
         model.prefix_forward(torch.tensor([[0, 9999]]), torch.tensor([[0, 5]]), torch.tensor([2]))
+
+
+def test_cut_point_candidates_equal_shorter_prefix(model, data):
+    """Training scores candidates at several cut points from one prefix pass: each equals ranking
+    against the prefix of the history truncated at that cut (causality)."""
+    u = next(u for u in data.users if len(data.items[u]) >= 60)
+    L = 60
+    items, ts = torch.from_numpy(data.items[u][None, :L]), torch.from_numpy(data.ts[u][None, :L])
+    kv = model._prefix(items, ts, torch.tensor([L]))
+    cuts = torch.tensor([[1, 17, 17, 59, 60]])
+    cands = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        got = model._rank(kv, cands, cuts)[0]
+    for j, t in enumerate(cuts[0].tolist()):
+        want = model.rank(model.prefix_forward(items[:, :t], ts[:, :t], torch.tensor([t])), cands[:, j:j + 1])[0, 0]
+        torch.testing.assert_close(got[j], want, rtol=1e-4, atol=1e-4)

@@ -144,6 +144,8 @@ class HSTU(nn.Module):
         nn.init.normal_(self.emb.weight, std=0.1)
         self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.dim)
+        self.item_bias = nn.Embedding(cfg.num_items + 1, 1)   # per-item prior (popularity) added to scores
+        nn.init.zeros_(self.item_bias.weight)
         self.drop = nn.Dropout(cfg.dropout)
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -161,7 +163,7 @@ class HSTU(nn.Module):
                 raise ValueError(f"unknown {name} item id (valid ids are 1..{n})")
 
     def _score(self, h: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
-        return (self.norm(h) * self.emb(cands)).sum(-1)
+        return (self.norm(h) * self.emb(cands)).sum(-1) + self.item_bias(cands)[..., 0]
 
     # ---- one pass over history + candidates (the reference) -----------------------------------
     def forward(self, items, ts, lengths, cands):
@@ -228,23 +230,27 @@ class HSTU(nn.Module):
             x = layer.output(x, u, torch.cat(outs, 1))
         return PrefixKV(ks, vs, ts, lengths)
 
-    def _rank(self, kv: PrefixKV, cands: torch.Tensor) -> torch.Tensor:
+    def _rank(self, kv: PrefixKV, cands: torch.Tensor, cand_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Differentiable candidate pass. All candidates of a request share position L and the last
-        timestamp, so their bias to history keys is one (B,H,1,L) row broadcast over N."""
+        timestamp, so their bias to history keys is one (B,H,1,L) row broadcast over N.
+        cand_lengths (B,N), training only: candidate n sees just the first cand_lengths[b,n] history
+        events (a cut point; by causality the prefix of a prefix is the prefix), so one prefix pass
+        serves many next-item targets."""
         B, N = cands.shape
         L = kv.ts.shape[1]
         c = self.cfg
         ar = torch.arange(L)
-        valid_h = ar[None, :] < kv.lengths[:, None]                                   # (B,L)
-        pb = pos_bucket(kv.lengths[:, None] - ar[None, :], c.pos_buckets)             # (B,L)
-        tb = time_bucket(kv.ts.gather(1, (kv.lengths - 1)[:, None]) - kv.ts, c.time_buckets)
+        cl = kv.lengths[:, None] if cand_lengths is None else cand_lengths                 # (B,1) or (B,N)
+        valid_h = (ar < cl[..., None])[:, None]                                           # (B,1,1|N,L)
+        pb = pos_bucket(cl[..., None] - ar, c.pos_buckets)                                # (B,1|N,L)
+        tb = time_bucket(kv.ts.gather(1, cl - 1)[..., None] - kv.ts[:, None, :], c.time_buckets)
         zero = torch.zeros((), dtype=torch.long)
-        denom = (kv.lengths + 1).to(kv.k[0].dtype).view(B, 1, 1, 1)
+        denom = (cl + 1).to(kv.k[0].dtype)[..., None, None]                               # (B,1|N,1,1)
         x = self.drop(self.emb(cands))
         for li, layer in enumerate(self.layers):
             u, v, q, k = layer.proj(x)
-            rab = (layer.pos_w(pb) + layer.time_w(tb)).permute(0, 2, 1)[:, :, None, :]  # (B,H,1,L)
-            a_h = layer.scores(q, kv.k[li], rab) * valid_h[:, None, None, :]
+            rab = (layer.pos_w(pb) + layer.time_w(tb)).permute(0, 3, 1, 2)                # (B,H,1|N,L)
+            a_h = layer.scores(q, kv.k[li], rab) * valid_h
             self_rab = layer.pos_w(zero) + layer.time_w(zero)                           # (H,) distance 0
             a_s = F.silu((q * k).sum(-1) * layer.alpha + self_rab)                      # (B,N,H)
             o = torch.einsum("bhqk,bkhd->bqhd", a_h, kv.v[li]) + a_s[..., None] * v

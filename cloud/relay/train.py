@@ -1,8 +1,10 @@
 """Train the HSTU ranker on MovieLens-100K (next-item ranking) and evaluate HR@10 / NDCG@10.
 
-Objective: the serving task itself. Each step samples users and a cut point t in their training
-history; the model scores [true next item] + K sampled negatives (half uniform, half by popularity)
-as target-aware candidates after history[:t], with a softmax cross-entropy over the 1 + K scores.
+Objective: the serving task itself. Each step samples users, a window of their training history and
+`cuts` cut points t in it; for each cut the model scores [true next item] + K sampled negatives as
+target-aware candidates after history[:t] (one prefix pass per window serves all its cuts, see
+HSTU._rank's cand_lengths), with a softmax cross-entropy over the 1 + K scores.
+Negatives are uniform over items, so the sampled softmax keeps the popularity prior (item bias).
 
 Evaluation (leave-last-out, RecBole's full-sort protocol): the history is every event but the last,
 all 1,682 items are ranked except those already in the history, HR@10 = hit rate of the held-out item
@@ -41,9 +43,10 @@ def checkpoint_path() -> Path:
 class TrainConfig:
     steps: int = 1500
     batch: int = 64
-    negatives: int = 63
+    negatives: int = 31         # per cut point
+    cuts: int = 8               # next-item targets per user window per step
     max_len: int = 100          # training/eval histories are the last max_len events
-    lr: float = 2e-3
+    lr: float = 3e-3
     weight_decay: float = 0.0
     seed: int = 0
     users: int | None = None    # train on the first `users` users only (tests)
@@ -67,8 +70,10 @@ def popularity(data: ML100K) -> np.ndarray:
     return c
 
 
-def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=print) -> HSTU:
-    """Train and return the model (eval mode). `log` gets a line every ~10% of the steps."""
+def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=print,
+          losses: list | None = None) -> HSTU:
+    """Train and return the model (eval mode). `log` gets a line every ~10% of the steps; the loss of
+    every step is appended to `losses` if given."""
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     model = HSTU(mcfg or HSTUConfig(num_items=data.num_items))
@@ -77,28 +82,31 @@ def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=pr
     if cfg.users:
         users, hist, hts = users[: cfg.users], hist[: cfg.users], hts[: cfg.users]
     keep = [i for i, h in enumerate(hist) if len(h) >= 2]
-    pop = popularity(data).astype(np.float64)[1:] ** 0.75
-    pop /= pop.sum()
     t0 = time.perf_counter()
+    K, n = cfg.cuts, cfg.negatives
     for step in range(cfg.steps):
         model.train()
         idx = rng.choice(keep, size=min(cfg.batch, len(keep)), replace=False)
-        cuts = [int(rng.integers(1, len(hist[i]))) for i in idx]
-        items, lengths = pad([hist[i][:c] for i, c in zip(idx, cuts)], cfg.max_len)
-        ts, _ = pad([hts[i][:c] for i, c in zip(idx, cuts)], cfg.max_len)
-        pos = torch.tensor([hist[i][c] for i, c in zip(idx, cuts)])[:, None]
-        k = cfg.negatives
-        neg = np.concatenate([rng.integers(1, data.num_items + 1, size=(len(idx), k // 2)),
-                              1 + rng.choice(data.num_items, size=(len(idx), k - k // 2), p=pop)], 1)
-        cands = torch.cat([pos, torch.from_numpy(neg)], 1)
-        logits = model.score(items, ts, lengths, cands)
+        ends = [int(rng.integers(2, len(hist[i]) + 1)) for i in idx]   # window hist[e-max_len:e]
+        wins = [(hist[i][max(0, e - cfg.max_len):e], hts[i][max(0, e - cfg.max_len):e]) for i, e in zip(idx, ends)]
+        items, lengths = pad([w[0] for w in wins], cfg.max_len)
+        ts, _ = pad([w[1] for w in wins], cfg.max_len)
+        cuts = np.stack([rng.integers(1, len(w[0]), size=K) for w in wins])            # (B,K) cut points
+        pos = torch.from_numpy(np.take_along_axis(items.numpy(), cuts, 1))[..., None]  # (B,K,1) next items
+        neg = torch.from_numpy(rng.integers(1, data.num_items + 1, size=(len(idx), K, n)))
+        cands = torch.cat([pos, neg], 2)                                                # (B,K,1+n)
+        cl = torch.from_numpy(cuts)[..., None].expand_as(cands)
+        model.check(items, lengths, cands.flatten(1))
+        logits = model._rank(model._prefix(items, ts, lengths), cands.flatten(1), cl.flatten(1)).view(cands.shape)
         dup = cands == pos
-        dup[:, 0] = False                               # sampled copies of the positive are not negatives
+        dup[..., 0] = False                               # sampled copies of the positive are not negatives
         logits = logits.masked_fill(dup, -1e9)
-        loss = F.cross_entropy(logits, torch.zeros(len(idx), dtype=torch.long))
+        loss = F.cross_entropy(logits.flatten(0, 1), torch.zeros(len(idx) * K, dtype=torch.long))
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if losses is not None:
+            losses.append(loss.item())
         if step % max(1, cfg.steps // 10) == 0 or step == cfg.steps - 1:
             log(f"step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - t0:6.1f}s")
     return model.eval()

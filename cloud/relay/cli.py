@@ -1,0 +1,35 @@
+"""CLI of the GR relay: `relayinfer relay train` and `relayinfer bench relay` (mounted by sdk/cli.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+relay_app = typer.Typer(help="RelayGR: HSTU ranking on ML-100K with pre-inferred user prefixes.")
+
+
+@relay_app.command()
+def train(steps: int = typer.Option(1500, help="training steps (batch 64, 127 negatives)"),
+          quick: bool = typer.Option(False, help="400 steps instead of --steps")) -> None:
+    """Train the HSTU ranker on ML-100K, print HR@10 / NDCG@10 vs popularity, save the checkpoint."""
+    from relayinfer.cloud.relay.train import TrainConfig, train_and_save
+    m = train_and_save(TrainConfig(steps=400 if quick else steps))
+    typer.echo(f"HSTU        HR@10 {m['hr']:.4f}  NDCG@10 {m['ndcg']:.4f}")
+    typer.echo(f"popularity  HR@10 {m['pop_hr']:.4f}  NDCG@10 {m['pop_ndcg']:.4f}")
+    typer.echo(f"({m['users']} users, leave-last-out, full sort; trained in {m['train_s']:.0f} s) -> {m['path']}")
+
+
+@relay_app.command()
+def bench(out: Path = typer.Option(Path("bench/results/relay.json"), help="results JSON (plot written beside it)"),
+          quick: bool = typer.Option(False, help="shorter sweep and fewer requests"),
+          live: bool = typer.Option(True, help="also run the live check through instance processes")) -> None:
+    """Cascade benchmark: baseline vs relay under one ranking P99 budget."""
+    from relayinfer.cloud.relay.bench import run
+    run(out, quick=quick, live=live, log=typer.echo)
+
+
+@relay_app.command()
+def serve(port: int = typer.Option(0), baseline: bool = typer.Option(False)) -> None:
+    """Run one ranking instance in the foreground (prints READY <port> <fingerprint>)."""
+    from relayinfer.cloud.relay.server import main
+    main(["--port", str(port)] + (["--baseline"] if baseline else []))

@@ -1,0 +1,46 @@
+"""Cascade simulator on ML-100K users: the relay takes the prefix off the critical path."""
+import numpy as np
+
+from relayinfer.cloud.relay.bench import longest_ok, workload
+from relayinfer.cloud.relay.data import load_ml100k
+from relayinfer.cloud.relay.latency import LatencyModel
+from relayinfer.cloud.relay.sim import SimConfig, Simulator, p99, poisson_requests
+from relayinfer.cloud.relay.trigger import TriggerConfig
+
+# quadratic full / prefix cost, linear cached rank (the shape measured on the real HSTU)
+LAT = LatencyModel(full=[5, 0.02, 1e-4, 1e-4], prefix=[3, 0.02, 1e-4], cached=[2, 0.01, 6e-5])
+CFG = SimConfig(instances=4, delay_ms=200, n_cands=100, bytes_per_token=1032, hbm_bytes=32 << 20,
+                trigger=TriggerConfig(budget_ms=200, risk_fraction=0.5, n_cands=100, token_rate=6000, token_burst=12000))
+
+
+def test_latency_fit_recovers_coefficients():
+    s = [{"L": L, "N": N, "full_ms": LAT.full_ms(L, N), "prefix_ms": LAT.prefix_ms(L), "cached_ms": LAT.cached_ms(L, N)}
+         for L in (128, 512, 1024, 2048) for N in (50, 100)]
+    fit = LatencyModel.fit(s)
+    for L in (256, 1536, 4096):
+        assert abs(fit.full_ms(L, 100) / LAT.full_ms(L, 100) - 1) < 1e-6
+        assert abs(fit.cached_ms(L, 100) / LAT.cached_ms(L, 100) - 1) < 1e-6
+
+
+def test_relay_cuts_p99_and_respects_budgets():
+    data = load_ml100k()
+    sim = Simulator(LAT, CFG)
+    curves = {"baseline": {}, "relay": {}}
+    for L in (512, 1024, 1536, 2048):
+        reqs, _ = workload(data, np.random.default_rng(0), 3.0, 1500, L)
+        for mode in curves:
+            r = sim.run(reqs, mode)
+            assert not np.isnan(r["latency_ms"]).any()           # every request was ranked
+            curves[mode][L] = p99(r["latency_ms"])
+            if mode == "relay":
+                assert r["hbm_peak_bytes"] <= CFG.hbm_bytes
+                assert r["preinfer_tokens"] <= CFG.instances * (CFG.trigger.token_burst + CFG.trigger.token_rate * reqs[-1].t0)
+    assert longest_ok(curves["relay"], 200) > longest_ok(curves["baseline"], 200) > 0
+    assert curves["relay"][1536] < curves["baseline"][1536] / 2
+
+
+def test_short_histories_are_not_pre_inferred():
+    data = load_ml100k()
+    reqs = poisson_requests(3.0, 500, data.users, lambda u: len(data.items[u]), np.random.default_rng(0))
+    r = Simulator(LAT, CFG).run(reqs, "relay")
+    assert r["counts"]["trigger_short"] == 500 and r["preinfer_tokens"] == 0

@@ -1,0 +1,56 @@
+"""Training and evaluation on real ML-100K (small in CI; the full run is one @slow case)."""
+import numpy as np
+import pytest
+import torch
+
+from relayinfer.cloud.relay.data import load_ml100k
+from relayinfer.cloud.relay.train import TrainConfig, checkpoint_path, evaluate, load, popularity, save, train
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_ml100k()
+
+
+def test_leave_last_out_split(data):
+    us, h, t, y = data.split("test")
+    u = us[0]
+    assert np.array_equal(h[0], data.items[u][:-1]) and y[0] == data.items[u][-1]
+    _, hv, _, yv = data.split("valid")
+    assert np.array_equal(hv[0], data.items[u][:-2]) and yv[0] == data.items[u][-2]
+    pop = popularity(data)
+    assert pop.sum() == 100_000 - 2 * 943 and pop[0] == 0
+
+
+def test_training_loop_learns_on_subset(data):
+    torch.set_num_threads(1)
+    losses = []
+    model = train(data, TrainConfig(steps=40, batch=16, cuts=4, negatives=15, max_len=50, lr=5e-3),
+                  log=lambda s: None, losses=losses)
+    assert len(losses) == 40 and np.isfinite(losses).all()
+    assert np.mean(losses[-10:]) < np.mean(losses[:5]) - 0.3          # it learns (log(16) = 2.77 at start)
+    res = evaluate(model, data, "test", max_len=50, users=300)
+    assert res["users"] == 300 and 0.0 <= res["ndcg"] <= res["hr"] <= 1.0
+    # the popularity baseline on the first 300 users is a fixed property of the data
+    assert 0.05 < res["pop_hr"] < 0.15
+
+
+def test_checkpoint_roundtrip_under_cache_dir(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAYINFER_CACHE", str(tmp_path))
+    assert checkpoint_path() == tmp_path / "relay" / "hstu_ml100k.pt"
+    model = train(data, TrainConfig(steps=2, batch=8, negatives=7), log=lambda s: None)
+    save(model, {"hr": 0.5})
+    m2, metrics = load()
+    assert metrics == {"hr": 0.5}
+    c = torch.arange(1, 20)[None]
+    it = torch.from_numpy(data.items[1][None, :30])
+    ts = torch.from_numpy(data.ts[1][None, :30])
+    torch.testing.assert_close(m2.score(it, ts, torch.tensor([30]), c), model.score(it, ts, torch.tensor([30]), c))
+
+
+@pytest.mark.slow
+def test_full_training_beats_popularity(data):
+    torch.set_num_threads(1)
+    model = train(data, TrainConfig(), log=lambda s: None)
+    res = evaluate(model, data, "test")
+    assert res["hr"] > res["pop_hr"] and res["ndcg"] > res["pop_ndcg"], res
