@@ -158,7 +158,7 @@ class CloudService:
         params, t0 = self._params(msg), time.perf_counter()
         ms = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
         self.metrics.active_requests.inc()
-        kv, sent, reason, prefill_ms = None, 0, "length", 0.0
+        kv, sent, reason, prefill_ms, outcome = None, 0, "length", 0.0, "error"
         try:
             logits, kv = await loop.run_in_executor(self.worker, self.engine.prefill, msg.prompt_ids)
             prefill_ms = ms()
@@ -185,13 +185,13 @@ class CloudService:
                 logits, kv = await loop.run_in_executor(self.worker, self.engine.decode, tok, kv)
             done = Done(msg.request_id, reason, sent, prefill_ms)
             self.completed.append(done)
-            self.metrics.requests.labels(reason).inc()
+            outcome = reason
             await channel.send(done)
         except RelayInferError:
-            self.metrics.requests.labels("disconnected").inc()
+            outcome = "disconnected"  # the device hung up (it may have finished on its own)
         except Exception:
             log.exception("request %s failed", msg.request_id)
-            self.metrics.requests.labels("error").inc()
+            outcome = "error"
             try:
                 await channel.send(Error(ErrorCode.INTERNAL.value, "internal error while generating", msg.request_id))
             except RelayInferError:
@@ -199,6 +199,7 @@ class CloudService:
         finally:
             del kv  # the request's KV cache is freed here
             requests.pop(msg.request_id, None)
+            self.metrics.requests.labels(outcome).inc()
             self.metrics.active_requests.dec()
 
     # --- HTTP side --------------------------------------------------------------------------------
