@@ -30,7 +30,8 @@ from typing import Callable, Sequence
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
 from relayinfer.protocol.errors import RelayInferError
-from relayinfer.protocol.messages import Done, Error, Generate, Stop, Token
+from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Stop, Token
+from relayinfer.protocol.refine import system_prefix_len
 
 from .speed import SpeedController
 
@@ -57,6 +58,8 @@ class GenerationResult:
     to the user (ms). stalls: gaps > 2x target TPOT. cloud_tokens / device_tokens: shown tokens by
     source. handoff_index: answer index of the first device token (None if no hand-off).
     cloud_streamed: tokens the cloud sent, including ones computed after the hand-off and dropped.
+    device_prefill_ms: wall ms from the device's first prefill call to the hand-off (prompt +
+    catch-up). device_prompt_tokens: prompt tokens the device prefilled (fewer with refinement).
     fault: None, 'cloud-unreachable', 'cloud-refused', 'connection-lost' or 'device-too-slow'.
     """
 
@@ -74,6 +77,7 @@ class GenerationResult:
     prompt_ids: list[int] = field(default_factory=list)
     cloud_streamed: int = 0
     device_prefill_ms: float = 0.0
+    device_prompt_tokens: int = 0
     fault: str | None = None
     error: str | None = None
 
@@ -85,13 +89,16 @@ class GenerationResult:
 class SplitOptions:
     """mode: one of MODES. target_tpot_ms: pace shown to the user. cloud_budget: most tokens the
     cloud may stream (None = until the device takes over). connect_timeout_s: handshake bound.
-    prefill_chunk: prompt tokens per device prefill call."""
+    prefill_chunk: prompt tokens per device prefill call. refine: keep ratio of prompt refinement
+    (None = off): the device prefills the system turn at once, then only the prompt tokens the
+    cloud keeps (`RefinedPrompt`, sent right after the first token)."""
 
     mode: str = "split"
     target_tpot_ms: float = 50.0
     cloud_budget: int | None = None
     connect_timeout_s: float = 5.0
     prefill_chunk: int = 256
+    refine: float | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -148,7 +155,11 @@ class _Run:
         self.fault: str | None = None
         self.error: str | None = None
         self.device_prefill_ms = 0.0
+        self.device_prompt_tokens = len(prompt)  # fewer once a refined prompt is used
         self.channel = None
+        self.refine_wanted = False
+        self.kept: list[int] | None = None
+        self.got_refined = asyncio.Event()
         self.request_id = uuid.uuid4().hex[:12]
         self.speed = SpeedController(s.opt.target_tpot_ms)
         self.decoder = s.tokenizer.stream_decoder()
@@ -194,8 +205,10 @@ class _Run:
                                                        open_timeout=s.opt.connect_timeout_s)
             budget = s.opt.cloud_budget if self.mode == "split" else None
             p = self.params
+            refine = s.opt.refine if self.mode == "split" else None
             await self.channel.send(Generate(self.request_id, self.prompt, p.max_new_tokens, p.temperature, p.top_p,
-                                             p.top_k, p.seed, budget, None, list(p.stop_ids)))
+                                             p.top_k, p.seed, budget, refine, list(p.stop_ids)))
+            self.refine_wanted = refine is not None
         except Exception as e:  # unreachable (OSError, TimeoutError), refused (RemoteError), ...
             if self.mode == "cloud-only":
                 raise
@@ -211,6 +224,11 @@ class _Run:
                     self.cloud_streamed += 1
                     if self.handoff is None and not self.complete and msg.index == len(self.answer):
                         self.append(msg.token_id, "cloud")
+                elif isinstance(msg, RefinedPrompt) and msg.request_id == self.request_id:
+                    n = len(self.prompt)
+                    if msg.kept_indices and all(0 <= i < n for i in msg.kept_indices):
+                        self.kept = sorted(set(msg.kept_indices))
+                    self.got_refined.set()
                 elif isinstance(msg, Done):
                     self.cloud_done = msg
                     if self.mode == "cloud-only" and not self.complete:
@@ -228,16 +246,28 @@ class _Run:
                 self.changed.set()
             else:
                 self.fault = "connection-lost"
+        finally:
+            self.got_refined.set()  # nothing more will come: the device uses the full prompt
 
     async def device(self) -> None:
         """Prefill prompt, catch up on cloud tokens, hand off, decode locally."""
         loop, eng, ex = asyncio.get_running_loop(), self.s.engine, self.s.executor
         kv, chunk = None, self.s.opt.prefill_chunk
         t = time.perf_counter()
-        for i in range(0, len(self.prompt), chunk):
+        prompt = self.prompt
+        if self.refine_wanted:  # the system turn is always kept: prefill it while the cloud scores
+            head = system_prefix_len(prompt)
+            if head:
+                logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[:head], kv)
+            await self.got_refined.wait()
+            if self.kept is not None and self.kept[:head] == list(range(head)):
+                prompt = [self.prompt[i] for i in self.kept]
+            prompt = prompt[head:]
+            self.device_prompt_tokens = head + len(prompt)
+        for i in range(0, len(prompt), chunk):
             if self.complete:
                 return  # the cloud finished the answer first
-            logits, kv = await loop.run_in_executor(ex, eng.prefill, self.prompt[i:i + chunk], kv)
+            logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[i:i + chunk], kv)
         covered = 0
         while True:  # catch up: prefill every cloud token received so far in one batch
             if self.complete:
@@ -295,4 +325,4 @@ class _Run:
             **self.speed.stats(0.0), cloud_tokens=cloud, device_tokens=len(self.answer) - cloud,
             handoff_index=self.handoff if cloud and len(self.answer) > cloud else None,
             finish_reason=self.finish_reason, prompt_ids=self.prompt, cloud_streamed=self.cloud_streamed,
-            device_prefill_ms=self.device_prefill_ms, fault=self.fault, error=self.error)
+            device_prefill_ms=self.device_prefill_ms, device_prompt_tokens=self.device_prompt_tokens, fault=self.fault, error=self.error)

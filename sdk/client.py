@@ -139,7 +139,7 @@ class Client:
     def _runner(self, prompt, sampling: dict):
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.prompt_ids(prompt)
         opts = dict(vars(self.options))
-        for k in ("mode", "target_tpot_ms", "cloud_budget"):
+        for k in ("mode", "target_tpot_ms", "cloud_budget", "refine"):
             if k in sampling:
                 opts[k] = sampling.pop(k)
         params = SamplingParams(**{**sampling, "stop_ids": tuple(sampling.get("stop_ids", ()))})
@@ -152,7 +152,7 @@ class Client:
 
         `prompt`: a user string, a list of chat messages, or prompt token ids. `sampling`:
         max_new_tokens, temperature, top_p, top_k, seed, stop_ids; per-request mode,
-        target_tpot_ms, cloud_budget.
+        target_tpot_ms, cloud_budget, refine (keep ratio of prompt refinement, e.g. 0.5).
         """
         return Stream(self._runner(prompt, dict(sampling)))
 

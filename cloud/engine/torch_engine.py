@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from relayinfer.cloud.models.llama import Llama, StaticKV, load_llama
+from relayinfer.cloud.models.llama import Llama, ObservationScores, StaticKV, load_llama
 from relayinfer.protocol.decoding import GenerationOutput, SamplingParams, generate
 from relayinfer.protocol.model_file import ModelConfig, fingerprint, resolve_model_path
 
@@ -57,17 +57,26 @@ class TorchEngine:
         return StaticKV(self.cfg, capacity=capacity, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, ids: Sequence[int], kv: StaticKV, last_only: bool = True) -> torch.Tensor:
+    def forward(self, ids: Sequence[int], kv: StaticKV, last_only: bool = True,
+                obs: ObservationScores | None = None) -> torch.Tensor:
         """Run `ids` after the tokens cached in `kv`; logits float32 [V] (or [S, V])."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         kv.reserve(x.shape[1])
-        logits = self.model(x, kv, kv.length, last_only=last_only)
+        logits = self.model(x, kv, kv.length, last_only=last_only, obs=obs)
         kv.commit()
         return logits[0].float()
 
     def prefill(self, ids: Sequence[int], kv: StaticKV | None = None) -> tuple[np.ndarray, StaticKV]:
         kv = kv if kv is not None else self.new_cache(max(256, len(ids) + 64))
         return self.forward(ids, kv).cpu().numpy(), kv
+
+    def prefill_scored(self, ids: Sequence[int], window: int = 16) -> tuple[np.ndarray, StaticKV, np.ndarray]:
+        """Prefill `ids` into a new cache and also return the importance score of every prompt
+        position (float32 [len(ids)], see `ObservationScores`), for prompt refinement."""
+        obs = ObservationScores(window)
+        kv = self.new_cache(max(256, len(ids) + 64))
+        logits = self.forward(ids, kv, obs=obs)
+        return logits.cpu().numpy(), kv, obs.scores[0].float().cpu().numpy()
 
     def decode(self, token_id: int, kv: StaticKV) -> tuple[np.ndarray, StaticKV]:
         return self.forward([token_id], kv).cpu().numpy(), kv

@@ -84,6 +84,27 @@ class StaticKV:
         return 2 * n_layers * b * kvh * self.length * hd * self.k.element_size()
 
 
+class ObservationScores:
+    """SnapKV-style importance of each key position (Li et al. 2024, "SnapKV: LLM Knows What You
+    are Looking for Before Generation", sec. 4): the attention probabilities that the last `window`
+    query positions pay to every key, summed over those queries, heads and layers.
+
+    Fused attention kernels return no weights, so only the window's rows are recomputed:
+    [B, H, window, T] per layer instead of [B, H, T, T]. `scores` is float32 [B, T].
+    """
+
+    def __init__(self, window: int = 16):
+        self.window, self.scores = window, None
+
+    def add(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> None:
+        w = min(self.window, q.shape[2])
+        logits = q[:, :, -w:] @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if mask is not None:
+            logits = logits.masked_fill(~mask[-w:], float("-inf"))
+        p = logits.softmax(-1).sum(dim=(1, 2))
+        self.scores = p if self.scores is None else self.scores + p
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -115,7 +136,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.kvh * self.hd, bias=False)
         self.wo = nn.Linear(self.h * self.hd, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int):
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, obs: "ObservationScores | None" = None):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.h, self.hd).transpose(1, 2)
         k = self.wk(x).view(b, s, self.kvh, self.hd).transpose(1, 2)
@@ -127,6 +148,8 @@ class Attention(nn.Module):
         k = k[:, :, None].expand(b, self.kvh, rep, t, self.hd).reshape(b, self.h, t, self.hd)
         v = v[:, :, None].expand(b, self.kvh, rep, t, self.hd).reshape(b, self.h, t, self.hd)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if obs is not None:
+            obs.add(q, k, mask)
         return self.wo(o.transpose(1, 2).reshape(b, s, self.h * self.hd))
 
 
@@ -139,8 +162,8 @@ class Block(nn.Module):
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+    def forward(self, x, cos, sin, mask, cache, layer, obs=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, obs)
         h = self.ffn_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))  # SwiGLU (Shazeer 2020)
 
@@ -159,9 +182,10 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, start: torch.Tensor | int,
-                last_only: bool = True) -> torch.Tensor:
+                last_only: bool = True, obs: "ObservationScores | None" = None) -> torch.Tensor:
         """Run `input_ids` [B, S] (int64) at positions start..start+S-1 after the `start` cached
-        tokens. Returns logits float32 [B, V] for the last position (`last_only`) or [B, S, V]."""
+        tokens. Returns logits float32 [B, V] for the last position (`last_only`) or [B, S, V].
+        `obs` collects the attention that the last prompt positions pay to every key (refinement)."""
         b, s = input_ids.shape
         pos = start + torch.arange(s, device=input_ids.device)
         cos, sin = rope(pos, self.inv_freq)
@@ -171,7 +195,7 @@ class Llama(nn.Module):
             mask = torch.arange(start + s, device=input_ids.device)[None, :] <= pos[:, None]
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x = layer(x, cos, sin, mask, cache, i, obs)
         x = self.norm(x[:, -1] if last_only else x)
         return self.lm_head(x)
 

@@ -27,7 +27,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
-from relayinfer.protocol.messages import MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, Stop, Token
+from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate,
+                                          RefinedPrompt, Stop, Token)
+from relayinfer.protocol.refine import WINDOW, refine_indices
 
 log = logging.getLogger("relayinfer.cloud")
 
@@ -67,14 +69,17 @@ class CloudService:
         step_delay_ms: extra wait before each decode step (simulates a slower or loaded cloud in
             tests and benchmarks; 0 in production).
         max_frame_bytes: largest frame accepted from a device (bytes); larger ones get FRAME_TOO_LARGE.
+        special_ids: chat-template token ids that prompt refinement always keeps (default: the
+            CONTROL tokens of the engine's model file).
     """
 
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, special_ids: frozenset[int] | None = None):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.device_model_dir = Path(device_model_dir) if device_model_dir else None
         self.step_delay_ms, self.max_frame_bytes = step_delay_ms, max_frame_bytes
+        self._special_ids = special_ids
         self.metrics = Metrics()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
         self.ws_port = self.http_port = None
@@ -145,7 +150,25 @@ class CloudService:
             self._params(msg)
         except ValueError as e:
             return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
+        if msg.refine is not None and not 0 < msg.refine <= 1:
+            return Error(ErrorCode.BAD_REQUEST.value, f"refine keep ratio must be in (0, 1], got {msg.refine}", rid)
         return None
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        if self._special_ids is None:
+            from relayinfer.protocol.tokenizer import Tokenizer
+
+            self._special_ids = Tokenizer.from_gguf(self.engine.model_path).special_ids
+        return self._special_ids
+
+    def _prefill(self, msg: Generate):
+        """Prefill; with refinement also the kept prompt indices (SnapKV-style scores)."""
+        if msg.refine is None:
+            logits, kv = self.engine.prefill(msg.prompt_ids)
+            return logits, kv, None
+        logits, kv, scores = self.engine.prefill_scored(msg.prompt_ids, WINDOW)
+        return logits, kv, refine_indices(scores, msg.prompt_ids, msg.refine, self.special_ids)
 
     @staticmethod
     def _params(msg: Generate) -> SamplingParams:
@@ -160,7 +183,7 @@ class CloudService:
         self.metrics.active_requests.inc()
         kv, sent, reason, prefill_ms, outcome = None, 0, "length", 0.0, "error"
         try:
-            logits, kv = await loop.run_in_executor(self.worker, self.engine.prefill, msg.prompt_ids)
+            logits, kv, kept = await loop.run_in_executor(self.worker, self._prefill, msg)
             prefill_ms = ms()
             self.metrics.prefill_ms.observe(prefill_ms)
             for i in range(params.max_new_tokens):
@@ -172,6 +195,8 @@ class CloudService:
                     break
                 tok = sample(logits, params, i)
                 await channel.send(Token(msg.request_id, tok, i, ms()))
+                if kept is not None and i == 0:  # right after the first token
+                    await channel.send(RefinedPrompt(msg.request_id, kept))
                 sent += 1
                 self.metrics.cloud_tokens.inc()
                 end = is_stop(tok, self.engine.eos_id, params)
