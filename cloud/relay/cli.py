@@ -9,11 +9,11 @@ relay_app = typer.Typer(help="RelayGR: HSTU ranking on ML-100K with pre-inferred
 
 
 @relay_app.command()
-def train(steps: int = typer.Option(1500, help="training steps (batch 64, 127 negatives)"),
-          quick: bool = typer.Option(False, help="400 steps instead of --steps")) -> None:
+def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut points x 31 negatives)"),
+          quick: bool = typer.Option(False, help="150 steps instead of --steps")) -> None:
     """Train the HSTU ranker on ML-100K, print HR@10 / NDCG@10 vs popularity, save the checkpoint."""
     from relayinfer.cloud.relay.train import TrainConfig, train_and_save
-    m = train_and_save(TrainConfig(steps=400 if quick else steps))
+    m = train_and_save(TrainConfig(steps=150 if quick else steps))
     typer.echo(f"HSTU        HR@10 {m['hr']:.4f}  NDCG@10 {m['ndcg']:.4f}")
     typer.echo(f"popularity  HR@10 {m['pop_hr']:.4f}  NDCG@10 {m['pop_ndcg']:.4f}")
     typer.echo(f"({m['users']} users, leave-last-out, full sort; trained in {m['train_s']:.0f} s) -> {m['path']}")

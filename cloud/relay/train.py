@@ -41,7 +41,7 @@ def checkpoint_path() -> Path:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1500
+    steps: int = 500
     batch: int = 64
     negatives: int = 31         # per cut point
     cuts: int = 8               # next-item targets per user window per step
@@ -78,6 +78,7 @@ def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=pr
     rng = np.random.default_rng(cfg.seed)
     model = HSTU(mcfg or HSTUConfig(num_items=data.num_items))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, cfg.steps))  # linear decay to 10 %
     users, hist, hts, _ = data.split("train")
     if cfg.users:
         users, hist, hts = users[: cfg.users], hist[: cfg.users], hts[: cfg.users]
@@ -105,6 +106,7 @@ def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=pr
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
         if losses is not None:
             losses.append(loss.item())
         if step % max(1, cfg.steps // 10) == 0 or step == cfg.steps - 1:
@@ -173,7 +175,7 @@ def ensure_checkpoint(quick: bool = True, log=print) -> Path:
     p = checkpoint_path()
     if not p.exists():
         log(f"no checkpoint at {p}; training one ({'quick' if quick else 'full'})")
-        train_and_save(TrainConfig(steps=400) if quick else TrainConfig(), log=log)
+        train_and_save(TrainConfig(steps=150) if quick else TrainConfig(), log=log)
     return p
 
 
