@@ -161,6 +161,8 @@ def test_instance_relay_scores_equal_full_and_returning_user_hits_dram(model, da
     inst.model = type("M", (), {})()
     inst.model.cfg, inst.model.rank = model.cfg, model.rank
     inst.model.prefix_forward = lambda *a: calls.append(1) or orig(*a)
+    orig_steps = model.prefix_forward_steps
+    inst.model.prefix_forward_steps = lambda *a: calls.append(1) or orig_steps(*a)
     u = data.users[10]
     it, ts = extend_history(data, u, 600, np.random.default_rng(1))
     cands = np.arange(1, 101)

@@ -45,7 +45,8 @@ class HSTUConfig:
     pos_buckets: int = 48
     time_buckets: int = 40
     dropout: float = 0.1
-    query_chunk: int = 1024  # full forward processes queries in chunks of this many tokens (bounds memory)
+    query_chunk: int = 256   # queries per attention chunk: bounds memory at 8k tokens and is the
+                             # preemption point of a pre-inference (see HSTU.prefix_steps)
 
 
 def kv_bytes_per_token(cfg: HSTUConfig, dtype_bytes: int = 4) -> int:
@@ -201,8 +202,19 @@ class HSTU(nn.Module):
 
     # ---- cached path ---------------------------------------------------------------------------
     def _prefix(self, items, ts, lengths) -> PrefixKV:
-        """Differentiable prefix pass (history only, causal). Bias buckets are computed once for all
-        layers: positions (L,L) and time gaps (B,L,L) as uint8 (64 MiB at 8k tokens)."""
+        """Differentiable prefix pass (history only, causal) -> PrefixKV."""
+        steps = self.prefix_steps(items, ts, lengths)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefix_steps(self, items, ts, lengths):
+        """The prefix pass as a generator: yields after each query chunk of each layer (a point where
+        a serving loop may run a ranking request first: chunked pre-inference), returns the PrefixKV.
+        Bias buckets are computed once for all layers: positions (L,L) and time gaps (B,L,L) as uint8
+        (64 MiB at 8k tokens)."""
         B, L = items.shape
         c = self.cfg
         ar = torch.arange(L, device=items.device)
@@ -227,6 +239,7 @@ class HSTU(nn.Module):
                 a = layer.scores(q[:, s:e], k, rab)
                 a = a * mm[:, None] / mm.sum(-1)[:, None, :, None]
                 outs.append(torch.einsum("bhqk,bkhd->bqhd", a, v).flatten(2))
+                yield
             x = layer.output(x, u, torch.cat(outs, 1))
         return PrefixKV(ks, vs, ts, lengths)
 
@@ -266,8 +279,26 @@ class HSTU(nn.Module):
     @torch.no_grad()
     def prefix_forward(self, items, ts, lengths) -> PrefixKV:
         """History only (causal) -> per-layer K, V. Cost O(L^2) per layer; run once per user request."""
+        steps = self.prefix_forward_steps(items, ts, lengths)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefix_forward_steps(self, items, ts, lengths):
+        """prefix_forward as a generator (no grad): yields between attention chunks, returns the PrefixKV.
+        Raises ValueError (at the first next()) on bad input."""
         self.check(items, lengths)
-        kv = self._prefix(items, ts, lengths)
+        steps = self.prefix_steps(items, ts, lengths)
+        while True:
+            with torch.no_grad():         # grad mode only around the compute, not across the yield
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    kv = done.value
+                    break
+            yield
         return PrefixKV([t.contiguous() for t in kv.k], [t.contiguous() for t in kv.v], ts.clone(), lengths.clone())
 
     @torch.no_grad()

@@ -160,6 +160,16 @@ class RelayClient:
             return msg.scores.to_numpy().copy(), msg.prefix_source, inst
         raise RuntimeError("no live ranking instance")
 
+    async def warm_up(self, items, ts, cands, timeout_s: float = 120.0) -> None:
+        """One ranking request on every instance directly (first-call initialisation off the clock).
+        Uses user id -1, so no user's cache or affinity is touched."""
+        for inst, ch in list(self.channels.items()):
+            rid = f"warm-{next(self.ids)}@{inst}"
+            fut = self.pending[rid] = asyncio.get_running_loop().create_future()
+            await ch.send(Rank(request_id=rid, user_id=-1, item_ids=[int(i) for i in items],
+                               timestamps=[int(t) for t in ts], candidate_ids=[int(c) for c in cands]))
+            await asyncio.wait_for(fut, timeout_s)
+
     async def close(self) -> None:
         for ch in list(self.channels.values()):
             try:

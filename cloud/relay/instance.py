@@ -57,17 +57,18 @@ class PreInferJob:
         self.inst, self.key, self.items, self.ts, self.reserved = inst, key, items, ts, reserved
         self.state, self.event = "queued", threading.Event()
 
-    def __call__(self) -> None:
+    def steps(self):
+        """Generator: the chunked pre-inference (yields between attention chunks), then the pool put."""
         inst = self.inst
         with inst.lock:
             if self.state != "queued":
                 return
             self.state = "running"
         try:
-            kv = inst.model.prefix_forward(self.items[None], self.ts[None], torch.tensor([len(self.items)]))
+            kv = yield from inst.model.prefix_forward_steps(self.items[None], self.ts[None], torch.tensor([len(self.items)]))
             inst.pool.put(Entry(self.key, kv, self.reserved, inst.clock() + inst.cfg.ttl_s), self.reserved)
             inst.counts["preinfer_done"] += 1
-        except Exception:
+        except BaseException:
             inst.pool.release(self.reserved)
             raise
         finally:
@@ -75,6 +76,11 @@ class PreInferJob:
                 self.state = "done"
                 inst.pending.pop(self.key, None)
             self.event.set()
+
+    def __call__(self) -> None:
+        """Run all steps now."""
+        for _ in self.steps():
+            pass
 
 
 class RankingInstance:
@@ -144,6 +150,17 @@ class RankingInstance:
         if job is not None:
             job()
         return outcome
+
+    def running_job(self, user: int, items, ts) -> PreInferJob | None:
+        """The started (partly computed) pre-inference of this exact history, if any. A server
+        waits for it before queueing the ranking request behind it."""
+        try:
+            items, ts, _ = self._tensors(items, ts)
+        except ValueError:
+            return None
+        with self.lock:
+            job = self.pending.get(history_key(user, items.numpy(), ts.numpy()))
+            return job if job is not None and job.state == "running" else None
 
     # ---- rank ------------------------------------------------------------------------------------
     def rank(self, user: int, items, ts, cands) -> tuple[np.ndarray, str]:

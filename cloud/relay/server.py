@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import hashlib
+import inspect
 import itertools
 import json
 import os
@@ -41,7 +42,9 @@ def fingerprint(path: Path) -> str:
 
 
 class Worker:
-    """One compute thread with a priority queue (0 = rank, 1 = pre-infer), FIFO within a priority."""
+    """One compute thread with a priority queue (0 = rank, 1 = pre-infer), FIFO within a priority.
+    A job returning a generator is stepped; between steps a waiting higher-priority job runs first
+    (chunked pre-inference: a ranking request waits at most one attention chunk)."""
 
     def __init__(self):
         self.q: queue.PriorityQueue = queue.PriorityQueue()
@@ -55,9 +58,20 @@ class Worker:
 
     def _run(self):
         while True:
-            _, _, fn, fut = self.q.get()
+            prio, seq, fn, fut = self.q.get()
             try:
-                fut.set_result(fn())
+                out = fn() if callable(fn) else fn
+                if inspect.isgenerator(out):
+                    try:
+                        while True:
+                            next(out)
+                            if not self.q.empty() and self.q.queue[0][0] < prio:
+                                self.q.put((prio, seq, out, fut))   # resume after the ranking request
+                                break
+                    except StopIteration as done:
+                        fut.set_result(done.value)
+                else:
+                    fut.set_result(out)
             except BaseException as e:  # reported to the awaiting request, never kills the thread
                 fut.set_exception(e)
 
@@ -67,6 +81,9 @@ def make_handler(inst, worker: Worker):
         try:
             if worker.q.qsize() >= MAX_QUEUE:
                 raise OverflowError("ranking instance overloaded")
+            job = inst.running_job(msg.user_id, msg.item_ids, msg.timestamps)
+            if job is not None:   # its prefix is half-way: let the worker finish it, then rank on it
+                await asyncio.to_thread(job.event.wait, 60)
             fut = worker.submit(0, lambda: inst.rank(msg.user_id, msg.item_ids, msg.timestamps, msg.candidate_ids))
             scores, source = await asyncio.wrap_future(fut)
             reply = Scores(request_id=msg.request_id, scores=Tensor.from_numpy(scores), prefix_source=source)
@@ -88,7 +105,7 @@ def make_handler(inst, worker: Worker):
                 try:
                     _, job = inst.submit_pre_infer(msg.user_id, msg.item_ids, msg.timestamps)
                     if job is not None:
-                        worker.submit(1, job)
+                        worker.submit(1, job.steps)
                 except ValueError as e:
                     await channel.send(Error(code=ErrorCode.BAD_REQUEST.value, message=str(e), request_id=msg.request_id))
             elif isinstance(msg, Rank):

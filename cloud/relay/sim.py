@@ -40,6 +40,8 @@ class SimConfig:
     ttl_s: float = 5.0
     dram_window_s: float = 10.0
     reload_gbps: float = 10.0           # DRAM -> HBM copy bandwidth (GB/s) for a reload
+    chunk: int = 256                    # pre-inference query chunk (HSTUConfig.query_chunk)
+    layers: int = 2                     # HSTU layers (pieces = ceil(L / chunk) * (layers - 1))
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
 
 
@@ -48,7 +50,7 @@ class Request:
     t0: float          # retrieval start (s)
     user: int
     length: int        # history events
-
+    session: int = 0   # same session = same history (a returning user); new session = new history
 
 @dataclass
 class _Job:
@@ -60,6 +62,7 @@ class _Job:
     state: str = "queued"
     reserved: int = 0
     waiters: list = field(default_factory=list)
+    pieces: int = 1    # chunked pre-inference: rankings may run between pieces
 
 
 class _Instance:
@@ -85,7 +88,7 @@ class _Instance:
             if job.state == "cancelled":
                 continue
             job.state, self.busy = "running", True
-            self.sim.at(self.sim.now + job.dur, "done", (self, job))
+            self.sim.at(self.sim.now + job.dur / job.pieces, "done", (self, job))
 
 
 class Simulator:
@@ -118,13 +121,13 @@ class Simulator:
             r = requests[i]
             dur = extra_s + (self.lat.cached_ms(r.length, N) if src in ("hbm", "dram") else self.lat.full_ms(r.length, N)) / 1e3
             source[i] = src
-            inst.submit(_Job(0, dur, "rank", i, key=(r.user, r.length)))
+            inst.submit(_Job(0, dur, "rank", i, key=(r.user, r.session)))
 
         while self.events:
             self.now, _, kind, p = heapq.heappop(self.events)
             if kind == "signal":
                 r = requests[p]
-                key = (r.user, r.length)
+                key = (r.user, r.session)
                 if not self.trigger_risk.at_risk(r.length):       # sequence-aware: short ones rank as before
                     counts["trigger_short"] = counts.get("trigger_short", 0) + 1
                     continue
@@ -139,12 +142,15 @@ class Simulator:
                 ok, reason, nbytes = inst.trigger.admit(r.length)
                 counts[f"trigger_{reason}"] = counts.get(f"trigger_{reason}", 0) + 1
                 if ok:
-                    job = _Job(1, self.lat.prefix_ms(r.length) / 1e3, "prefix", p, key=key, reserved=nbytes)
+                    pieces = max(1, -(-r.length // c.chunk) * (c.layers - 1))
+                    job = _Job(1, self.lat.prefix_ms(r.length) / 1e3, "prefix", p, key=key, reserved=nbytes,
+                               pieces=pieces)
+                    job.left = pieces
                     inst.pending[key] = job
                     inst.submit(job)
             elif kind == "rank":
                 r = requests[p]
-                key = (r.user, r.length)
+                key = (r.user, r.session)
                 name, _ = router.route_rank(r.user)
                 inst = insts[name]
                 if mode == "baseline":
@@ -153,7 +159,7 @@ class Simulator:
                 job = inst.pending.get(key)
                 if inst.pool.get(key) is not None:
                     start_rank(inst, p, "hbm")
-                elif job is not None and job.state == "running":
+                elif job is not None and job.state == "running":   # started (maybe between pieces)
                     job.waiters.append(p)               # its prefix is being computed: wait for it
                 elif job is not None:                   # still queued: cancel, rank in full now
                     job.state = "cancelled"
@@ -169,7 +175,10 @@ class Simulator:
                 inst, job = p
                 inst.busy = False
                 r = requests[job.req]
-                if job.kind == "prefix":
+                if job.kind == "prefix" and job.left > 1:      # next piece, after any waiting ranking
+                    job.left -= 1
+                    heapq.heappush(inst.queue, (job.prio, next(self.seq), job))
+                elif job.kind == "prefix":
                     inst.pending.pop(job.key, None)
                     inst.pool.put(Entry(job.key, None, job.reserved, self.now + c.ttl_s), job.reserved)
                     for w in job.waiters:
@@ -203,10 +212,10 @@ def poisson_requests(rate: float, n: int, users: list[int], lengths, rng: np.ran
             prev = [q for q in out[-200:] if q.t0 <= back]
             if prev:
                 q = prev[-1]
-                out.append(Request(t, q.user, q.length))
+                out.append(Request(t, q.user, q.length, q.session))
                 continue
         u = users[int(rng.integers(len(users)))]
-        out.append(Request(t, u, lengths if isinstance(lengths, int) else int(lengths(u))))
+        out.append(Request(t, u, lengths if isinstance(lengths, int) else int(lengths(u)), len(out)))
     return out
 
 

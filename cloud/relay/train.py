@@ -165,6 +165,7 @@ def save(model: HSTU, metrics: dict, path: Path | None = None) -> Path:
 def load(path: Path | None = None) -> tuple[HSTU, dict]:
     """Load the checkpoint -> (model in eval mode, metrics). Raises FileNotFoundError if absent."""
     ck = torch.load(path or checkpoint_path(), map_location="cpu", weights_only=True)
+    ck["config"].pop("query_chunk", None)   # an execution setting, not part of the model
     model = HSTU(HSTUConfig(**ck["config"]))
     model.load_state_dict(ck["state"])
     return model.eval(), ck["metrics"]
