@@ -209,3 +209,23 @@ def test_baseline_instance_never_caches(model, data):
     it, ts = data.items[u], data.ts[u]
     assert inst.pre_infer(u, it, ts) == "disabled"
     assert inst.rank(u, it, ts, [1, 2])[1] == "none" and inst.pool.used == 0 and inst.dram.used == 0
+
+
+def test_worker_runs_ranking_between_pre_inference_chunks():
+    from relayinfer.cloud.relay.server import Worker
+    order = []
+
+    def prefix_job():
+        for i in range(6):
+            time.sleep(0.05)
+            order.append(f"chunk{i}")
+            yield
+        return "kv"
+
+    w = Worker()
+    f_pre = w.submit(1, prefix_job)
+    time.sleep(0.12)                                      # the pre-inference is 2 chunks in
+    f_rank = w.submit(0, lambda: order.append("rank") or "scores")
+    assert f_rank.result(5) == "scores" and f_pre.result(5) == "kv"
+    i = order.index("rank")
+    assert 1 <= i <= 4 and len(order) == 7                # ranked mid-way, pre-inference then resumed

@@ -77,6 +77,30 @@ def test_affinity_then_fallback_when_instance_removed(cluster):
     run(go())
 
 
+def test_rank_during_running_pre_inference_waits_for_it(cluster):
+    """The ranking request arrives while its prefix is being computed (chunked): the instance
+    finishes the prefix and ranks on it (source hbm), scores equal full inference."""
+    data, model, procs = cluster
+    p = next(p for p in procs if p.proc.poll() is None)
+
+    async def go():
+        client = await RelayClient.connect({p.name: p.url}, p.fingerprint)
+        u = data.users[20]
+        it, ts = extend_history(data, u, 2500, np.random.default_rng(3))
+        cands = np.arange(100, 140)
+        await client.pre_infer(u, it, ts)
+        await asyncio.sleep(0.1)
+        s, src, _ = await client.rank(u, it, ts, cands)
+        await client.close()
+        return u, it, ts, cands, s, src
+
+    u, it, ts, cands, s, src = run(go())
+    ref = model.score(torch.from_numpy(it)[None], torch.from_numpy(ts)[None], torch.tensor([len(it)]),
+                      torch.from_numpy(cands)[None]).detach().numpy()[0]
+    assert src == "hbm"
+    np.testing.assert_allclose(s, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_malformed_frame_does_not_kill_instance(cluster):
     from websockets.asyncio.client import connect
     data, _, procs = cluster
