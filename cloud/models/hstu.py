@@ -151,6 +151,7 @@ class HSTU(nn.Module):
 
     # ---- helpers -------------------------------------------------------------------------------
     def check(self, items: torch.Tensor, lengths: torch.Tensor, cands: torch.Tensor | None = None):
+        """Raise ValueError on empty histories, bad lengths or item ids outside 1..num_items."""
         if items.ndim != 2 or items.shape[1] == 0 or bool((lengths < 1).any()):
             raise ValueError("empty history: every request needs at least one history event")
         if bool((lengths > items.shape[1]).any()):
@@ -168,6 +169,7 @@ class HSTU(nn.Module):
 
     # ---- one pass over history + candidates (the reference) -----------------------------------
     def forward(self, items, ts, lengths, cands):
+        """One pass over [history; candidates] with the target-aware mask (the reference). (B, N)."""
         self.check(items, lengths, cands)
         B, L = items.shape
         N = cands.shape[1]
@@ -313,5 +315,6 @@ class HSTU(nn.Module):
         return self._rank(kv, cands)
 
     def describe(self) -> dict:
+        """Config, KV bytes per token and parameter count."""
         return {**asdict(self.cfg), "kv_bytes_per_token": kv_bytes_per_token(self.cfg),
                 "params": sum(p.numel() for p in self.parameters())}

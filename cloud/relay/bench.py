@@ -214,6 +214,7 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print) -> di
 
 
 def plot(res: dict, path: Path) -> None:
+    """PNG: ranking P99 (ms, log) vs tail history length per mode, with the budget line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -234,6 +235,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def table(res: dict) -> str:
+    """Markdown tables: benchmark ratios beside the paper's, and HR@10 / NDCG@10 vs popularity."""
     b, r = res["longest_len_meeting_p99"], res["slo_throughput_per_s"]
     q = res["quality"]
     sl = res["seq_len_ratio"]

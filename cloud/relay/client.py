@@ -35,6 +35,7 @@ class InstanceProc:
 
     @property
     def url(self) -> str:
+        """ws:// address of the instance."""
         return f"ws://127.0.0.1:{self.port}"
 
     def stats(self, timeout: float = 5.0) -> dict:
@@ -43,6 +44,7 @@ class InstanceProc:
             return json.loads(r.read())
 
     def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after timeout seconds."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -129,6 +131,8 @@ class RelayClient:
                                                     item_ids=[int(i) for i in items], timestamps=[int(t) for t in ts]))
             self.counts["preinfer_sent"] += 1
             self.placed[int(user)] = inst
+            if len(self.placed) > 100_000:                  # users who never ranked: forget the oldest
+                self.placed.pop(next(iter(self.placed)))
             return inst
         except (KeyError, RelayInferError):
             self._down(inst)
@@ -171,6 +175,7 @@ class RelayClient:
             await asyncio.wait_for(fut, timeout_s)
 
     async def close(self) -> None:
+        """Close every channel (the instances keep running)."""
         for ch in list(self.channels.values()):
             try:
                 await ch.close()

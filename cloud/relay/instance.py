@@ -36,6 +36,7 @@ MAX_CANDS = 4_096
 
 @dataclass
 class InstanceConfig:
+    """Instance settings: byte budgets, lifecycle timeout and reuse window (s), trigger settings."""
     relay: bool = True                  # False: baseline, full inference on the critical path
     hbm_bytes: int = 64 << 20           # prefix pool budget (accounted "HBM")
     dram_bytes: int = 256 << 20         # DRAM tier budget
@@ -45,6 +46,7 @@ class InstanceConfig:
 
 
 def history_key(user: int, items: np.ndarray, ts: np.ndarray) -> tuple[int, str]:
+    """Cache key: (user id, blake2b digest of the exact item ids and timestamps)."""
     d = hashlib.blake2b(np.ascontiguousarray(items, np.int64).tobytes(), digest_size=12)
     d.update(np.ascontiguousarray(ts, np.int64).tobytes())
     return int(user), d.hexdigest()

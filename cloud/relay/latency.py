@@ -37,12 +37,15 @@ class LatencyModel:
         return float(max(0.01, np.dot(getattr(self, kind), [f for f in _feats(kind, L, N)])))
 
     def full_ms(self, L: int, N: int) -> float:
+        """Predicted full ranking time (ms) for L history events and N candidates."""
         return self._eval("full", L, N)
 
     def prefix_ms(self, L: int) -> float:
+        """Predicted pre-inference time (ms) of an L-event prefix."""
         return self._eval("prefix", L)
 
     def cached_ms(self, L: int, N: int) -> float:
+        """Predicted ranking time (ms) against a cached L-event prefix."""
         return self._eval("cached", L, N)
 
     @classmethod

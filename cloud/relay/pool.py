@@ -40,6 +40,7 @@ class HBMPool:
         self.lock = threading.RLock()
 
     def reserve(self, nbytes: int) -> bool:
+        """Book nbytes (bytes) for a coming entry; False (nothing booked) if it would exceed capacity."""
         with self.lock:
             if self.used + self.reserved + nbytes > self.capacity:
                 return False
@@ -48,6 +49,7 @@ class HBMPool:
             return True
 
     def release(self, nbytes: int) -> None:
+        """Give back a reservation that will not be put (cancelled or failed pre-inference)."""
         with self.lock:
             self.reserved -= nbytes
 
@@ -65,11 +67,13 @@ class HBMPool:
             self.peak = max(self.peak, self.used + self.reserved)
 
     def get(self, key: Hashable) -> Entry | None:
+        """The live entry for key (expired entries are dropped first), else None."""
         with self.lock:
             self.expire()
             return self.entries.get(key)
 
     def pop(self, key: Hashable) -> Entry | None:
+        """Remove and return the entry for key (its bytes are freed), else None."""
         with self.lock:
             e = self.entries.pop(key, None)
             if e is not None:

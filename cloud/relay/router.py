@@ -19,6 +19,7 @@ from typing import Callable
 
 
 def h64(s: str) -> int:
+    """64-bit blake2b hash of a string (stable across processes, unlike hash())."""
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
 
 
@@ -40,12 +41,14 @@ class Router:
             self.add(i)
 
     def add(self, inst: str) -> None:
+        """Put an instance on the ring (vnodes points)."""
         with self.lock:
             self.load.setdefault(inst, 0)
             for v in range(self.vnodes):
                 bisect.insort(self.ring, (h64(f"{inst}#{v}"), inst))
 
     def remove(self, inst: str) -> None:
+        """Take an instance off the ring; its users are re-routed on their next request."""
         with self.lock:
             self.ring = [r for r in self.ring if r[1] != inst]
             self.load.pop(inst, None)

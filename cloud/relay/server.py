@@ -77,6 +77,7 @@ class Worker:
 
 
 def make_handler(inst, worker: Worker):
+    """The per-connection protocol handler of a RankingInstance."""
     async def handle_rank(channel: ServerChannel, msg: Rank):
         try:
             if worker.q.qsize() >= MAX_QUEUE:
@@ -124,6 +125,7 @@ def make_handler(inst, worker: Worker):
 
 
 async def amain(args) -> None:
+    """Load the checkpoint and latency model, serve until stopped (see the module docstring)."""
     from relayinfer.cloud.relay.instance import InstanceConfig, RankingInstance
     from relayinfer.cloud.relay.latency import LatencyModel
     from relayinfer.cloud.relay.train import load
@@ -158,6 +160,7 @@ async def amain(args) -> None:
 
 
 def main(argv=None) -> None:
+    """Command-line entry point."""
     from relayinfer.cloud.relay.train import checkpoint_path
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=0)

@@ -31,6 +31,8 @@ from relayinfer.cloud.relay.trigger import Trigger, TriggerConfig
 
 @dataclass
 class SimConfig:
+    """Cascade settings: instances, retrieval + pre-processing delay (ms), candidates, per-instance byte
+    budgets, prefix bytes per token, lifecycle / reuse windows (s), reload bandwidth, trigger."""
     instances: int = 4
     delay_ms: float = 150.0             # retrieval + pre-processing before ranking
     n_cands: int = 100
@@ -47,6 +49,7 @@ class SimConfig:
 
 @dataclass
 class Request:
+    """One user request entering retrieval."""
     t0: float          # retrieval start (s)
     user: int
     length: int        # history events
@@ -101,6 +104,9 @@ class Simulator:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
     def run(self, requests: list[Request], mode: str) -> dict:
+        """Simulate `requests` in mode "baseline" or "relay" (ValueError otherwise). Returns
+        {"latency_ms": (n,) ranking latencies, "counts": trigger / prefix-source counters,
+        "hbm_peak_bytes": max pool footprint over instances, "preinfer_tokens": admitted tokens}."""
         if mode not in ("baseline", "relay"):
             raise ValueError(f"unknown mode {mode!r}")
         c = self.cfg
@@ -220,4 +226,5 @@ def poisson_requests(rate: float, n: int, users: list[int], lengths, rng: np.ran
 
 
 def p99(lat_ms: np.ndarray) -> float:
+    """99th percentile (ms)."""
     return float(np.percentile(lat_ms, 99))

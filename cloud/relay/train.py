@@ -36,11 +36,13 @@ def cache_dir() -> Path:
 
 
 def checkpoint_path() -> Path:
+    """<cache_dir>/relay/hstu_ml100k.pt"""
     return cache_dir() / "relay" / "hstu_ml100k.pt"
 
 
 @dataclass
 class TrainConfig:
+    """Training settings (steps, users per step, negatives and cut points per window, window length)."""
     steps: int = 500
     batch: int = 64
     negatives: int = 31         # per cut point

@@ -19,6 +19,7 @@ from relayinfer.cloud.relay.pool import HBMPool
 
 @dataclass
 class TriggerConfig:
+    """Budget (ms), risk threshold (fraction of the budget), candidates per request, token budget."""
     budget_ms: float = 200.0        # ranking P99 budget
     risk_fraction: float = 0.5      # at risk if predicted full ranking ms > risk_fraction * budget_ms
     n_cands: int = 100              # candidates expected per ranking request
@@ -43,9 +44,11 @@ class Trigger:
         self.t_last = now
 
     def at_risk(self, length: int) -> bool:
+        """Would full ranking of a `length`-event history take more than risk_fraction * budget_ms?"""
         return self.predict(length, self.cfg.n_cands) > self.cfg.risk_fraction * self.cfg.budget_ms
 
     def admit(self, length: int) -> tuple[bool, str, int]:
+        """Decide one pre-inference of `length` tokens (see the class docstring)."""
         if not self.at_risk(length):
             reason = "short"
         else:
