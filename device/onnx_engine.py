@@ -62,7 +62,7 @@ class OnnxEngine:
         if not onnx_file.is_file() or not (d / "config.json").is_file():
             hint = " --quantize int8" if quantize else ""
             raise ModelFileError(f"no exported device model at {onnx_file}; run `relayinfer export{hint}`")
-        self.model_dir, self.onnx_file = d, onnx_file
+        self.model_dir, self.onnx_file, self.threads = d, onnx_file, threads
         self.cfg = ModelConfig.from_json((d / "config.json").read_text())
         self.context_length, self.eos_id = self.cfg.context_length, self.cfg.eos_id
         self.manifest = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").is_file() else {}

@@ -8,7 +8,8 @@ arrive at the device's decode speed. The controller releases token k at
 so a buffer of cloud tokens is spread out evenly instead of dumped, and the time it buys covers the
 device's catch-up prefill (P/D-Device, the "speed controller" of the paper; interval chosen by the
 settings algorithm, else the target TPOT). The first token is shown as soon as it is ready (TTFT).
-A *stall* is a gap between two shown tokens longer than `stall_factor` x the target TPOT.
+A *stall* is a gap between two shown tokens longer than `stall_factor` x the pace in use (the
+target TPOT, or the interval when the settings algorithm had to choose a slower one).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class SpeedController:
         target_tpot_ms: the TPOT the user should see (ms per token).
         interval_ms: the current release interval (defaults to the target; the settings algorithm
             may set it lower or higher during a request).
-        stall_factor: a gap above stall_factor x target_tpot_ms counts as a stall.
+        stall_factor: a gap above stall_factor x max(target_tpot_ms, interval_ms) counts as a stall.
     """
 
     target_tpot_ms: float = 50.0
@@ -60,5 +61,5 @@ class SpeedController:
             "ttft_ms": (self.shown_ms[0] - start_ms) if self.shown_ms else float("nan"),
             "tpot_ms_p50": float(np.median(g)) if g.size else 0.0,
             "tpot_ms_max": float(g.max()) if g.size else 0.0,
-            "stalls": int((g > self.stall_factor * self.target_tpot_ms).sum()),
+            "stalls": int((g > self.stall_factor * max(self.target_tpot_ms, self.interval_ms)).sum()),
         }

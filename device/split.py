@@ -30,9 +30,10 @@ from typing import Callable, Sequence
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
 from relayinfer.protocol.errors import RelayInferError
-from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Stop, Token
+from relayinfer.protocol.messages import Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop, Token
 from relayinfer.protocol.refine import system_prefix_len
 
+from .settings import Timing, choose_settings
 from .speed import SpeedController
 
 MODES = ("split", "device-only", "cloud-only")
@@ -60,6 +61,7 @@ class GenerationResult:
     cloud_streamed: tokens the cloud sent, including ones computed after the hand-off and dropped.
     device_prefill_ms: wall ms from the device's first prefill call to the hand-off (prompt +
     catch-up). device_prompt_tokens: prompt tokens the device prefilled (fewer with refinement).
+    cloud_budget / budget_extensions / interval_ms: the settings used (see `device.settings`).
     fault: None, 'cloud-unreachable', 'cloud-refused', 'connection-lost' or 'device-too-slow'.
     """
 
@@ -78,6 +80,9 @@ class GenerationResult:
     cloud_streamed: int = 0
     device_prefill_ms: float = 0.0
     device_prompt_tokens: int = 0
+    cloud_budget: int | None = None
+    budget_extensions: int = 0
+    interval_ms: float = 0.0
     fault: str | None = None
     error: str | None = None
 
@@ -88,14 +93,16 @@ class GenerationResult:
 @dataclass
 class SplitOptions:
     """mode: one of MODES. target_tpot_ms: pace shown to the user. cloud_budget: most tokens the
-    cloud may stream (None = until the device takes over). connect_timeout_s: handshake bound.
+    cloud may stream: 'auto' (the settings algorithm, `device.settings`, chooses it and the display
+    interval from the device timing and the cloud estimates, and extends it during the request if
+    needed), an int, or None (until the device takes over). connect_timeout_s: handshake bound.
     prefill_chunk: prompt tokens per device prefill call. refine: keep ratio of prompt refinement
     (None = off): the device prefills the system turn at once, then only the prompt tokens the
     cloud keeps (`RefinedPrompt`, sent right after the first token)."""
 
     mode: str = "split"
     target_tpot_ms: float = 50.0
-    cloud_budget: int | None = None
+    cloud_budget: int | None | str = "auto"
     connect_timeout_s: float = 5.0
     prefill_chunk: int = 256
     refine: float | None = None
@@ -103,6 +110,28 @@ class SplitOptions:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+
+
+@dataclass
+class CloudEstimate:
+    """Running estimates of the cloud as this device sees it (ms): TTFT = ttft_base_ms +
+    prefill_ms_per_token * prompt tokens (round trip included), and TPOT. Updated after each
+    request by exponential averaging; the defaults are deliberately pessimistic."""
+
+    ttft_base_ms: float = 150.0
+    prefill_ms_per_token: float = 1.0
+    tpot_ms: float = 40.0
+    alpha: float = 0.5
+
+    def ttft_ms(self, prompt_tokens: int) -> float:
+        return self.ttft_base_ms + self.prefill_ms_per_token * prompt_tokens
+
+    def update(self, prompt_tokens: int, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        if ttft_ms is not None:
+            per_token = max(0.0, (ttft_ms - self.ttft_base_ms) / max(prompt_tokens, 1))
+            self.prefill_ms_per_token += self.alpha * (per_token - self.prefill_ms_per_token)
+        if tpot_ms is not None:
+            self.tpot_ms += self.alpha * (tpot_ms - self.tpot_ms)
 
 
 class SplitSession:
@@ -115,14 +144,19 @@ class SplitSession:
         fingerprint: sha256 of the model file, checked by the cloud at handshake.
         token: bearer token for the cloud, if it needs one.
         executor: the single thread that runs ONNX Runtime (shared by sessions of one client).
+        device_timing: (prefill ms base, prefill ms per token, decode ms per token) of this device,
+            for the settings algorithm (`cloud_budget='auto'`); None turns the algorithm off.
+        cloud: the client's running cloud estimates, updated after the request.
     """
 
     def __init__(self, engine, tokenizer, cloud_url: str | None, fingerprint: str, token: str | None = None,
-                 options: SplitOptions | None = None, executor: ThreadPoolExecutor | None = None):
+                 options: SplitOptions | None = None, executor: ThreadPoolExecutor | None = None,
+                 device_timing: tuple[float, float, float] | None = None, cloud: CloudEstimate | None = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.cloud_url, self.fingerprint, self.token = cloud_url, fingerprint, token
         self.opt = options or SplitOptions()
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-model")
+        self.device_timing, self.cloud = device_timing, cloud or CloudEstimate()
 
     async def run(self, prompt_ids: Sequence[int], params: SamplingParams,
                   on_token: Callable[[TokenEvent], None] | None = None) -> GenerationResult:
@@ -157,6 +191,11 @@ class _Run:
         self.device_prefill_ms = 0.0
         self.device_prompt_tokens = len(prompt)  # fewer once a refined prompt is used
         self.channel = None
+        self.budget: int | None = None
+        self.auto = False
+        self.device_idle = False
+        self.extended = 0
+        self.device_prompt_est = len(prompt)
         self.refine_wanted = False
         self.kept: list[int] | None = None
         self.got_refined = asyncio.Event()
@@ -178,14 +217,57 @@ class _Run:
             self.complete, self.finish_reason = True, reason or "length"
         self.changed.set()
 
+    def timing(self, device_prompt: int, scale: float = 1.0, ttft_ms: float | None = None,
+               tpot_ms: float | None = None) -> Timing:
+        a, b, d = self.s.device_timing
+        c = self.s.cloud
+        return Timing(a * scale, b * scale, d, ttft_ms if ttft_ms is not None else c.ttft_ms(len(self.prompt)),
+                      tpot_ms if tpot_ms is not None else c.tpot_ms)
+
+    def plan(self) -> None:
+        """Initial settings: cloud budget and display interval (settings algorithm)."""
+        opt = self.s.opt
+        self.budget = opt.cloud_budget if opt.cloud_budget != "auto" else None
+        self.auto = opt.cloud_budget == "auto" and self.s.device_timing is not None and self.mode == "split"
+        if not self.auto:
+            return
+        n = len(self.prompt)
+        self.device_prompt_est = max(1, int(n * opt.refine)) if opt.refine else n
+        st = choose_settings(self.timing(self.device_prompt_est), self.device_prompt_est, self.params.max_new_tokens,
+                             opt.target_tpot_ms)
+        self.speed.interval_ms = st.interval_ms
+        self.budget = st.cloud_budget
+        self.device_idle = st.cloud_budget is None  # cannot catch up: the cloud streams to the end
+
+    async def replan(self, prompt_done_ms: float) -> None:
+        """After the device's prompt prefill: re-estimate with what was measured; extend the budget."""
+        if not self.auto or self.budget is None or self.channel is None or not self.ready_ms:
+            return
+        a, b, _ = self.s.device_timing
+        predicted = a + b * self.device_prompt_est
+        scale = max(1.0, prompt_done_ms / predicted) if predicted > 0 else 1.0
+        n = len(self.ready_ms)
+        tpot = (self.ready_ms[-1] - self.ready_ms[0]) / (n - 1) if n > 1 else None
+        st = choose_settings(self.timing(self.device_prompt_est, scale, self.ready_ms[0], tpot), self.device_prompt_est,
+                             self.params.max_new_tokens, self.s.opt.target_tpot_ms, margin=0.1)
+        want = st.cloud_budget if st.cloud_budget is not None else self.params.max_new_tokens
+        if want > self.budget:
+            self.budget = want
+            self.extended += 1
+            try:
+                await self.channel.send(ExtendBudget(self.request_id, want))
+            except RelayInferError:
+                pass
+
     async def go(self) -> GenerationResult:
         self.t0 = time.perf_counter()
+        self.plan()
         if self.mode != "device-only":
             await self.connect()
         tasks = [asyncio.create_task(self.display())]
         if self.channel is not None:
             tasks.append(asyncio.create_task(self.receive()))
-        if self.mode != "cloud-only":
+        if self.mode != "cloud-only" and not (self.device_idle and self.channel is not None):
             tasks.append(asyncio.create_task(self.device()))
         try:
             await tasks[0]  # the display ends when the answer is complete and shown
@@ -203,7 +285,7 @@ class _Run:
         try:
             self.channel = await proto_ws.open_channel(s.cloud_url, s.fingerprint, s.token, client="relayinfer-device",
                                                        open_timeout=s.opt.connect_timeout_s)
-            budget = s.opt.cloud_budget if self.mode == "split" else None
+            budget = self.budget if self.mode == "split" else None
             p = self.params
             refine = s.opt.refine if self.mode == "split" else None
             await self.channel.send(Generate(self.request_id, self.prompt, p.max_new_tokens, p.temperature, p.top_p,
@@ -268,6 +350,7 @@ class _Run:
             if self.complete:
                 return  # the cloud finished the answer first
             logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[i:i + chunk], kv)
+        await self.replan((time.perf_counter() - t) * 1e3)
         covered = 0
         while True:  # catch up: prefill every cloud token received so far in one batch
             if self.complete:
@@ -312,7 +395,15 @@ class _Run:
                 self.on_token(ev)
             k += 1
 
+    def learn(self) -> None:
+        """Update the client's cloud estimates from this request's arrivals."""
+        cloud = [t for t, src in zip(self.ready_ms, self.source) if src == "cloud"]
+        if cloud:
+            tpot = (cloud[-1] - cloud[0]) / (len(cloud) - 1) if len(cloud) > 1 else None
+            self.s.cloud.update(len(self.prompt), cloud[0], tpot)
+
     def result(self) -> GenerationResult:
+        self.learn()
         mode = self.mode
         if mode == "split" and self.handoff is None:
             mode = "cloud-only"
@@ -325,4 +416,5 @@ class _Run:
             **self.speed.stats(0.0), cloud_tokens=cloud, device_tokens=len(self.answer) - cloud,
             handoff_index=self.handoff if cloud and len(self.answer) > cloud else None,
             finish_reason=self.finish_reason, prompt_ids=self.prompt, cloud_streamed=self.cloud_streamed,
-            device_prefill_ms=self.device_prefill_ms, device_prompt_tokens=self.device_prompt_tokens, fault=self.fault, error=self.error)
+            device_prefill_ms=self.device_prefill_ms, device_prompt_tokens=self.device_prompt_tokens,
+            cloud_budget=self.budget, budget_extensions=self.extended, interval_ms=self.speed.interval_ms, fault=self.fault, error=self.error)

@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
-from relayinfer.device.split import GenerationResult, SplitOptions, SplitSession, TokenEvent
+from relayinfer.device.split import CloudEstimate, GenerationResult, SplitOptions, SplitSession, TokenEvent
 from relayinfer.protocol.decoding import SamplingParams
 
 _END = object()
@@ -100,7 +100,9 @@ class Client:
         mode: 'split' (default), 'device-only' or 'cloud-only'.
         threads: ONNX Runtime intra-op threads (device default 1).
         quantize: None or 'int8' device weights.
-        cloud_budget: most tokens the cloud streams per request (None = until the device takes over).
+        cloud_budget: most tokens the cloud streams per request: 'auto' (the settings algorithm
+            chooses it from the device timing and the cloud estimates), an int, or None (until the
+            device takes over).
         profile: device profile ('local', 'phone', a JSON path, or a `DeviceProfile`) pacing the device engine.
         engine: an already loaded device engine to share (tests, load generators); `model`,
             `quantize` and `threads` are then ignored.
@@ -111,7 +113,7 @@ class Client:
 
     def __init__(self, cloud_url: str | None = None, model: str | os.PathLike | None = None,
                  target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int = 1,
-                 quantize: str | None = None, cloud_budget: int | None = None, connect_timeout_s: float = 5.0,
+                 quantize: str | None = None, cloud_budget: int | None | str = "auto", connect_timeout_s: float = 5.0,
                  profile=None, engine=None):
         from relayinfer.sdk.engines import load_engine
 
@@ -129,6 +131,8 @@ class Client:
 
             self.profile = profile if isinstance(profile, DeviceProfile) else load_profile(profile)
             self.engine = PacedEngine(engine, self.profile)
+        self.cloud = CloudEstimate()
+        self._device_timing = None
         self.fingerprint = self.engine.fingerprint
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-model")
 
@@ -143,9 +147,24 @@ class Client:
             if k in sampling:
                 opts[k] = sampling.pop(k)
         params = SamplingParams(**{**sampling, "stop_ids": tuple(sampling.get("stop_ids", ()))})
+        options = SplitOptions(**opts)
+        timing = self.device_timing() if options.cloud_budget == "auto" and options.mode == "split" else None
         session = SplitSession(self.engine, self.tokenizer, self.cloud_url, self.fingerprint, self.token,
-                               SplitOptions(**opts), self._executor)
+                               options, self._executor, timing, self.cloud)
         return lambda on_token: session.run(ids, params, on_token)
+
+    def device_timing(self) -> tuple[float, float, float]:
+        """(prefill ms base, prefill ms per token, decode ms per token) of this device: the local
+        calibration (cached per model, `device.calibrate`), never faster than the profile's pacing."""
+        if self._device_timing is None:
+            from relayinfer.device.calibrate import calibrated
+
+            local = calibrated(self.engine.engine if self.profile else self.engine)
+            p = self.profile
+            self._device_timing = (max(local.prefill_ms_base, p.prefill_ms_base) if p else local.prefill_ms_base,
+                                   max(local.prefill_ms_per_token, p.prefill_ms_per_token) if p else local.prefill_ms_per_token,
+                                   max(local.decode_ms_per_token, p.decode_ms_per_token) if p else local.decode_ms_per_token)
+        return self._device_timing
 
     def generate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> Stream:
         """Start generating; returns a `Stream` of `TokenEvent`s (its `.result` once exhausted).

@@ -105,7 +105,7 @@ def test_cloud_unreachable_falls_back_to_device(onnx_engine, chat_prompt_ids, re
     with socket.socket() as s:  # a loopback port with nobody listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    c = Client(cloud_url=f"ws://127.0.0.1:{port}", engine=onnx_engine, connect_timeout_s=2.0)
+    c = Client(cloud_url=f"ws://127.0.0.1:{port}", engine=onnx_engine, connect_timeout_s=2.0, cloud_budget=None)
     res = c.complete(chat_prompt_ids[0], max_new_tokens=MAX_NEW)
     assert res.mode == "device-only" and res.fault == "cloud-unreachable" and res.token_ids == reference[0]
 
@@ -137,11 +137,33 @@ def test_connection_lost_mid_stream_device_completes(torch_engine, onnx_engine, 
     with ServiceThread(svc, http_port=None) as running:
         # prefill takes seconds on this device: the crash comes long before it could take over
         c = Client(cloud_url=running.url, engine=onnx_engine, profile=DeviceProfile("slower", prefill_ms_per_token=80.0),
-                   target_tpot_ms=30.0)
+                   target_tpot_ms=30.0, cloud_budget=None)
         res = c.complete(chat_prompt_ids[1], max_new_tokens=MAX_NEW)
     assert res.fault == "connection-lost" and res.mode == "split"
     assert res.token_ids == reference[1]
     assert 1 <= res.cloud_tokens <= 3 and res.device_tokens == len(res.token_ids) - res.cloud_tokens
+
+
+def test_auto_settings_hand_off_and_refinement(cloud, onnx_engine, chat_prompt_ids, reference):
+    """The settings algorithm picks the budget; refinement makes the device prefill fewer tokens."""
+    c = client(cloud, onnx_engine, cloud_budget="auto", target_tpot_ms=60.0,
+               profile=DeviceProfile("test", prefill_ms_per_token=20.0))
+    res = c.complete(chat_prompt_ids[0], max_new_tokens=64)
+    assert res.token_ids[: len(reference[0])] == reference[0]
+    assert res.mode == "split" and res.cloud_budget is not None and res.interval_ms >= 60.0
+    assert res.cloud_tokens <= res.cloud_budget
+    refined = c.complete(chat_prompt_ids[0], max_new_tokens=MAX_NEW, refine=0.5, cloud_budget=BUDGET)
+    n = len(chat_prompt_ids[0])
+    assert refined.mode == "split" and refined.device_prompt_tokens < n
+    assert refined.token_ids[: refined.handoff_index] == reference[0][: refined.handoff_index]
+
+
+def test_auto_settings_fall_back_to_cloud_when_device_cannot_catch_up(cloud, onnx_engine, chat_prompt_ids, reference):
+    hopeless = DeviceProfile("hopeless", prefill_ms_per_token=500.0)  # per-token prefill > display interval
+    c = client(cloud, onnx_engine, profile=hopeless, cloud_budget="auto")
+    res = c.complete(chat_prompt_ids[1], max_new_tokens=12)
+    assert res.mode == "cloud-only" and res.fault == "device-too-slow" and res.cloud_budget is None
+    assert res.token_ids == reference[1][:12] and res.device_prefill_ms == 0.0
 
 
 def test_device_slower_than_answer_cloud_streams_to_end(cloud, onnx_engine, chat_prompt_ids, reference):

@@ -1,0 +1,65 @@
+"""The settings algorithm on simulated timelines (hypothesis) and the speed controller."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from relayinfer.device.settings import Timing, choose_settings, handoff_time, simulate
+from relayinfer.device.speed import SpeedController
+
+timings = st.builds(
+    Timing,
+    prefill_ms_base=st.floats(0, 200),
+    prefill_ms_per_token=st.floats(0.5, 40),
+    decode_ms_per_token=st.floats(5, 80),
+    cloud_ttft_ms=st.floats(30, 2000),
+    cloud_tpot_ms=st.floats(5, 60),
+)
+cases = dict(t=timings, prompt=st.integers(8, 2048), answer=st.integers(16, 256), target=st.floats(20, 100))
+
+
+@settings(max_examples=150, deadline=None)
+@given(**cases)
+def test_no_stall_when_profile_is_exact(t, prompt, answer, target):
+    s = choose_settings(t, prompt, answer, target)
+    sim = simulate(t, prompt, answer, s.cloud_budget, s.interval_ms, target)
+    assert sim["stalls"] == 0 and sim["late"] == 0
+    assert s.interval_ms >= target and sim["tpot_max_ms"] <= s.interval_ms + 1e-6
+    if s.cloud_budget is not None:
+        assert 1 <= s.cloud_budget < answer and sim["handoff"] == s.cloud_budget
+    else:  # cloud to the end only when the device could not catch up within the answer
+        assert t.prefill_ms_per_token >= s.interval_ms or handoff_time(t, prompt, answer) > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(**cases, device_err=st.sampled_from([0.8, 1.2]), cloud_err=st.sampled_from([0.8, 1.0, 1.2]))
+def test_bounded_stalls_when_profile_is_off_by_20_percent(t, prompt, answer, target, device_err, cloud_err):
+    s = choose_settings(t, prompt, answer, target)
+    truth = t.scaled(device=device_err, cloud=cloud_err)
+    sim = simulate(truth, prompt, answer, s.cloud_budget, s.interval_ms, target)
+    assert sim["stalls"] <= 1  # at most the one wait for a late hand-off
+
+
+def test_budget_is_the_fewest_tokens_that_fit():
+    t = Timing(0.0, 16.67, 52.6, cloud_ttft_ms=150.0, cloud_tpot_ms=20.0)  # phone-class device
+    s = choose_settings(t, 512, 256, 60.0, margin=0.0)
+    assert s.interval_ms == 60.0
+    # closed form of the docstring, one batch: N >= (D0 + a - T) / (I - b)
+    bound = (16.67 * 512 - 150.0) / (60.0 - 16.67)
+    assert abs(s.cloud_budget - bound) <= 2
+    assert simulate(t, 512, 256, s.cloud_budget - 1, 60.0, 60.0)["late"] > 0  # one fewer is too few
+
+
+def test_device_that_cannot_catch_up_gets_cloud_to_the_end():
+    t = Timing(0.0, 80.0, 40.0, cloud_ttft_ms=100.0, cloud_tpot_ms=20.0)  # prefill 80 ms/token > interval
+    s = choose_settings(t, 100, 64, 50.0)
+    assert s.cloud_budget is None and s.handoff_ms is None
+
+
+def test_speed_controller_paces_and_counts_stalls():
+    sc = SpeedController(target_tpot_ms=50.0)
+    for ready in [100.0, 101.0, 102.0, 103.0, 400.0, 401.0]:  # a burst, then a late token
+        sc.shown(sc.release_at(ready))
+    assert sc.shown_ms == [100.0, 150.0, 200.0, 250.0, 400.0, 450.0]
+    st_ = sc.stats(0.0)
+    assert st_["ttft_ms"] == 100.0 and st_["tpot_ms_p50"] == 50.0 and st_["tpot_ms_max"] == 150.0
+    assert st_["stalls"] == 1
