@@ -220,6 +220,58 @@ def chat(
                    err=True)
 
 
+bench_app = typer.Typer(help="Benchmarks (results under bench/results/).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("split")
+def bench_split(
+    profile: str = typer.Option("phone", help="Device profile: phone, local, or a JSON path."),
+    prompts: int = typer.Option(12, help="Real chitchat prompts, spread over 64..2048 tokens."),
+    out: Optional[str] = typer.Option(None, help="Results JSON; default bench/results/split-<profile>.json."),
+    quick: bool = typer.Option(False, help="Smoke run: few prompts, short answers."),
+    seed: int = typer.Option(0),
+):
+    """Split vs device-only vs cloud-only (and split+refine) on real conversations."""
+    from relayinfer.sdk.bench_split import run_split_bench
+
+    res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed)
+    print(json.dumps(res.get("summary", res), indent=1, default=str))
+
+
+def _relay_app():
+    try:
+        from relayinfer.cloud.relay.cli import relay_app
+    except ImportError:  # torch-free install: the relay needs the [cloud] extra
+        return None
+    return relay_app
+
+
+_relay = _relay_app()
+if _relay is not None:
+    app.add_typer(_relay, name="relay", help="GR relay: HSTU ranking with pre-inferred user prefixes.")
+
+    from relayinfer.cloud.relay.cli import bench as _relay_bench
+
+    bench_app.command("relay", help="The GR relay cascade benchmark (same as `relayinfer relay bench`).")(_relay_bench)
+
+
+@app.command()
+def calibrate(
+    model: Optional[str] = typer.Option(None), threads: int = typer.Option(1),
+    quantize: Optional[str] = typer.Option(None), refresh: bool = typer.Option(True),
+):
+    """Measure this device's prefill fit (a + b*n ms) and decode TPOT; cached for the settings algorithm."""
+    from relayinfer.device.calibrate import calibrated
+    from relayinfer.sdk.engines import load_engine
+
+    try:
+        prof = calibrated(load_engine("onnx", model, quantize, threads), refresh=refresh)
+    except (RelayInferError, ValueError) as e:
+        fail(e)
+    print(json.dumps(prof.__dict__))
+
+
 def main() -> None:  # pragma: no cover
     app()
 
