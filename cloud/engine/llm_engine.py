@@ -1,0 +1,395 @@
+"""The batching engine: requests in, tokens out, one `step()` at a time; plus an asyncio wrapper.
+
+`LLMEngine` ties the pieces together (nano-vllm's `llm_engine.py`): `Scheduler` picks the step's
+tokens, `ModelRunner` computes them on the paged cache, sampling is `protocol.decoding.sample`
+(numpy, seeded per answer position, so a seeded request draws the same tokens here as on
+`TorchEngine` or the device), and `BlockManager` frees/caches blocks. `add_request` and `abort`
+are thread-safe (they go through an inbox drained at the start of each step), so `step()` can run
+on a background thread while an event loop adds and cancels requests: that is `AsyncLLMEngine`.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import AsyncIterator, NamedTuple, Sequence as Seq
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from relayinfer.cloud.models.llama import Llama
+from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
+
+from .block_manager import BlockManager
+from .model_runner import ModelRunner, kv_bytes_per_token
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence, SequenceStatus
+
+
+class StepOutput(NamedTuple):
+    """One generated token: `index` is its answer position (0 = first token); `finish_reason`
+    is None, or 'eos' / 'stop' / 'length' / 'budget' on the request's last token."""
+
+    request_id: str
+    token_id: int
+    index: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Per-request counters: prompt tokens, prompt tokens reused from the prefix cache (summed over
+    admissions), preemptions, generated tokens, queue time / TTFT (s)."""
+
+    num_prompt_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    num_output_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    finish_reason: str | None
+
+
+_MS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineMetrics:
+    """Prometheus metrics of one engine (own `CollectorRegistry` unless one is passed)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.ttft = Histogram("relayinfer_engine_ttft_seconds", "Time to first token", registry=r, buckets=_MS)
+        self.tpot = Histogram("relayinfer_engine_tpot_seconds", "Time per output token after the first",
+                              registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5))
+        self.queue = Histogram("relayinfer_engine_queue_seconds", "Arrival to first scheduling",
+                               registry=r, buckets=_MS)
+        self.batch_seqs = Histogram("relayinfer_engine_batch_size", "Sequences per step", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.batch_tokens = Histogram("relayinfer_engine_batch_tokens", "Tokens per step", registry=r,
+                                      buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048))
+        self.blocks_used = Gauge("relayinfer_engine_kv_blocks_used", "KV blocks referenced", registry=r)
+        self.blocks_cached = Gauge("relayinfer_engine_kv_blocks_cached", "Free KV blocks holding a cached prefix",
+                                   registry=r)
+        self.blocks_total = Gauge("relayinfer_engine_kv_blocks_total", "KV blocks in the cache", registry=r)
+        self.kv_bytes_per_token = Gauge("relayinfer_engine_kv_bytes_per_token",
+                                        "K+V bytes of one token over all layers", registry=r)
+        self.kv_budget_bytes = Gauge("relayinfer_engine_kv_cache_bytes", "KV cache memory (bytes)", registry=r)
+        self.prefix_queries = Counter("relayinfer_engine_prefix_cache_query_tokens",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("relayinfer_engine_prefix_cache_hit_tokens",
+                                   "Prompt tokens reused from the prefix cache", registry=r)
+        self.prefix_hit_rate = Gauge("relayinfer_engine_prefix_cache_hit_rate",
+                                     "hit tokens / query tokens since start", registry=r)
+        self.preemptions = Counter("relayinfer_engine_preemptions", "Sequences preempted (recompute)", registry=r)
+        self.prompt_tokens = Counter("relayinfer_engine_prefill_tokens", "Tokens computed in prefill", registry=r)
+        self.gen_tokens = Counter("relayinfer_engine_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("relayinfer_engine_requests", "Finished requests by reason", ["reason"], registry=r)
+        self.running = Gauge("relayinfer_engine_running", "Running sequences", registry=r)
+        self.waiting = Gauge("relayinfer_engine_waiting", "Waiting sequences", registry=r)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        model: a loaded `Llama`, or anything with a `.model` Llama (e.g. `TorchEngine`).
+        kv_cache_bytes: memory for the KV cache (bytes); blocks = bytes // (block_size *
+            kv_bytes_per_token). Default 256 MiB.
+        block_size: tokens per KV block.
+        max_num_batched_tokens: token budget per step (prefill chunk size bound).
+        max_num_seqs: running sequences at most.
+        enable_prefix_caching: share full blocks across requests with equal token prefixes.
+        registry: Prometheus registry for the metrics (a new one when None).
+    """
+
+    def __init__(self, model, kv_cache_bytes: int = 256 << 20, block_size: int = 16,
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
+                 enable_prefix_caching: bool = True, registry: CollectorRegistry | None = None):
+        self.model: Llama = model if isinstance(model, Llama) else model.model
+        self.cfg = self.model.cfg
+        self.eos_id, self.context_length = self.cfg.eos_id, self.cfg.context_length
+        self.block_size = block_size
+        self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, next(self.model.parameters()).dtype)
+        num_blocks = kv_cache_bytes // (block_size * self.kv_bytes_per_token)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_size} tokens "
+                             f"({self.kv_bytes_per_token} bytes per token)")
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs), self.block_manager)
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.metrics = m = EngineMetrics(registry)
+        m.blocks_total.set(num_blocks)
+        m.kv_bytes_per_token.set(self.kv_bytes_per_token)
+        m.kv_budget_bytes.set(self.runner.nbytes)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats: OrderedDict[str, RequestStats] = OrderedDict()  # finished requests, last 10000
+        self._inbox: list[tuple[str, object]] = []
+        self._lock = threading.Lock()
+        self._preemptions_seen = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    # --- thread-safe request API ----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                    cloud_budget: int | None = None) -> None:
+        """Queue a request. `cloud_budget` caps the tokens generated here (finish reason 'budget'
+        when it, not max_new_tokens, ends the request).
+
+        Raises:
+            PromptTooLongError: prompt + max_new_tokens exceed the context window.
+            ValueError: empty prompt, duplicate live request_id, or the request cannot fit the
+                whole KV cache even alone.
+        """
+        check_prompt(len(prompt_ids), params.max_new_tokens, self.context_length)
+        max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
+        need = -(-(len(prompt_ids) + max_tokens) // self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
+        seq = Sequence(request_id, list(prompt_ids), params, max_tokens)
+        with self._lock:
+            if request_id in self.seqs or any(r == request_id for r, _ in self._inbox):
+                raise ValueError(f"request {request_id!r} is already running")
+            self._inbox.append((request_id, seq))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its KV blocks are freed at the start of the next step. No-op if unknown."""
+        with self._lock:
+            self._inbox.append((request_id, None))
+
+    def set_budget(self, request_id: str, cloud_budget: int) -> None:
+        """Extend/shrink a live request's cloud budget (applied at the next step)."""
+        with self._lock:
+            self._inbox.append((request_id, int(cloud_budget)))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def request_stats(self, request_id: str) -> RequestStats | None:
+        """Counters of a live or finished request (finished ones kept for the last 10000)."""
+        seq = self.seqs.get(request_id)
+        return self._stats_of(seq) if seq is not None else self.stats.get(request_id)
+
+    @staticmethod
+    def _stats_of(s: Sequence) -> RequestStats:
+        return RequestStats(s.num_prompt_tokens, s.prefix_hit_tokens, s.num_preemptions, s.num_output_tokens,
+                            None if s.first_scheduled_s is None else s.first_scheduled_s - s.arrival_s,
+                            None if s.first_token_s is None else s.first_token_s - s.arrival_s, s.finish_reason)
+
+    # --- the step -----------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for rid, item in inbox:
+            if isinstance(item, Sequence):
+                self.seqs[rid] = item
+                self.scheduler.add(item)
+            elif item is None:
+                seq = self.seqs.get(rid)
+                if seq is not None:
+                    self._finish(seq, "abort")
+            else:
+                seq = self.seqs.get(rid)
+                if seq is not None:
+                    seq.max_tokens = min(seq.params.max_new_tokens, item)
+        for seq in list(self.seqs.values()):  # a budget cut below what was already generated
+            if seq.num_output_tokens and seq.num_output_tokens >= seq.max_tokens:
+                self._finish(seq, "budget")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self.seqs[seq.request_id]
+        self.stats[seq.request_id] = self._stats_of(seq)
+        if len(self.stats) > 10000:
+            self.stats.popitem(last=False)
+        self.metrics.finished.labels(reason).inc()
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduling + model step; return the tokens generated in it (at most one per
+        running sequence). Finished and aborted requests have freed their KV blocks on return."""
+        self._drain_inbox()
+        m = self.metrics
+        batch = self.scheduler.schedule()
+        now = time.perf_counter()
+        for s in batch:
+            seq = s.seq
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = now
+                m.queue.observe(now - seq.arrival_s)
+        outputs: list[StepOutput] = []
+        if batch:
+            n_tok = sum(s.n for s in batch)
+            m.batch_seqs.observe(len(batch))
+            m.batch_tokens.observe(n_tok)
+            logits = self.runner.run(batch).cpu().numpy()
+            now = time.perf_counter()
+            li = 0
+            for s in batch:
+                seq = s.seq
+                old = seq.num_computed_tokens
+                seq.num_computed_tokens += s.n
+                self.block_manager.commit(seq, old)
+                if s.start < seq.num_prompt_tokens:
+                    m.prompt_tokens.inc(min(s.start + s.n, seq.num_prompt_tokens) - s.start)
+                if not s.sample:
+                    continue
+                idx = seq.num_output_tokens
+                tok = sample(logits[li], seq.params, idx)
+                li += 1
+                seq.token_ids.append(tok)
+                if seq.first_token_s is None:
+                    seq.first_token_s = now
+                    m.ttft.observe(now - seq.arrival_s)
+                elif seq.last_token_s is not None:
+                    m.tpot.observe(now - seq.last_token_s)
+                seq.last_token_s = now
+                m.gen_tokens.inc()
+                reason = is_stop(tok, self.eos_id, seq.params)
+                if reason is None and seq.num_output_tokens >= seq.max_tokens:
+                    reason = "length" if seq.max_tokens >= seq.params.max_new_tokens else "budget"
+                outputs.append(StepOutput(seq.request_id, tok, idx, reason))
+                if reason:
+                    self._finish(seq, reason)
+        new_pre = self.scheduler.num_preemptions - self._preemptions_seen
+        if new_pre:
+            m.preemptions.inc(new_pre)
+            self._preemptions_seen = self.scheduler.num_preemptions
+        self._update_gauges()
+        return outputs
+
+    def _update_gauges(self) -> None:
+        m, bm = self.metrics, self.block_manager
+        m.blocks_used.set(bm.num_used_blocks)
+        m.blocks_cached.set(bm.num_cached_free_blocks)
+        m.running.set(len(self.scheduler.running))
+        m.waiting.set(len(self.scheduler.waiting))
+
+    def generate(self, prompts: list[Seq[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline helper: run all `prompts` to completion as one batch; generated ids per prompt."""
+        ps = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, ps):
+            self.add_request(rid, p, sp)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                out[o.request_id].append(o.token_id)
+        return [out[r] for r in ids]
+
+
+_END = object()
+
+
+class AsyncLLMEngine:
+    """Runs `LLMEngine.step()` on a background thread and delivers tokens to per-request asyncio
+    queues. Create it inside the event loop that will consume it (or call `start()` there).
+
+        async for out in engine.generate(request_id, prompt_ids, params):  # StepOutput
+            ...
+
+    Leaving the `async for` early (break, task cancelled) aborts the request; `abort(request_id)`
+    ends it from elsewhere (the generator then stops without a final reason).
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            if not eng.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outs = eng.step()
+            except BaseException as e:  # deliver the failure to every waiting request
+                self.error = e
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+                return
+            if outs:
+                self._loop.call_soon_threadsafe(self._deliver, outs)
+
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        for o in outs:
+            q = self._queues.get(o.request_id)
+            if q is not None:
+                q.put_nowait(o)
+
+    def _fail_all(self, e: BaseException) -> None:
+        for q in self._queues.values():
+            q.put_nowait(e)
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                    cloud_budget: int | None = None) -> asyncio.Queue:
+        """Queue a request; returns its queue of `StepOutput` (then `None` if aborted)."""
+        self.start()
+        if self.error is not None:
+            raise RuntimeError("the engine thread failed") from self.error
+        q: asyncio.Queue = asyncio.Queue()
+        self.engine.add_request(request_id, prompt_ids, params, cloud_budget)
+        self._queues[request_id] = q
+        self._wake.set()
+        return q
+
+    def abort(self, request_id: str) -> None:
+        q = self._queues.pop(request_id, None)
+        self.engine.abort(request_id)
+        self._wake.set()
+        if q is not None:
+            q.put_nowait(None)
+
+    def set_budget(self, request_id: str, cloud_budget: int) -> None:
+        self.engine.set_budget(request_id, cloud_budget)
+        self._wake.set()
+
+    async def generate(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                       cloud_budget: int | None = None) -> AsyncIterator[StepOutput]:
+        q = self.add_request(request_id, prompt_ids, params, cloud_budget)
+        finished = False
+        try:
+            while True:
+                o = await q.get()
+                if o is None:
+                    finished = True
+                    return
+                if isinstance(o, BaseException):
+                    finished = True
+                    raise RuntimeError("the engine thread failed") from o
+                yield o
+                if o.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()

@@ -1,0 +1,113 @@
+"""Runs one engine step on the `Llama` weights over a paged KV cache.
+
+All tokens scheduled in a step (prefill chunks of some sequences, one decode token of others) are
+flattened into one [N, dim] activation so every linear layer (Q/K/V/O projections, SwiGLU,
+norms) is one matmul over the whole batch: that is where continuous batching gains on a CPU (the
+weights are read once per step instead of once per sequence). Attention runs per sequence on its
+own keys, gathered from the paged cache through its block table (PagedAttention, Kwon et al.
+SOSP 2023, done here by `index_select` instead of a fused kernel). The per-sequence attention call
+has the same shapes and mask as `Llama.forward` on that sequence alone, so the only numeric
+difference from one-request-at-a-time is the row count of the matmuls.
+
+KV storage: one tensor per layer, float32 [num_blocks, 2, kv_heads, block_size, head_dim]
+(index 0 = K after RoPE, 1 = V). Token position p of a sequence lives in block
+`block_table[p // block_size]` at offset `p % block_size`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from relayinfer.cloud.models.llama import Llama, apply_rope, rope
+from relayinfer.protocol.model_file import ModelConfig
+
+from .scheduler import ScheduledSeq
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """K and V of one token over all layers: 2 * n_layers * kv_heads * head_dim * element size."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the paged KV tensors and executes scheduled batches.
+
+    Args:
+        model: a loaded `Llama` (eval mode); only its submodules are used.
+        num_blocks, block_size: cache geometry (blocks x tokens per block).
+    """
+
+    def __init__(self, model: Llama, num_blocks: int, block_size: int):
+        self.model, self.cfg = model, model.cfg
+        self.num_blocks, self.block_size = num_blocks, block_size
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = self.cfg
+        self.kv = [torch.zeros(num_blocks, 2, cfg.n_kv_heads, block_size, cfg.head_dim, dtype=self.dtype,
+                               device=self.device) for _ in range(cfg.n_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Compute the scheduled tokens, write their K/V to the cache, and return float32 logits
+        [n_sample, vocab] for the last token of each scheduled sequence that samples (`.sample`),
+        in batch order."""
+        m, cfg, bs, dev = self.model, self.cfg, self.block_size, self.device
+        h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        rep = h // kvh
+        ids, pos, blk, off, spans, last_rows, tables = [], [], [], [], [], [], []
+        row = 0
+        for s in batch:
+            seq, a, b = s.seq, s.start, s.start + s.n
+            ids.extend(seq.token_ids[a:b])
+            p = list(range(a, b))
+            pos.extend(p)
+            blk.extend(seq.block_table[q // bs] for q in p)
+            off.extend(q % bs for q in p)
+            spans.append((row, row + s.n, a, b))
+            tables.append(torch.tensor(seq.block_table[: -(-b // bs)], dtype=torch.long, device=dev))
+            row += s.n
+            if s.sample:
+                last_rows.append(row - 1)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        blk_t = torch.tensor(blk, dtype=torch.long, device=dev)
+        off_t = torch.tensor(off, dtype=torch.long, device=dev)
+        cos, sin = rope(pos_t, m.inv_freq)                # [N, hd]
+        cos, sin = cos[:, None], sin[:, None]              # broadcast over heads: [N, 1, hd]
+        masks = [None if (e - r) == 1 else
+                 torch.arange(b, device=dev)[None, :] <= torch.arange(a, b, device=dev)[:, None]
+                 for (r, e, a, b) in spans]                # causal over cached + new keys
+        n = ids_t.shape[0]
+        x = m.embed(ids_t[None])                           # [1, N, dim]
+        for li, layer in enumerate(m.layers):
+            att = layer.attn
+            xn = layer.attn_norm(x)
+            q = att.wq(xn).view(n, h, hd)
+            k = att.wk(xn).view(n, kvh, hd)
+            v = att.wv(xn).view(n, kvh, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache = self.kv[li]
+            cache[blk_t, 0, :, off_t] = k                  # [N, kvh, hd] scattered into slots
+            cache[blk_t, 1, :, off_t] = v
+            outs = []
+            for (r, e, a, b), table, mask in zip(spans, tables, masks):
+                kv = cache.index_select(0, table)          # [nb, 2, kvh, bs, hd]
+                kv = kv.permute(1, 2, 0, 3, 4).reshape(2, kvh, -1, hd)[:, :, :b]
+                t = b
+                ks = kv[0][None, :, None].expand(1, kvh, rep, t, hd).reshape(1, h, t, hd)
+                vs = kv[1][None, :, None].expand(1, kvh, rep, t, hd).reshape(1, h, t, hd)
+                qs = q[r:e].transpose(0, 1)[None]          # [1, h, s, hd]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+                outs.append(o[0].transpose(0, 1).reshape(e - r, h * hd))
+            o = torch.cat(outs) if len(outs) > 1 else outs[0]
+            x = x + att.wo(o[None])
+            hn = layer.ffn_norm(x)
+            x = x + layer.down(F.silu(layer.gate(hn)) * layer.up(hn))
+        if not last_rows:
+            return torch.empty(0, cfg.vocab_size)
+        x = m.norm(x[0, last_rows])
+        return m.lm_head(x).float()

@@ -1,0 +1,82 @@
+"""One request inside the batching engine: its tokens, its progress and its KV block table.
+
+Plain dataclass in the style of nano-vllm's `engine/sequence.py`. A sequence's `token_ids` hold the
+prompt followed by the generated tokens; `num_computed_tokens` of them have their K/V in the paged
+cache. The scheduler hands the model runner `token_ids[num_computed_tokens:...]` (a prefill chunk,
+or the one token sampled last step when decoding), so prefill, chunked prefill, decode and
+recompute after preemption are the same operation: "compute the next n uncomputed tokens".
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from relayinfer.protocol.decoding import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # queued: not admitted yet, or preempted (no KV blocks held)
+    RUNNING = "running"    # holds KV blocks; scheduled at every step until finished
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """State of one request.
+
+    Attributes:
+        request_id: caller's id (unique among live requests).
+        token_ids: prompt ids then generated ids (int).
+        num_prompt_tokens: length of the prompt part of `token_ids`.
+        params: sampling settings; `max_tokens` below is min(params.max_new_tokens, cloud_budget).
+        block_table: KV block ids (ints into the cache's first axis), block i holds token positions
+            [i * block_size, (i + 1) * block_size).
+        num_computed_tokens: leading tokens whose K/V are in the cache.
+        num_cached_tokens: prompt tokens found in the prefix cache at the last admission (not
+            computed); `prefix_hit_tokens` sums them over admissions (recompute after preemption).
+        num_preemptions: times the sequence lost its blocks and went back to the queue.
+        arrival_s / first_scheduled_s / first_token_s / last_token_s: time.perf_counter() seconds.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+    def __post_init__(self):
+        self.token_ids = list(self.token_ids)
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next sample (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
