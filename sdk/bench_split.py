@@ -1,0 +1,297 @@
+"""`relayinfer bench split`: split vs device-only vs cloud-only (and split+refine) on real prompts.
+
+Set-up (one process): the cloud is `CloudService` + `TorchEngine` (CPU, 1 thread) in a
+`ServiceThread`; the device is the real `OnnxEngine` (1 thread) behind `Client`, paced by a device
+profile (`PacedEngine`). Prompts are real chitchat-dataset conversations, chat-templated, spread
+over target lengths 64..2048 tokens. Every mode runs every prompt, greedy, `max_new_tokens` tokens.
+
+Per mode (all times ms, as shown to the user by the speed controller):
+* TTFT p50/p99 over requests; TPOT p50/p99/max over all inter-token gaps of all requests pooled;
+  stalls (gaps > 2x the pace in use, summed); cloud tokens per request (`cloud_streamed`: tokens the
+  cloud sent, dropped ones included); cloud busy ms per request (wall time the cloud held the
+  request: `Generate` received -> `Done` sent, KV cache held; measured in the service); device
+  prefill ms and device prompt tokens (`GenerationResult`).
+* split+refine fidelity against the full-prompt greedy answer (the cloud-only answer, token ids):
+  first-32 agreement (fraction of the first 32 positions with the same token), ROUGE-L F1 (LCS on
+  token ids; compact implementation, no extra dependency), and the log-likelihood ratio: mean
+  per-token log-prob of the reference answer under the refined prompt minus under the full prompt
+  (TorchEngine, all-position logits; 0 = refinement loses nothing, negative = worse).
+* Cloud capacity: virtual devices (`device.virtual`) at increasing Poisson rates against the same
+  cloud; the highest rate with TTFT p99 <= 1 s, cloud-only vs split.
+
+Acceptance (phone profile): split TTFT p50 <= 40% of device-only TTFT p50 on prompts of target
+length >= 512, zero stalls, TPOT max <= 2x target.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+LENGTHS = (64, 128, 256, 512, 1024, 2048)
+MODES = ("device-only", "cloud-only", "split", "split+refine")
+LOAD_LENGTHS = (64, 128)  # virtual-device request mix (see SPLIT.md: the CPU cloud's prefill of longer
+                          # prompts alone exceeds the 1 s TTFT bound)
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def _mean(xs):
+    return float(np.mean(xs)) if len(xs) else None
+
+
+def lcs_len(a, b) -> int:
+    """Length of the longest common subsequence of two sequences (O(len(a)*len(b)))."""
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(cand, ref) -> float:
+    """ROUGE-L F1 (beta = 1) of two token sequences."""
+    if not cand or not ref:
+        return 0.0
+    lcs = lcs_len(cand, ref)
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(cand), lcs / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def mean_logprob(engine, prompt, answer) -> float:
+    """Mean per-token log-prob (nats) of `answer` after `prompt` under the torch engine."""
+    import torch
+
+    ids = list(prompt) + list(answer)
+    kv = engine.new_cache(len(ids) + 8)
+    logits = engine.forward(ids, kv, last_only=False)  # [S, V]
+    lp = torch.log_softmax(logits[len(prompt) - 1:len(ids) - 1], dim=-1)
+    return float(lp[torch.arange(len(answer)), torch.tensor(answer)].mean())
+
+
+def _service_class():
+    from relayinfer.cloud.serve.service import CloudService
+
+    class TimedService(CloudService):
+        """CloudService that records how long it held each request (ms, Generate -> Done sent)."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.busy: dict[str, float] = {}
+
+        async def _run(self, channel, req, requests):
+            t = time.perf_counter()
+            try:
+                await super()._run(channel, req, requests)
+            finally:
+                self.busy[req.msg.request_id] = (time.perf_counter() - t) * 1e3
+
+    return TimedService
+
+
+def _prompts(tokenizer, n: int, seed: int, lengths=LENGTHS) -> list[tuple[int, list[int]]]:
+    """n (target length, ids) pairs, round-robin over `lengths`."""
+    from relayinfer.sdk.datasets import chitchat_prompts_by_length
+
+    per = max(1, math.ceil(n / len(lengths)))
+    ids = chitchat_prompts_by_length(tokenizer, list(lengths), per, seed)
+    by = [(lengths[i // per], ids[i]) for i in range(len(ids))]
+    order = [by[j * per + k] for k in range(per) for j in range(len(lengths))]
+    return sorted(order[:n], key=lambda x: (x[0], len(x[1])))
+
+
+def _run_one(client, svc, ids, mode, max_new, refine):
+    before, before_c = len(svc.busy), len(svc.completed)
+    kw = {"mode": "split" if mode.startswith("split") else mode}
+    if refine:
+        kw["refine"] = refine
+    stream = client.generate(ids, max_new_tokens=max_new, **kw)
+    events = list(stream)
+    r = stream.result
+    time.sleep(0.2)  # let the cloud record the request (Done crosses the client's close)
+    busy = sum(list(svc.busy.values())[before:]) if len(svc.busy) > before else 0.0
+    done = svc.completed[before_c:]
+    return r, events, busy, (done[0].prefill_ms if done else None)
+
+
+def _mode_summary(rows: list[dict], target: float) -> dict:
+    gaps = np.concatenate([np.diff(r["shown_ms"]) for r in rows if len(r["shown_ms"]) > 1] or [np.zeros(0)])
+    long = [r for r in rows if r["target_len"] >= 512]
+    return {
+        "requests": len(rows), "ttft_ms_p50": _pct([r["ttft_ms"] for r in rows], 50),
+        "ttft_ms_p99": _pct([r["ttft_ms"] for r in rows], 99),
+        "ttft_ms_p50_ge512": _pct([r["ttft_ms"] for r in long], 50),
+        "tpot_ms_p50": _pct(gaps, 50), "tpot_ms_p99": _pct(gaps, 99),
+        "tpot_ms_max": float(gaps.max()) if gaps.size else None, "tpot_max_over_target": (float(gaps.max()) / target) if gaps.size else None,
+        "stalls": int(sum(r["stalls"] for r in rows)),
+        "cloud_tokens_per_request": float(np.mean([r["cloud_streamed"] for r in rows])),
+        "cloud_tokens_shown_per_request": float(np.mean([r["cloud_tokens"] for r in rows])),
+        "cloud_busy_ms_per_request": float(np.mean([r["cloud_busy_ms"] for r in rows])),
+        "device_prefill_ms_mean": float(np.mean([r["device_prefill_ms"] for r in rows])),
+        "device_prompt_tokens_mean": float(np.mean([r["device_prompt_tokens"] for r in rows])),
+        "ttft_minus_cloud_prefill_ms_mean": _mean([r["ttft_ms"] - r["cloud_prefill_ms"] for r in rows
+                                                   if r["cloud_prefill_ms"] is not None and r["cloud_tokens"]]),
+        "result_modes": {m: sum(1 for r in rows if r["mode"] == m) for m in {r["mode"] for r in rows}},
+        "faults": {f: sum(1 for r in rows if r["fault"] == f) for f in {r["fault"] for r in rows if r["fault"]}},
+    }
+
+
+def _refine_saving(rows: list[dict]) -> dict | None:
+    """Device prefill saved by refinement, on the prompts where both split and split+refine handed
+    off (device_prefill_ms is 0 when the cloud finished first): 1 - sum(refine) / sum(split), for
+    the wall ms (prompt + catch-up) and for the prompt tokens prefilled."""
+    sp = {r["prompt_idx"]: r for r in rows if r["bench_mode"] == "split" and r["device_prefill_ms"] > 0}
+    rf = {r["prompt_idx"]: r for r in rows if r["bench_mode"] == "split+refine" and r["device_prefill_ms"] > 0}
+    both = sorted(set(sp) & set(rf))
+    if not both:
+        return None
+    tot = lambda d, k: sum(d[i][k] for i in both)  # noqa: E731
+    return {"prompts": len(both), "prompt_tokens": [sp[i]["prompt_tokens"] for i in both],
+            "device_prefill_ms_split": tot(sp, "device_prefill_ms"), "device_prefill_ms_refine": tot(rf, "device_prefill_ms"),
+            "prefill_ms_saving": 1 - tot(rf, "device_prefill_ms") / tot(sp, "device_prefill_ms"),
+            "prompt_token_saving": 1 - tot(rf, "device_prompt_tokens") / tot(sp, "device_prompt_tokens")}
+
+
+def _plots(res: dict, out: Path, timeline: dict | None) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem = out.with_suffix("")
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for mode in MODES:
+        rows = [r for r in res["requests"] if r["bench_mode"] == mode]
+        if rows:
+            ax.plot([r["prompt_tokens"] for r in rows], [r["ttft_ms"] / 1e3 for r in rows], "o-", label=mode)
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (s)",
+           title=f"TTFT by prompt length, profile {res['profile']}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    files.append(f"{stem}-ttft.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    if timeline:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for src, col in (("cloud", "tab:cyan"), ("device", "tab:green")):
+            pts = [(e["index"], e["shown_at_ms"]) for e in timeline["events"] if e["source"] == src]
+            if pts:
+                ax.scatter([p[1] / 1e3 for p in pts], [p[0] for p in pts], s=10, c=col, label=f"{src} ({len(pts)})")
+        ax.set(xlabel="shown at (s since request)", ylabel="answer token index",
+               title=f"split, {timeline['prompt_tokens']}-token prompt: token timeline")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        files.append(f"{stem}-timeline.png")
+        fig.savefig(files[-1], dpi=110)
+        plt.close(fig)
+    return files
+
+
+def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, seed: int = 0,
+                    target_tpot_ms: float = 50.0, max_new_tokens: int = 64, refine: float = 0.5,
+                    capacity: bool = True) -> dict:
+    """Run the benchmark (see the module docstring), write `out` (JSON) and the PNGs beside it,
+    and return the result dict ('summary', 'modes', 'requests', 'fidelity', 'capacity', ...).
+
+    quick: smoke run (2 prompts of 64 and 512 tokens, 16 new tokens, a one-rate capacity check)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.serve.service import ServiceThread
+    from relayinfer.device.virtual import capacity_sweep
+    from relayinfer.protocol.model_file import default_model_path
+    from relayinfer.protocol.refine import WINDOW, refine_indices
+    from relayinfer.sdk import Client
+    from relayinfer.sdk.engines import load_engine
+
+    t_start = time.perf_counter()
+    if quick:
+        prompts, max_new_tokens = min(prompts, 2), 16
+    mp = default_model_path()
+    cloud_engine = TorchEngine(mp, device="cpu", threads=1)
+    device_engine = load_engine("onnx", mp, threads=1)
+    device_engine.warmup()
+    tok = device_engine.tokenizer()
+    plist = _prompts(tok, prompts, seed, (64, 512) if quick else LENGTHS)
+    svc = _service_class()(cloud_engine, cloud_engine.fingerprint)
+    rows, timeline = [], None
+    with ServiceThread(svc, http_port=None) as running:
+        client = Client(cloud_url=running.url, engine=device_engine, profile=profile, target_tpot_ms=target_tpot_ms)
+        client.complete(plist[0][1], max_new_tokens=8)  # warm-up: calibration + first cloud estimates
+        for mode in MODES:
+            for pi, (target, ids) in enumerate(plist):
+                r, events, busy, cpre = _run_one(client, svc, ids, mode, max_new_tokens,
+                                           refine if mode == "split+refine" else None)
+                row = {"bench_mode": mode, "prompt_idx": pi, "target_len": target, "prompt_tokens": len(ids), "cloud_busy_ms": busy,
+                       "cloud_prefill_ms": cpre,
+                       "shown_ms": [e.shown_at_ms for e in events], "sources": "".join(e.source[0] for e in events),
+                       **{k: v for k, v in r.to_dict().items() if k not in ("prompt_ids", "text")}}
+                rows.append(row)
+                if mode == "split" and r.mode == "split" and (timeline is None or target >= 512 > timeline["target"]):
+                    timeline = {"prompt_tokens": len(ids), "target": target, "events": [e.__dict__ for e in events]}
+                print(f"[bench split] {mode:12s} {len(ids):5d} tok: ttft {r.ttft_ms:8.0f} ms  mode {r.mode:11s} "
+                      f"cloud {r.cloud_streamed:3d}  stalls {r.stalls}  tpot max {r.tpot_ms_max:5.0f}", flush=True)
+        cap = {}
+        if capacity:
+            load = [ids for _, ids in _prompts(tok, 2 if quick else 8, seed + 1, LOAD_LENGTHS)]
+            kw = dict(rates=(0.25,) if quick else (0.25, 0.5, 1, 2, 4), duration_s=6 if quick else 16,
+                      max_requests=2 if quick else 12, profile=profile, max_new_tokens=max_new_tokens,
+                      target_tpot_ms=target_tpot_ms, timeout_s=30.0)
+            for mode in ("cloud-only", "split"):
+                cap[mode] = asyncio.run(capacity_sweep(running.url, cloud_engine.fingerprint, load, mode, **kw))
+                print(f"[bench split] capacity {mode}: {cap[mode]['capacity_rps']} rps", flush=True)
+            cap["load_prompt_tokens"] = [len(p) for p in load]
+            c, s = cap["cloud-only"]["capacity_rps"], cap["split"]["capacity_rps"]
+            cap["ratio_split_over_cloud_only"] = (s / c) if c else (None if not s else float("inf"))
+    # fidelity of split+refine against the full-prompt greedy answer (the cloud-only answer)
+    fid = []
+    ref_by = {r["prompt_idx"]: r["token_ids"] for r in rows if r["bench_mode"] == "cloud-only"}
+    for r in (x for x in rows if x["bench_mode"] == "split+refine"):
+        ids, ref = plist[r["prompt_idx"]][1], ref_by[r["prompt_idx"]]
+        _, _, scores = cloud_engine.prefill_scored(ids, WINDOW)
+        kept = [ids[i] for i in refine_indices(scores, ids, refine, svc.special_ids)]
+        n32 = min(32, len(ref))
+        fid.append({"prompt_tokens": len(ids), "kept_tokens": len(kept),
+                    "first32_agreement": sum(a == b for a, b in zip(r["token_ids"][:n32], ref[:n32])) / n32,
+                    "rouge_l_f1": rouge_l(r["token_ids"], ref),
+                    "loglik_ratio": mean_logprob(cloud_engine, kept, ref) - mean_logprob(cloud_engine, ids, ref),
+                    "handoff_index": r["handoff_index"], "result_mode": r["mode"]})
+    modes = {m: _mode_summary([r for r in rows if r["bench_mode"] == m], target_tpot_ms) for m in MODES}
+    sp, do = modes["split"], modes["device-only"]
+    ratio = sp["ttft_ms_p50_ge512"] / do["ttft_ms_p50_ge512"] if do["ttft_ms_p50_ge512"] else None
+    summary = {
+        "profile": profile, "prompts": len(plist), "max_new_tokens": max_new_tokens, "target_tpot_ms": target_tpot_ms,
+        **{f"{m}": {k: modes[m][k] for k in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_max", "stalls",
+                                              "cloud_tokens_per_request", "cloud_busy_ms_per_request")} for m in MODES},
+        "split_ttft_p50_over_device_only_ge512": ratio,
+        "acceptance": {"ttft_ratio_le_0.4": ratio is not None and ratio <= 0.4, "zero_stalls": sp["stalls"] == 0,
+                       "tpot_max_le_2x_target": sp["tpot_ms_max"] is not None and sp["tpot_ms_max"] <= 2 * target_tpot_ms},
+        "refine_device_prefill_saving": _refine_saving(rows),
+        "fidelity_mean": {k: float(np.mean([f[k] for f in fid])) for k in ("first32_agreement", "rouge_l_f1", "loglik_ratio")} if fid else None,
+        "capacity_rps": {m: cap[m]["capacity_rps"] for m in ("cloud-only", "split")} if cap else None,
+        "capacity_ratio_split_over_cloud_only": cap.get("ratio_split_over_cloud_only") if cap else None,
+    }
+    res = {"profile": profile, "summary": summary, "modes": modes, "fidelity": fid, "capacity": cap,
+           "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
+           "setup": {"cloud": "CloudService+TorchEngine cpu 1 thread, in-process ServiceThread",
+                     "device": f"OnnxEngine 1 thread via Client, PacedEngine profile {profile!r}",
+                     "device_timing": list(client.device_timing()), "cores": os.cpu_count(),
+                     "load_avg_1m": os.getloadavg()[0], "wall_s": time.perf_counter() - t_start}}
+    outp = Path(out)
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    res["plots"] = _plots(res, outp, timeline)
+    outp.write_text(json.dumps(res, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    return res

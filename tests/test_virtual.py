@@ -1,0 +1,58 @@
+"""Virtual devices (device/virtual.py) against a real CloudService on loopback: bounded, low-rate load."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from relayinfer.cloud.serve.service import CloudService, ServiceThread
+from relayinfer.device.profiles import DeviceProfile
+from relayinfer.device.virtual import auto_budget, run_load, summarize, VirtualResult
+
+MAX_NEW = 16
+# a device that prefills fast (so it takes over after a few cloud tokens) but decodes slowly
+FAST = DeviceProfile("test-fast", prefill_ms_per_token=0.5, decode_ms_per_token=60.0)
+
+
+@pytest.fixture(scope="module")
+def cloud(torch_engine):
+    svc = CloudService(torch_engine, torch_engine.fingerprint, step_delay_ms=10.0)
+    with ServiceThread(svc, http_port=None) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def short_prompts(tokenizer):
+    return [tokenizer.encode_chat(p) for p in ("Hi there!", "What is your favourite colour?", "Tell me a joke.")]
+
+
+def test_virtual_devices_complete_and_split_streams_fewer_cloud_tokens(cloud, torch_engine, short_prompts):
+    t = time.perf_counter()
+    kw = dict(rate_rps=2.0, duration_s=3.0, max_requests=3, profile=FAST, max_new_tokens=MAX_NEW, seed=1,
+              timeout_s=30.0)
+    co = asyncio.run(run_load(cloud.url, torch_engine.fingerprint, short_prompts, mode="cloud-only", **kw))
+    sp = asyncio.run(run_load(cloud.url, torch_engine.fingerprint, short_prompts, mode="split", **kw))
+    assert time.perf_counter() - t < 60
+    for run in (co, sp):
+        assert 1 <= run["requests"] <= 3 and run["ok"] == run["requests"]
+        assert all(r["ttft_ms"] > 0 and r["cloud_busy_ms"] > 0 for r in run["results"])
+        assert 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"]
+    # cloud-only streams the whole answer (the prompts' answers are longer than MAX_NEW tokens or end on EOS)
+    assert all(1 <= r["cloud_tokens"] <= MAX_NEW and r["handoff"] is None for r in co["results"])
+    # split: the device hands off early (Stop) and the cloud stops streaming
+    assert all(r["handoff"] is not None and r["cloud_tokens"] < MAX_NEW for r in sp["results"])
+    assert sp["cloud_tokens_mean"] < co["cloud_tokens_mean"]
+    assert sp["cloud_busy_ms_mean"] < co["cloud_busy_ms_mean"]
+
+
+def test_auto_budget_and_summary():
+    phone = DeviceProfile("p", prefill_ms_per_token=16.67, decode_ms_per_token=52.6)
+    # short prompt: the device catches up within the answer; long prompt: the cloud streams to the end
+    assert auto_budget(phone, 60, 256, 50.0) is not None and auto_budget(phone, 60, 256, 50.0) < 256
+    assert auto_budget(phone, 2000, 64, 50.0) is None
+    rs = [VirtualResult(10, "split", True, ttft_ms=t, cloud_tokens=2, cloud_busy_ms=100.0) for t in (100, 200, 300)]
+    s = summarize(rs + [VirtualResult(10, "split", False)], 1.0, 10.0, ttft_slo_ms=1000.0)
+    assert s["ok"] == 3 and s["ttft_ms_p50"] == 200 and not s["meets_slo"]  # a failure breaks the SLO
+    assert s["goodput_rps"] == pytest.approx(0.3)
+    assert summarize(rs, 1.0, 10.0)["meets_slo"]
