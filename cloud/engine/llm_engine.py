@@ -128,6 +128,7 @@ class LLMEngine:
         self._inbox: list[tuple[str, object]] = []
         self._lock = threading.Lock()
         self._preemptions_seen = 0
+        self._prefix_hits = self._prefix_queries = 0
 
     @property
     def num_blocks(self) -> int:
@@ -216,6 +217,13 @@ class LLMEngine:
         m = self.metrics
         batch = self.scheduler.schedule()
         now = time.perf_counter()
+        for seq in self.scheduler.admitted:
+            self._prefix_queries += len(seq.token_ids)
+            self._prefix_hits += seq.num_cached_tokens
+            m.prefix_queries.inc(len(seq.token_ids))
+            m.prefix_hits.inc(seq.num_cached_tokens)
+        if self.scheduler.admitted:
+            m.prefix_hit_rate.set(self._prefix_hits / max(1, self._prefix_queries))
         for s in batch:
             seq = s.seq
             if seq.first_scheduled_s is None:

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admitted: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -75,6 +76,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preemptions_before = self.num_preemptions
+        self.admitted: list[Sequence] = []  # sequences admitted (prefix-matched) in this step
         # 1. running sequences, oldest first; preempt from the newest end when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
@@ -106,6 +108,7 @@ class Scheduler:
             seq.prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.admitted.append(seq)
             out.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
         return out

@@ -1,0 +1,184 @@
+"""Continuous-batching engine: greedy equality with one-request-at-a-time `TorchEngine`, prefix
+reuse, preemption under a small KV budget, cancellation, the asyncio wrapper, and the block
+manager's bookkeeping on its own."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import generate_latest
+
+from relayinfer.cloud.engine.block_manager import BlockManager
+from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+from relayinfer.cloud.engine.model_runner import kv_bytes_per_token
+from relayinfer.cloud.engine.sequence import Sequence
+from relayinfer.protocol.decoding import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=16)
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_prompt_ids, tokenizer):
+    from relayinfer.sdk.datasets import chitchat_prompts_by_length
+
+    return list(chat_prompt_ids) + chitchat_prompts_by_length(tokenizer, [70, 160], per_length=1)
+
+
+@pytest.fixture(scope="module")
+def reference(torch_engine, prompts):
+    """Greedy tokens of each prompt generated alone (fp32, batch 1)."""
+    return [torch_engine.generate(p, GREEDY).token_ids for p in prompts]
+
+
+def run_all(engine: LLMEngine, schedule: dict[int, list[tuple[str, list[int]]]]) -> dict[str, list[int]]:
+    """Step the engine to completion, adding requests at the given step numbers; tokens per id,
+    checking answer indices arrive in order."""
+    out: dict[str, list[int]] = {}
+    step = 0
+    while schedule or engine.has_unfinished():
+        for rid, ids in schedule.pop(step, []):
+            engine.add_request(rid, ids, GREEDY)
+            out[rid] = []
+        for o in engine.step():
+            assert o.index == len(out[o.request_id])
+            out[o.request_id].append(o.token_id)
+        step += 1
+        assert step < 2000
+    return out
+
+
+def metric(engine: LLMEngine, name: str, labels: dict | None = None) -> float:
+    return engine.metrics.registry.get_sample_value(name, labels or {})
+
+
+def test_batch_equals_single_with_chunked_prefill_and_mid_flight_join(torch_engine, prompts, reference):
+    engine = LLMEngine(torch_engine, kv_cache_bytes=32 << 20, block_size=BS, max_num_batched_tokens=48)
+    # two requests start, the others join while those are decoding (step 3 and step 6)
+    sched = {0: [("r0", prompts[0]), ("r3", prompts[3])], 3: [("r1", prompts[1]), ("r4", prompts[4])],
+             6: [("r2", prompts[2])]}
+    out = run_all(engine, sched)
+    for i, ref in enumerate(reference):
+        assert out[f"r{i}"] == ref, f"prompt {i}"
+    # chunked prefill: no step computed more than the 48-token budget, yet the 160-token prompt ran
+    assert len(prompts[4]) > 48
+    assert metric(engine, "relayinfer_engine_batch_tokens_bucket", {"le": "64.0"}) == \
+        metric(engine, "relayinfer_engine_batch_tokens_count")
+    assert engine.block_manager.num_used_blocks == 0
+    assert metric(engine, "relayinfer_engine_generation_tokens_total") == sum(map(len, reference))
+
+
+def test_prefix_reuse_counts_and_tokens(torch_engine, prompts, reference):
+    engine = LLMEngine(torch_engine, kv_cache_bytes=32 << 20, block_size=BS)
+    a, b = prompts[0], prompts[1]
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # shared system turn + header
+    assert common >= BS
+    assert run_all(engine, {0: [("a", a)]})["a"] == reference[0]
+    assert engine.request_stats("a").prefix_hit_tokens == 0
+    prefill_before = metric(engine, "relayinfer_engine_prefill_tokens_total")
+    assert run_all(engine, {0: [("b", b)]})["b"] == reference[1]
+    hits = engine.request_stats("b").prefix_hit_tokens
+    assert hits == (common // BS) * BS > 0
+    assert metric(engine, "relayinfer_engine_prefill_tokens_total") - prefill_before == len(b) - hits
+    # the same prompt again: every full block but the one holding the last token is reused
+    assert run_all(engine, {0: [("a2", a)]})["a2"] == reference[0]
+    assert engine.request_stats("a2").prefix_hit_tokens == ((len(a) - 1) // BS) * BS
+    assert metric(engine, "relayinfer_engine_prefix_cache_hit_tokens_total") == hits + ((len(a) - 1) // BS) * BS
+
+
+def test_preemption_under_small_budget_loses_nothing(torch_engine, prompts, reference):
+    per_block = BS * kv_bytes_per_token(torch_engine.cfg)
+    longest = max(-(-(len(p) + GREEDY.max_new_tokens) // BS) for p in prompts)
+    engine = LLMEngine(torch_engine, kv_cache_bytes=(longest + 1) * per_block, block_size=BS,
+                       max_num_batched_tokens=128)
+    total_need = sum(-(-(len(p) + GREEDY.max_new_tokens) // BS) for p in prompts)
+    assert engine.num_blocks < total_need / 2  # the load does not fit at once
+    out = run_all(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts)]})
+    for i, ref in enumerate(reference):
+        assert out[f"r{i}"] == ref, f"prompt {i}"
+    pre = metric(engine, "relayinfer_engine_preemptions_total")
+    assert pre > 0 and pre == sum(engine.request_stats(f"r{i}").num_preemptions for i in range(len(prompts)))
+    assert sum(metric(engine, "relayinfer_engine_requests_total", {"reason": r}) or 0
+               for r in ("length", "eos")) == len(prompts)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_at_next_step(torch_engine, prompts):
+    engine = LLMEngine(torch_engine, kv_cache_bytes=32 << 20, block_size=BS, enable_prefix_caching=False)
+    bm = engine.block_manager
+    engine.add_request("keep", prompts[0], GREEDY)
+    engine.add_request("drop", prompts[4], GREEDY)
+    for _ in range(3):
+        engine.step()
+    held = len(engine.seqs["drop"].block_table)
+    assert held == -(-(len(prompts[4]) + 1) // BS) or held >= len(prompts[4]) // BS
+    free_before = bm.num_free_blocks
+    engine.abort("drop")
+    assert all(o.request_id == "keep" for o in engine.step())
+    # the step freed drop's blocks; keep may have taken at most one block for its next token
+    assert bm.num_free_blocks >= free_before + held - 1
+    assert "drop" not in engine.seqs and engine.request_stats("drop").finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert bm.num_free_blocks == bm.num_blocks
+    assert metric(engine, "relayinfer_engine_requests_total", {"reason": "abort"}) == 1
+
+
+def test_cloud_budget_and_metrics_text(torch_engine, prompts, reference):
+    engine = LLMEngine(torch_engine, kv_cache_bytes=8 << 20, block_size=BS)
+    engine.add_request("b", prompts[1], GREEDY, cloud_budget=5)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.token_id for o in outs] == reference[1][:5] and outs[-1].finish_reason == "budget"
+    text = generate_latest(engine.metrics.registry).decode()
+    cfg = torch_engine.cfg
+    assert f"relayinfer_engine_kv_bytes_per_token {float(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4)}" in text
+    assert "relayinfer_engine_ttft_seconds_count 1.0" in text
+    assert "relayinfer_engine_kv_blocks_total" in text and "relayinfer_engine_prefix_cache_hit_rate" in text
+
+
+def test_async_engine_streams_and_aborts(torch_engine, prompts, reference):
+    async def main():
+        eng = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20, block_size=BS))
+
+        async def collect(rid, ids, limit=None):
+            got = []
+            async for o in eng.generate(rid, ids, GREEDY):
+                got.append(o.token_id)
+                if limit and len(got) == limit:
+                    break  # leaving the loop aborts the request
+            return got
+
+        try:
+            full0, full2, cut = await asyncio.gather(collect("a", prompts[0]), collect("c", prompts[2]),
+                                                     collect("x", prompts[3], limit=3))
+        finally:
+            eng.shutdown()
+        return eng, full0, full2, cut
+
+    eng, full0, full2, cut = asyncio.run(main())
+    assert full0 == reference[0] and full2 == reference[2] and cut == reference[3][:3]
+    assert eng.engine.block_manager.num_used_blocks == 0 and not eng.engine.seqs
+
+
+def test_block_manager_prefix_refcount_and_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = Sequence("a", [1, 2, 3, 4, 5], GREEDY, 4)
+    assert bm.match_prefix(a) == 0 and bm.allocate(a, 5) and len(a.block_table) == 3
+    a.num_computed_tokens = 5
+    bm.commit(a, 0)  # blocks [1,2] and [3,4] become cached
+    b = Sequence("b", [1, 2, 3, 4, 9], GREEDY, 4)
+    assert bm.match_prefix(b) == 4 and b.block_table == a.block_table[:2]
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    bm.allocate(b, 1)
+    assert bm.num_free_blocks == 0 and not bm.allocate(b, 3) and len(b.block_table) == 3
+    bm.free_sequence(a)
+    bm.free_sequence(b)
+    assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
+    # new allocations take the uncached blocks first, then evict the prefix tail before its head
+    c = Sequence("c", [7, 7, 7, 7, 7, 7, 7], GREEDY, 1)
+    bm.allocate(c, 6)
+    assert bm.num_cached_free_blocks == 1 and bm.evictions == 1
+    d = Sequence("d", [1, 2, 3, 4, 6], GREEDY, 1)
+    assert bm.match_prefix(d) == 2  # head block [1,2] still cached, [3,4] evicted
