@@ -1,0 +1,95 @@
+"""OpenAI-compatible API on a real aiohttp server (127.0.0.1, free port) driven by the real
+`openai` client: streamed chat equals greedy `TorchEngine` generation, non-streaming completions,
+stop strings, /v1/models, and errors in OpenAI's shape."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+from relayinfer.cloud.serve.openai_api import make_app
+from relayinfer.protocol.decoding import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2-135m"
+N = 20
+QUESTION = "Write a haiku about the sea."
+
+
+def test_openai_client_against_server(torch_engine, tokenizer):
+    ref = torch_engine.generate(tokenizer.encode_chat(QUESTION), SamplingParams(max_new_tokens=N)).token_ids
+    ref_text = tokenizer.decode([t for t in ref if t != tokenizer.eos_id])
+    assert ref_text.strip()
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))
+        runner = web.AppRunner(make_app(engine, tokenizer, MODEL))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        base = f"http://127.0.0.1:{port}/v1"
+        client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
+        res = {}
+        try:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=N,
+                stream=True)
+            parts, finish = [], []
+            async for chunk in stream:
+                if chunk.choices:
+                    parts.append(chunk.choices[0].delta.content or "")
+                    finish.append(chunk.choices[0].finish_reason)
+            res["stream"], res["stream_chunks"], res["finish"] = "".join(parts), len(parts), finish[-1]
+            # the same request, not streamed, next to a concurrent plain completion
+            chat, comp = await asyncio.gather(
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                               temperature=0, max_tokens=N),
+                client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                          max_tokens=5))
+            res["chat"], res["usage"], res["comp"] = chat.choices[0].message.content, chat.usage, comp
+            # a stop string cuts the answer before it
+            stop = ref_text.strip().split()[2]
+            cut = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=N,
+                stop=[stop])
+            res["stop"], res["stop_word"] = cut.choices[0], stop
+            res["models"] = [m.id async for m in client.models.list()]
+            with pytest.raises(openai.NotFoundError) as e404:
+                await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+            res["e404"] = e404.value
+            with pytest.raises(openai.BadRequestError) as e400:
+                await client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+            res["e400"] = e400.value
+            with pytest.raises(openai.BadRequestError) as elong:
+                await client.completions.create(model=MODEL, prompt="hi", max_tokens=10 ** 6)
+            res["elong"] = elong.value
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"{base}/chat/completions", data=b"{not json") as r:
+                    res["badjson"] = (r.status, await r.json())
+        finally:
+            await client.close()
+            await runner.cleanup()
+        res["used_blocks"] = engine.engine.block_manager.num_used_blocks
+        return res
+
+    res = asyncio.run(main())
+    assert res["stream"] == ref_text and res["stream_chunks"] > 3
+    assert res["finish"] == ("stop" if ref[-1] == tokenizer.eos_id else "length")
+    assert res["chat"] == ref_text
+    assert res["usage"].prompt_tokens == len(tokenizer.encode_chat(QUESTION)) and res["usage"].completion_tokens == len(ref)
+    assert res["comp"].choices[0].text and res["comp"].usage.completion_tokens == 5
+    stop_choice = res["stop"]
+    assert stop_choice.finish_reason == "stop"
+    assert stop_choice.message.content == ref_text[:ref_text.index(res["stop_word"])]
+    assert res["models"] == [MODEL]
+    assert res["e404"].status_code == 404 and res["e404"].body["code"] == "model_not_found"
+    assert res["e400"].status_code == 400 and res["e400"].body["param"] == "messages"
+    assert res["elong"].body["code"] == "context_length_exceeded"
+    status, body = res["badjson"]
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert res["used_blocks"] == 0
