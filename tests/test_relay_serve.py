@@ -111,6 +111,13 @@ def test_malformed_frame_does_not_kill_instance(cluster):
             await ws.send(b"\x93not-a-message")
             reply = await ws.recv()
             assert b"bad_frame" in reply or b"handshake" in reply
+        from relayinfer.protocol.messages import Cancel, Error
+        from relayinfer.protocol.ws import open_channel
+        ch = await open_channel(p.url, p.fingerprint)
+        await ch.send(Cancel(request_id="c1"))                   # a message an instance does not handle
+        reply = await ch.recv()
+        assert isinstance(reply, Error) and reply.code == "bad_request" and reply.request_id == "c1"
+        await ch.close()
         client = await RelayClient.connect({p.name: p.url}, p.fingerprint)
         u = data.users[7]
         s, src, _ = await client.rank(u, data.items[u], data.ts[u], [1, 2, 3])

@@ -4,7 +4,8 @@
 
 Prints `READY <port> <fingerprint>` on stdout once listening. Messages (relayinfer.protocol):
 PreInfer (fire-and-forget signal; answered only by an Error on bad input), Rank -> Scores
-(prefix_source hbm|dram|recompute|none) or Error(BAD_REQUEST | OVERLOADED), Ping -> Pong.
+(prefix_source hbm|dram|recompute|none) or Error(BAD_REQUEST | OVERLOADED | INTERNAL); Ping is
+answered by the protocol session; any other message with a request_id -> Error(BAD_REQUEST).
 Plain HTTP `GET /stats` on the same port returns the instance counters as JSON.
 One compute thread runs the model; ranking requests go before queued pre-inferences.
 The process stops by itself when its parent dies, after --lifetime-s, or on SIGTERM/SIGINT.
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from relayinfer.protocol.errors import ErrorCode
-from relayinfer.protocol.messages import Error, Ping, Pong, PreInfer, Rank, Scores, Tensor
+from relayinfer.protocol.errors import ErrorCode, ProtocolError
+from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores, Tensor
 from relayinfer.protocol.ws import ServerChannel, serve
 
 MAX_QUEUE = 256  # requests waiting for the compute thread before OVERLOADED
@@ -113,12 +114,12 @@ def make_handler(inst, worker: Worker):
                 t = asyncio.create_task(handle_rank(channel, msg))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
-            elif isinstance(msg, Ping):
-                await channel.send(Pong(nonce=msg.nonce, t_ms=msg.t_ms))
             else:
+                what = f"ranking instance does not handle {type(msg).__name__}"
                 rid = getattr(msg, "request_id", None)
-                await channel.send(Error(code=ErrorCode.BAD_REQUEST.value,
-                                         message=f"ranking instance does not handle {type(msg).__name__}", request_id=rid))
+                if rid is None:   # connection-level: serve() answers with an Error frame and closes
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, what)
+                await channel.send(Error(code=ErrorCode.BAD_REQUEST.value, message=what, request_id=rid))
         for t in list(tasks):
             await t
     return handler
@@ -127,10 +128,14 @@ def make_handler(inst, worker: Worker):
 async def amain(args) -> None:
     """Load the checkpoint and latency model, serve until stopped (see the module docstring)."""
     from relayinfer.cloud.relay.instance import InstanceConfig, RankingInstance
-    from relayinfer.cloud.relay.latency import LatencyModel
-    from relayinfer.cloud.relay.train import load
+    from relayinfer.cloud.relay.latency import LatencyModel, measure
+    from relayinfer.cloud.relay.train import checkpoint_path, ensure_checkpoint, load
     torch.set_num_threads(args.threads)
+    if Path(args.checkpoint) == checkpoint_path():
+        ensure_checkpoint(quick=True, log=lambda s: print(s, file=sys.stderr))   # train one if missing
     model, _ = load(Path(args.checkpoint))
+    if not Path(args.latency).exists():   # fit the trigger's latency model on this machine once
+        LatencyModel.fit(measure(model, [128, 256, 512, 1024, 2048], [100], repeats=2)).to_json(Path(args.latency))
     latency = LatencyModel.from_json(Path(args.latency))
     cfg = InstanceConfig(**json.loads(args.config)) if args.config else InstanceConfig()
     if isinstance(cfg.trigger, dict):
