@@ -9,9 +9,16 @@ SOSP 2023, done here by `index_select` instead of a fused kernel). The per-seque
 has the same shapes and mask as `Llama.forward` on that sequence alone, so the only numeric
 difference from one-request-at-a-time is the row count of the matmuls.
 
-KV storage: one tensor per layer, float32 [num_blocks, 2, kv_heads, block_size, head_dim]
-(index 0 = K after RoPE, 1 = V). Token position p of a sequence lives in block
-`block_table[p // block_size]` at offset `p % block_size`.
+KV storage: per layer one K and one V tensor, float32 [kv_heads, num_blocks * block_size, head_dim]
+(K after RoPE), i.e. blocks of `block_size` consecutive slots. Token position p of a sequence
+lives in slot `block_table[p // block_size] * block_size + p % block_size`. This is the
+[num_blocks, block_size] page layout with the head axis moved first, so that gathering one
+sequence's keys by slot (`index_select` on axis 1) yields [kv_heads, T, head_dim] contiguous in
+one copy, without the permute a [num_blocks, 2, kv_heads, block_size, head_dim] layout needs.
+
+Grouped-query attention: for a decode token the `rep = n_heads // kv_heads` query heads that share
+a KV head are laid out as `rep` query rows of that head ([1, kv_heads, rep, head_dim]), so keys are
+never expanded; for prefill chunks (causal mask) the keys are expanded as in `Llama.forward`.
 """
 from __future__ import annotations
 
@@ -43,12 +50,13 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = self.cfg
-        self.kv = [torch.zeros(num_blocks, 2, cfg.n_kv_heads, block_size, cfg.head_dim, dtype=self.dtype,
-                               device=self.device) for _ in range(cfg.n_layers)]
+        shape = (cfg.n_kv_heads, num_blocks * block_size, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.n_layers)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -58,24 +66,24 @@ class ModelRunner:
         m, cfg, bs, dev = self.model, self.cfg, self.block_size, self.device
         h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         rep = h // kvh
-        ids, pos, blk, off, spans, last_rows, tables = [], [], [], [], [], [], []
+        ids, pos, slot, spans, last_rows, gathers = [], [], [], [], [], []
+        ar = torch.arange(bs, device=dev)
         row = 0
         for s in batch:
             seq, a, b = s.seq, s.start, s.start + s.n
             ids.extend(seq.token_ids[a:b])
             p = list(range(a, b))
             pos.extend(p)
-            blk.extend(seq.block_table[q // bs] for q in p)
-            off.extend(q % bs for q in p)
+            slot.extend(seq.block_table[q // bs] * bs + q % bs for q in p)
             spans.append((row, row + s.n, a, b))
-            tables.append(torch.tensor(seq.block_table[: -(-b // bs)], dtype=torch.long, device=dev))
+            table = torch.tensor(seq.block_table[: -(-b // bs)], dtype=torch.long, device=dev)
+            gathers.append((table[:, None] * bs + ar).flatten()[:b])  # slots of positions 0..b-1
             row += s.n
             if s.sample:
                 last_rows.append(row - 1)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
-        blk_t = torch.tensor(blk, dtype=torch.long, device=dev)
-        off_t = torch.tensor(off, dtype=torch.long, device=dev)
+        slot_t = torch.tensor(slot, dtype=torch.long, device=dev)
         cos, sin = rope(pos_t, m.inv_freq)                # [N, hd]
         cos, sin = cos[:, None], sin[:, None]              # broadcast over heads: [N, 1, hd]
         masks = [None if (e - r) == 1 else
@@ -90,16 +98,19 @@ class ModelRunner:
             k = att.wk(xn).view(n, kvh, hd)
             v = att.wv(xn).view(n, kvh, hd)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache = self.kv[li]
-            cache[blk_t, 0, :, off_t] = k                  # [N, kvh, hd] scattered into slots
-            cache[blk_t, 1, :, off_t] = v
+            kc, vc = self.k[li], self.v[li]
+            kc[:, slot_t] = k.transpose(0, 1)              # [kvh, N, hd] written to their slots
+            vc[:, slot_t] = v.transpose(0, 1)
             outs = []
-            for (r, e, a, b), table, mask in zip(spans, tables, masks):
-                kv = cache.index_select(0, table)          # [nb, 2, kvh, bs, hd]
-                kv = kv.permute(1, 2, 0, 3, 4).reshape(2, kvh, -1, hd)[:, :, :b]
-                t = b
-                ks = kv[0][None, :, None].expand(1, kvh, rep, t, hd).reshape(1, h, t, hd)
-                vs = kv[1][None, :, None].expand(1, kvh, rep, t, hd).reshape(1, h, t, hd)
+            for (r, e, a, b), g, mask in zip(spans, gathers, masks):
+                ks, vs = kc.index_select(1, g)[None], vc.index_select(1, g)[None]  # [1, kvh, b, hd]
+                if mask is None:  # one query: its rep heads become rep rows of their KV head
+                    qs = q[r].view(1, kvh, rep, hd)
+                    o = F.scaled_dot_product_attention(qs, ks, vs)      # [1, kvh, rep, hd]
+                    outs.append(o.reshape(1, h * hd))
+                    continue
+                ks = ks[:, :, None].expand(1, kvh, rep, b, hd).reshape(1, h, b, hd)
+                vs = vs[:, :, None].expand(1, kvh, rep, b, hd).reshape(1, h, b, hd)
                 qs = q[r:e].transpose(0, 1)[None]          # [1, h, s, hd]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
                 outs.append(o[0].transpose(0, 1).reshape(e - r, h * hd))
