@@ -25,7 +25,7 @@ class Clock:
 
 
 # full ranking ms = 0.1 * L: a 1000-event history costs 100 ms (fixed so the tests are deterministic)
-LAT = LatencyModel(full=[0.0, 0.1, 0.0, 0.0], prefix=[0.0, 0.09, 0.0], cached=[1.0, 0.0, 0.0])
+LAT = LatencyModel(full=[], prefix=[-1.0, 0.1, 0.0], cached=[1.0, 0.0, 0.0])  # full = prefix + cached = 0.1 * L
 
 
 @pytest.fixture(scope="module")

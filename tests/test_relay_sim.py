@@ -18,7 +18,8 @@ def test_latency_fit_recovers_coefficients():
          for L in (128, 512, 1024, 2048) for N in (50, 100)]
     fit = LatencyModel.fit(s)
     for L in (256, 1536, 4096):
-        assert abs(fit.full_ms(L, 100) / LAT.full_ms(L, 100) - 1) < 1e-6
+        assert abs(fit.prefix_ms(L) / LAT.prefix_ms(L) - 1) < 1e-6
+        assert fit.full_ms(L, 100) == fit.prefix_ms(L) + fit.cached_ms(L, 100)
         assert abs(fit.cached_ms(L, 100) / LAT.cached_ms(L, 100) - 1) < 1e-6
 
 

@@ -131,7 +131,7 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print) -> di
 
     # 2. latency model on this machine
     lengths = [128, 256, 512, 1024, 1536, 2048] + ([] if quick else [3072, 4096])
-    samples = measure(model, lengths, [100], repeats=2 if quick else 3)
+    samples = measure(model, lengths, [100], repeats=2 if quick else 3, repeats_short=3 if quick else 5)
     lat = LatencyModel.fit(samples)
     lat_path = checkpoint_path().with_name("latency.json")
     lat.to_json(lat_path)

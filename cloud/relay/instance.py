@@ -58,6 +58,11 @@ class PreInferJob:
     def __init__(self, inst: "RankingInstance", key, items, ts, reserved: int):
         self.inst, self.key, self.items, self.ts, self.reserved = inst, key, items, ts, reserved
         self.state, self.event = "queued", threading.Event()
+        self.boosted = False   # a ranking request waits on it: finish at ranking priority
+
+    def priority(self) -> int:
+        """Worker priority: 1 (behind rankings), 0 once a ranking request waits for this prefix."""
+        return 0 if self.boosted else 1
 
     def steps(self):
         """Generator: the chunked pre-inference (yields between attention chunks), then the pool put."""

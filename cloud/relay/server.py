@@ -52,22 +52,25 @@ class Worker:
         self.seq = itertools.count()
         threading.Thread(target=self._run, daemon=True, name="relay-compute").start()
 
-    def submit(self, prio: int, fn) -> concurrent.futures.Future:
+    def submit(self, prio: int, fn, prio_fn=None) -> concurrent.futures.Future:
+        """Queue fn (or a function returning a generator). prio_fn() -> current priority of a
+        generator job between steps (priority inheritance: a pre-inference a ranking waits on)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.q.put((prio, next(self.seq), fn, fut))
+        self.q.put((prio, next(self.seq), fn, fut, prio_fn))
         return fut
 
     def _run(self):
         while True:
-            prio, seq, fn, fut = self.q.get()
+            prio, seq, fn, fut, prio_fn = self.q.get()
             try:
                 out = fn() if callable(fn) else fn
                 if inspect.isgenerator(out):
                     try:
                         while True:
                             next(out)
+                            prio = prio_fn() if prio_fn else prio
                             if not self.q.empty() and self.q.queue[0][0] < prio:
-                                self.q.put((prio, seq, out, fut))   # resume after the ranking request
+                                self.q.put((prio, seq, out, fut, prio_fn))   # resume after the ranking
                                 break
                     except StopIteration as done:
                         fut.set_result(done.value)
@@ -84,7 +87,8 @@ def make_handler(inst, worker: Worker):
             if worker.q.qsize() >= MAX_QUEUE:
                 raise OverflowError("ranking instance overloaded")
             job = inst.running_job(msg.user_id, msg.item_ids, msg.timestamps)
-            if job is not None:   # its prefix is half-way: let the worker finish it, then rank on it
+            if job is not None:   # its prefix is half-way: the worker finishes it first, then we rank on it
+                job.boosted = True
                 await asyncio.to_thread(job.event.wait, 60)
             fut = worker.submit(0, lambda: inst.rank(msg.user_id, msg.item_ids, msg.timestamps, msg.candidate_ids))
             scores, source = await asyncio.wrap_future(fut)
@@ -107,7 +111,7 @@ def make_handler(inst, worker: Worker):
                 try:
                     _, job = inst.submit_pre_infer(msg.user_id, msg.item_ids, msg.timestamps)
                     if job is not None:
-                        worker.submit(1, job.steps)
+                        worker.submit(1, job.steps, job.priority)
                 except ValueError as e:
                     await channel.send(Error(code=ErrorCode.BAD_REQUEST.value, message=str(e), request_id=msg.request_id))
             elif isinstance(msg, Rank):

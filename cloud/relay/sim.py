@@ -166,7 +166,8 @@ class Simulator:
                 if inst.pool.get(key) is not None:
                     start_rank(inst, p, "hbm")
                 elif job is not None and job.state == "running":   # started (maybe between pieces)
-                    job.waiters.append(p)               # its prefix is being computed: wait for it
+                    job.waiters.append(p)               # its prefix is being computed: wait for it,
+                    job.prio = 0                        # and the rest of it now runs at ranking priority
                 elif job is not None:                   # still queued: cancel, rank in full now
                     job.state = "cancelled"
                     inst.pending.pop(key)
