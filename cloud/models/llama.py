@@ -124,6 +124,7 @@ def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor,
 def apply_rope(x, cos, sin):
     """x [B, H, S, head_dim] rotated in the rotate_half layout."""
     x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # keep bf16/fp16 activations in their dtype
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
