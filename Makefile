@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-slow bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,9 +24,14 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/relayinfer demo $(PROMPT)
 
-# The test suite. pytest's exit 5 (no tests collected) is a failure, not a pass.
+# The test suite (what CI runs). pytest's exit 5 (no tests collected) is a failure, not a pass.
+# Cases marked slow (minutes of training) run with `make test-slow`.
+PYTEST = $(BIN)/python -m pytest -q --durations=10
 test: setup
-	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(PYTEST) -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+test-slow: setup
+	$(PYTEST) -m slow tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 bench: setup
 	$(BIN)/python bench/runtimes.py

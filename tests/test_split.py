@@ -283,7 +283,6 @@ def test_http_side_health_metrics_and_device_model(cloud, tmp_path, device_model
     assert e.value.code == 404
 
 
-@pytest.mark.slow
 def test_demo_cli_json():
     exe = shutil.which("relayinfer") or f"{sys.prefix}/bin/relayinfer"
     out = subprocess.run([exe, "demo", "--json", "--temperature", "0", "--max-new-tokens", "32",
