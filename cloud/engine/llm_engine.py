@@ -61,7 +61,7 @@ class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.ttft = Histogram("relayinfer_engine_ttft_seconds", "Time to first token", registry=r, buckets=_MS)
-        self.tpot = Histogram("relayinfer_engine_tpot_seconds", "Time per output token after the first",
+        self.tpot = Histogram("relayinfer_engine_tpot_seconds", "Time between consecutive output tokens of a request",
                               registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5))
         self.queue = Histogram("relayinfer_engine_queue_seconds", "Arrival to first scheduling",
                                registry=r, buckets=_MS)
@@ -136,9 +136,10 @@ class LLMEngine:
 
     # --- thread-safe request API ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
-                    cloud_budget: int | None = None) -> None:
+                    cloud_budget: int | None = None, ignore_eos: bool = False) -> None:
         """Queue a request. `cloud_budget` caps the tokens generated here (finish reason 'budget'
-        when it, not max_new_tokens, ends the request).
+        when it, not max_new_tokens, ends the request). `ignore_eos` generates past EOS (fixed
+        output lengths for benchmarks, vLLM's `SamplingParams.ignore_eos`).
 
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed the context window.
@@ -150,7 +151,7 @@ class LLMEngine:
         need = -(-(len(prompt_ids) + max_tokens) // self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
-        seq = Sequence(request_id, list(prompt_ids), params, max_tokens)
+        seq = Sequence(request_id, list(prompt_ids), params, max_tokens, ignore_eos=ignore_eos)
         with self._lock:
             if request_id in self.seqs or any(r == request_id for r, _ in self._inbox):
                 raise ValueError(f"request {request_id!r} is already running")
@@ -257,7 +258,7 @@ class LLMEngine:
                     m.tpot.observe(now - seq.last_token_s)
                 seq.last_token_s = now
                 m.gen_tokens.inc()
-                reason = is_stop(tok, self.eos_id, seq.params)
+                reason = is_stop(tok, -1 if seq.ignore_eos else self.eos_id, seq.params)
                 if reason is None and seq.num_output_tokens >= seq.max_tokens:
                     reason = "length" if seq.max_tokens >= seq.params.max_new_tokens else "budget"
                 outputs.append(StepOutput(seq.request_id, tok, idx, reason))
@@ -381,8 +382,8 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                        cloud_budget: int | None = None) -> AsyncIterator[StepOutput]:
-        q = self.add_request(request_id, prompt_ids, params, cloud_budget)
-        finished = False
+        q = self.add_request(request_id, prompt_ids, params, cloud_budget)  # raises before the try:
+        finished = False                                                  # a rejected id owns nothing
         try:
             while True:
                 o = await q.get()

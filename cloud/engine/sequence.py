@@ -21,7 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: queues remove by identity, not by comparing tokens
 class Sequence:
     """State of one request.
 
@@ -35,6 +35,7 @@ class Sequence:
         num_computed_tokens: leading tokens whose K/V are in the cache.
         num_cached_tokens: prompt tokens found in the prefix cache at the last admission (not
             computed); `prefix_hit_tokens` sums them over admissions (recompute after preemption).
+        ignore_eos: keep generating past EOS (benchmarks with fixed output lengths, as vLLM's).
         num_preemptions: times the sequence lost its blocks and went back to the queue.
         arrival_s / first_scheduled_s / first_token_s / last_token_s: time.perf_counter() seconds.
     """
@@ -51,6 +52,7 @@ class Sequence:
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    ignore_eos: bool = False
     arrival_s: float = field(default_factory=time.perf_counter)
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
