@@ -78,14 +78,22 @@ cloud_app = typer.Typer(help="The cloud prefill service.", no_args_is_help=True)
 app.add_typer(cloud_app, name="cloud")
 
 
-def _cloud_service(model, device: str, threads: int | None, token: str | None, export: bool = True):
+def _cloud_service(model, device: str, threads: int | None, token: str | None, export: bool = True,
+                   kv_cache_mb: int | None = None):
+    """A CloudService; with `kv_cache_mb` it batches requests in an LLMEngine (continuous batching,
+    paged KV cache of that many MiB) and serves the OpenAI-compatible API too."""
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.export import ensure_device_model
     from relayinfer.cloud.serve.service import CloudService
 
     engine = TorchEngine(model, device=device, threads=threads)
     model_dir = ensure_device_model(model) if export else None
-    return CloudService(engine, engine.fingerprint, auth_token=token, device_model_dir=model_dir)
+    llm = None
+    if kv_cache_mb:
+        from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+
+        llm = AsyncLLMEngine(LLMEngine(engine, kv_cache_bytes=kv_cache_mb << 20))
+    return CloudService(engine, engine.fingerprint, auth_token=token, device_model_dir=model_dir, llm=llm)
 
 
 @cloud_app.command("serve")
@@ -98,12 +106,14 @@ def cloud_serve(
     threads: Optional[int] = typer.Option(None, help="torch intra-op threads."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token devices must send."),
     duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
+    kv_cache_mb: int = typer.Option(256, help="Paged KV cache of the batching engine (MiB); 0 = one request at a time."),
 ):
-    """Run the cloud prefill service until Ctrl-C (or --duration-s)."""
+    """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
+    batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
     import asyncio
 
     try:
-        svc = _cloud_service(model, device, threads, token)
+        svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None)
     except (RelayInferError, ValueError) as e:
         fail(e)
 

@@ -229,7 +229,27 @@ def test_bad_clients_get_errors_while_others_finish(torch_engine, onnx_engine, c
     assert res.token_ids == reference[2] and res.mode == "split"
 
 
-def test_eight_concurrent_sessions(cloud, onnx_engine, tokenizer):
+@pytest.fixture(scope="module")
+def batched_cloud(torch_engine):
+    """The cloud service with continuous batching (LLMEngine over a paged KV cache)."""
+    from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+
+    llm = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=64 << 20))
+    svc = CloudService(torch_engine, torch_engine.fingerprint, llm=llm)
+    with ServiceThread(svc) as running:
+        yield running
+
+
+def test_split_on_batched_cloud(batched_cloud, onnx_engine, chat_prompt_ids, reference):
+    c = client(batched_cloud, onnx_engine)
+    res = c.complete(chat_prompt_ids[2], max_new_tokens=MAX_NEW)
+    assert res.token_ids == reference[2] and res.mode == "split" and res.cloud_tokens > 0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{batched_cloud.http_port}/metrics").read().decode()
+    assert "relayinfer_engine_kv_bytes_per_token 46080.0" in metrics  # 30 layers x K,V x 3 heads x 64 x 4 B
+
+
+def test_eight_concurrent_sessions(batched_cloud, onnx_engine, tokenizer):
+    cloud = batched_cloud
     import time
 
     from relayinfer.sdk.datasets import chitchat_prompts_by_length

@@ -54,6 +54,7 @@ class _Request:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     budget: int | None = None
     stop_reason: str = "stop"
+    batched: bool = False
 
 
 class CloudService:
@@ -71,15 +72,22 @@ class CloudService:
         max_frame_bytes: largest frame accepted from a device (bytes); larger ones get FRAME_TOO_LARGE.
         special_ids: chat-template token ids that prompt refinement always keeps (default: the
             CONTROL tokens of the engine's model file).
+        llm: an `AsyncLLMEngine` (continuous batching over a paged KV cache). When given, requests
+            without refinement join its batch and the HTTP side also serves the OpenAI-compatible
+            API; requests with refinement take the per-request path (the batched runner does not
+            compute attention scores).
+        model_name: the model id of the OpenAI-compatible API.
     """
 
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, special_ids: frozenset[int] | None = None):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, special_ids: frozenset[int] | None = None,
+                 llm=None, model_name: str = "smollm2-135m-instruct"):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.device_model_dir = Path(device_model_dir) if device_model_dir else None
         self.step_delay_ms, self.max_frame_bytes = step_delay_ms, max_frame_bytes
         self._special_ids = special_ids
+        self.llm, self.model_name = llm, model_name
         self.metrics = Metrics()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
         self.ws_port = self.http_port = None
@@ -102,18 +110,21 @@ class CloudService:
                         await channel.send(err)
                         continue
                     req = requests[msg.request_id] = _Request(msg, budget=msg.cloud_budget)
-                    task = asyncio.create_task(self._run(channel, req, requests))
+                    req.batched = self.llm is not None and msg.refine is None
+                    run = self._run_batched if req.batched else self._run
+                    task = asyncio.create_task(run(channel, req, requests))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 elif isinstance(msg, (Stop, Cancel)):
                     req = requests.get(msg.request_id)
                     if req is None:
                         continue  # finished already: the Done crossed the Stop on the wire
-                    req.stop_reason = "stop" if isinstance(msg, Stop) else "cancel"
-                    req.stop.set()
+                    self._stop(req, "stop" if isinstance(msg, Stop) else "cancel")
                 elif isinstance(msg, ExtendBudget):
                     if msg.request_id in requests:
                         requests[msg.request_id].budget = msg.cloud_budget
+                        if requests[msg.request_id].batched:
+                            self.llm.set_budget(msg.request_id, msg.cloud_budget)
                 else:
                     await channel.send(Error(ErrorCode.BAD_REQUEST.value,
                                              f"unexpected {type(msg).__name__} from a device", None))
@@ -122,9 +133,8 @@ class CloudService:
                 self.metrics.errors.labels(e.code.value).inc()
             log.info("session %s ended: %s", channel.session_id, e)
         finally:
-            for req in requests.values():  # peer gone: free every request's KV cache
-                req.stop_reason = "cancel"
-                req.stop.set()
+            for req in list(requests.values()):  # peer gone: free every request's KV cache
+                self._stop(req, "cancel")
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             self.metrics.active_sessions.dec()
@@ -153,6 +163,50 @@ class CloudService:
         if msg.refine is not None and not 0 < msg.refine <= 1:
             return Error(ErrorCode.BAD_REQUEST.value, f"refine keep ratio must be in (0, 1], got {msg.refine}", rid)
         return None
+
+    def _stop(self, req: _Request, reason: str) -> None:
+        """Stop/Cancel: the request ends at its next step and its KV cache is freed."""
+        if req.stop.is_set():
+            return
+        req.stop_reason = reason
+        req.stop.set()
+        if req.batched:
+            self.llm.abort(req.msg.request_id)
+
+    async def _run_batched(self, channel, req: _Request, requests: dict) -> None:
+        """One request inside the continuous batch: stream its tokens as the engine emits them."""
+        msg, t0 = req.msg, time.perf_counter()
+        self.metrics.active_requests.inc()
+        sent, reason, prefill_ms, outcome = 0, "length", 0.0, "error"
+        try:
+            async for out in self.llm.generate(msg.request_id, msg.prompt_ids, self._params(msg), req.budget):
+                if sent == 0:
+                    prefill_ms = (time.perf_counter() - t0) * 1e3
+                    self.metrics.prefill_ms.observe(prefill_ms)
+                await channel.send(Token(msg.request_id, out.token_id, out.index, (time.perf_counter() - t0) * 1e3))
+                sent += 1
+                self.metrics.cloud_tokens.inc()
+                if out.finish_reason:
+                    reason = out.finish_reason
+            if req.stop.is_set():
+                reason = req.stop_reason
+            done = Done(msg.request_id, reason, sent, prefill_ms)
+            self.completed.append(done)
+            outcome = reason
+            await channel.send(done)
+        except RelayInferError:
+            outcome = "disconnected"
+        except Exception:
+            log.exception("request %s failed", msg.request_id)
+            try:
+                await channel.send(Error(ErrorCode.INTERNAL.value, "internal error while generating", msg.request_id))
+            except RelayInferError:
+                pass
+        finally:
+            self.llm.abort(msg.request_id)  # no-op when finished; frees the KV blocks otherwise
+            requests.pop(msg.request_id, None)
+            self.metrics.requests.labels(outcome).inc()
+            self.metrics.active_requests.dec()
 
     @property
     def special_ids(self) -> frozenset[int]:
@@ -236,13 +290,21 @@ class CloudService:
         app.router.add_get("/v1/device-model", self._device_model)
         app.router.add_get("/v1/device-model/manifest", self._manifest)
         app.router.add_get("/v1/device-model/{name}", self._device_model)
+        if self.llm is not None:
+            from relayinfer.cloud.serve.openai_api import openai_routes
+            from relayinfer.protocol.tokenizer import Tokenizer
+
+            openai_routes(app, self.llm, Tokenizer.from_gguf(self.engine.model_path), self.model_name)
         return app
 
     async def _healthz(self, request):
         return web.json_response({"status": "ok", "model_fingerprint": self.fingerprint})
 
     async def _metrics(self, request):
-        return web.Response(body=generate_latest(self.metrics.registry),
+        body = generate_latest(self.metrics.registry)
+        if self.llm is not None:
+            body += generate_latest(self.llm.metrics.registry)
+        return web.Response(body=body,
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     def _manifest_data(self) -> dict:
@@ -289,6 +351,8 @@ class CloudService:
             await self._ws_server.wait_closed()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
+        if self.llm is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.llm.shutdown)
         self.worker.shutdown(wait=False, cancel_futures=True)
 
     @property
