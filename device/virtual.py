@@ -167,6 +167,13 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
     return res
 
 
+def _count(xs) -> dict:
+    out: dict = {}
+    for x in xs:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
 def _pct(xs, q) -> float | None:
     return float(np.percentile(xs, q)) if len(xs) else None
 
@@ -183,7 +190,7 @@ def summarize(results: list[VirtualResult], offered_rps: float, wall_s: float, t
         if results else None
     return {"offered_rps": offered_rps, "requests": len(results), "ok": len(ok), "wall_s": wall_s,
             "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": p99_all, "goodput_rps": good / wall_s if wall_s else 0.0,
-            "slo_ms": ttft_slo_ms, "meets_slo": bool(results) and p99_all is not None and p99_all <= ttft_slo_ms,
+            "slo_ms": ttft_slo_ms, "errors": _count(r.error.split(":")[0] for r in results if r.error), "meets_slo": bool(results) and p99_all is not None and p99_all <= ttft_slo_ms,
             "cloud_tokens_mean": float(np.mean([r.cloud_tokens for r in ok])) if ok else None,
             "cloud_busy_ms_mean": float(np.mean([r.cloud_busy_ms for r in ok])) if ok else None}
 

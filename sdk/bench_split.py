@@ -35,8 +35,8 @@ import numpy as np
 
 LENGTHS = (64, 128, 256, 512, 1024, 2048)
 MODES = ("device-only", "cloud-only", "split", "split+refine")
-LOAD_LENGTHS = (64, 128)  # virtual-device request mix (see SPLIT.md: the CPU cloud's prefill of longer
-                          # prompts alone exceeds the 1 s TTFT bound)
+LOAD_LENGTHS = (64,)  # virtual-device request mix: ~60-token chitchat prompts (SPLIT.md: on this loaded
+                      # 2-core CPU a 128-token prefill alone takes ~0.8 s of the 1 s TTFT bound)
 
 
 def _pct(xs, q):
@@ -201,6 +201,27 @@ def _plots(res: dict, out: Path, timeline: dict | None) -> list[str]:
     return files
 
 
+def run_capacity(url: str, fingerprint: str, tokenizer, profile: str, max_new_tokens: int = 64,
+                 target_tpot_ms: float = 50.0, seed: int = 0, quick: bool = False) -> dict:
+    """Cloud capacity (rps at TTFT p99 <= 1 s) for cloud-only and split virtual devices
+    (`device.virtual.capacity_sweep`; 8 prompts of ~64 tokens, 16 s windows of <= 12 requests)."""
+    from relayinfer.device.virtual import capacity_sweep
+
+
+    load = [ids for _, ids in _prompts(tokenizer, 2 if quick else 8, seed + 1, LOAD_LENGTHS)]
+    kw = dict(rates=(0.25,) if quick else (0.25, 0.5, 1, 2, 4), duration_s=6 if quick else 16,
+              max_requests=2 if quick else 12, profile=profile, max_new_tokens=max_new_tokens,
+              target_tpot_ms=target_tpot_ms, timeout_s=30.0)
+    cap = {}
+    for mode in ("cloud-only", "split"):
+        cap[mode] = asyncio.run(capacity_sweep(url, fingerprint, load, mode, **kw))
+        print(f"[bench split] capacity {mode}: {cap[mode]['capacity_rps']} rps", flush=True)
+    cap["load_prompt_tokens"] = [len(p) for p in load]
+    c, s = cap["cloud-only"]["capacity_rps"], cap["split"]["capacity_rps"]
+    cap["ratio_split_over_cloud_only"] = (s / c) if c else (None if not s else float("inf"))
+    return cap
+
+
 def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, seed: int = 0,
                     target_tpot_ms: float = 50.0, max_new_tokens: int = 64, refine: float = 0.5,
                     capacity: bool = True) -> dict:
@@ -211,7 +232,6 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.serve.service import ServiceThread
-    from relayinfer.device.virtual import capacity_sweep
     from relayinfer.protocol.model_file import default_model_path
     from relayinfer.protocol.refine import WINDOW, refine_indices
     from relayinfer.sdk import Client
@@ -244,18 +264,8 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
                     timeline = {"prompt_tokens": len(ids), "target": target, "events": [e.__dict__ for e in events]}
                 print(f"[bench split] {mode:12s} {len(ids):5d} tok: ttft {r.ttft_ms:8.0f} ms  mode {r.mode:11s} "
                       f"cloud {r.cloud_streamed:3d}  stalls {r.stalls}  tpot max {r.tpot_ms_max:5.0f}", flush=True)
-        cap = {}
-        if capacity:
-            load = [ids for _, ids in _prompts(tok, 2 if quick else 8, seed + 1, LOAD_LENGTHS)]
-            kw = dict(rates=(0.25,) if quick else (0.25, 0.5, 1, 2, 4), duration_s=6 if quick else 16,
-                      max_requests=2 if quick else 12, profile=profile, max_new_tokens=max_new_tokens,
-                      target_tpot_ms=target_tpot_ms, timeout_s=30.0)
-            for mode in ("cloud-only", "split"):
-                cap[mode] = asyncio.run(capacity_sweep(running.url, cloud_engine.fingerprint, load, mode, **kw))
-                print(f"[bench split] capacity {mode}: {cap[mode]['capacity_rps']} rps", flush=True)
-            cap["load_prompt_tokens"] = [len(p) for p in load]
-            c, s = cap["cloud-only"]["capacity_rps"], cap["split"]["capacity_rps"]
-            cap["ratio_split_over_cloud_only"] = (s / c) if c else (None if not s else float("inf"))
+        cap = run_capacity(running.url, cloud_engine.fingerprint, tok, profile, max_new_tokens, target_tpot_ms,
+                           seed, quick) if capacity else {}
     # fidelity of split+refine against the full-prompt greedy answer (the cloud-only answer)
     fid = []
     ref_by = {r["prompt_idx"]: r["token_ids"] for r in rows if r["bench_mode"] == "cloud-only"}
