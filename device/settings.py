@@ -2,7 +2,8 @@
 
 Model (all times in ms, t = 0 when the device sends Generate):
 
-* The device prefills its prompt of L tokens from t = 0: done at D0 = a + b*L (profile fit).
+* The device prefills its prompt of L tokens from t = s (0, or later when it waits for the refined
+  prompt): done at D0 = s + a + b*L (profile fit).
 * Cloud token k (k = 0, 1, ...) reaches the device at T + k*c (T: cloud TTFT seen by the device,
   round trip included; c: cloud TPOT).
 * Catch-up: whenever the device is idle and holds received tokens it has not prefilled, it prefills
@@ -26,8 +27,11 @@ batches pays `a` more than once, so instead of the closed form we take the small
 `simulate` (this very model, batch by batch) shows no late token, times (1 + margin) for safety.
 P/D-Device (the paper this project follows) derives the same trade-off; the derivation here is ours.
 
-During a request the device refines the estimate: once its prompt prefill is done it knows D0, and
-from the arrivals it knows T and c; if the budget they imply is larger, it sends ExtendBudget.
+During a request the device refines the estimate when the refined prompt arrives and again when its
+prompt prefill is done: it re-plans from "now" with the tokens it still has to prefill and the
+measured T and c; if the budget they imply is larger, it sends ExtendBudget (before the cloud
+reaches the old budget, or the extension comes too late and is skipped). After the hand-off only
+the device's pace matters, so the display interval drops to max(target, d).
 """
 from __future__ import annotations
 
@@ -39,18 +43,22 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Timing:
-    """What the algorithm knows: device fit (a, b ms; d ms/token), cloud TTFT T and TPOT c (ms)."""
+    """What the algorithm knows: device fit (a, b ms; d ms/token), cloud TTFT T and TPOT c (ms),
+    and when the device starts (or resumes) prefilling its remaining prompt (device_start_ms;
+    later than 0 when it must wait for a refined prompt, or when re-planning mid-request)."""
 
     prefill_ms_base: float
     prefill_ms_per_token: float
     decode_ms_per_token: float
     cloud_ttft_ms: float
     cloud_tpot_ms: float
+    device_start_ms: float = 0.0
 
     def scaled(self, device: float = 1.0, cloud: float = 1.0) -> "Timing":
         """Device times x `device`, cloud times x `cloud` (for error analysis)."""
         return Timing(self.prefill_ms_base * device, self.prefill_ms_per_token * device,
-                      self.decode_ms_per_token * device, self.cloud_ttft_ms * cloud, self.cloud_tpot_ms * cloud)
+                      self.decode_ms_per_token * device, self.cloud_ttft_ms * cloud, self.cloud_tpot_ms * cloud,
+                      self.device_start_ms)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class Settings:
 def handoff_time(t: Timing, prompt_tokens: int, n: int) -> float:
     """R(N): when the device has prefilled the prompt and all `n` cloud tokens (ms), batch by batch."""
     a, b, T, c = t.prefill_ms_base, t.prefill_ms_per_token, t.cloud_ttft_ms, t.cloud_tpot_ms
-    now, covered = a + b * prompt_tokens, 0
+    now, covered = t.device_start_ms + (a + b * prompt_tokens if prompt_tokens else 0.0), 0
     while covered < n:
         arrived = n if c == 0 else min(n, max(0, math.floor((now - T) / c + 1e-9) + 1))
         if arrived <= covered:  # idle until token `covered` arrives
@@ -108,8 +116,8 @@ def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_t
     Raises:
         ValueError: target_tpot_ms <= 0 or prompt_tokens < 1.
     """
-    if target_tpot_ms <= 0 or prompt_tokens < 1:
-        raise ValueError("target_tpot_ms must be > 0 and prompt_tokens >= 1")
+    if target_tpot_ms <= 0 or prompt_tokens < 0:
+        raise ValueError("target_tpot_ms must be > 0 and prompt_tokens >= 0")
     interval = max(target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
     if t.prefill_ms_per_token >= interval:
         return Settings(None, interval, None)

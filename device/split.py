@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
 from relayinfer.protocol.errors import RelayInferError
@@ -115,21 +117,30 @@ class SplitOptions:
 @dataclass
 class CloudEstimate:
     """Running estimates of the cloud as this device sees it (ms): TTFT = ttft_base_ms +
-    prefill_ms_per_token * prompt tokens (round trip included), and TPOT. Updated after each
-    request by exponential averaging; the defaults are deliberately pessimistic."""
+    prefill_ms_per_token * prompt tokens (round trip included), fitted by least squares over the
+    last `window` requests (base and slope together), and TPOT by exponential averaging. The
+    defaults, used until two prompt lengths were seen, are deliberately pessimistic."""
 
     ttft_base_ms: float = 150.0
     prefill_ms_per_token: float = 1.0
     tpot_ms: float = 40.0
     alpha: float = 0.5
+    window: int = 32
+    samples: list = field(default_factory=list)
 
     def ttft_ms(self, prompt_tokens: int) -> float:
         return self.ttft_base_ms + self.prefill_ms_per_token * prompt_tokens
 
     def update(self, prompt_tokens: int, ttft_ms: float | None, tpot_ms: float | None) -> None:
         if ttft_ms is not None:
-            per_token = max(0.0, (ttft_ms - self.ttft_base_ms) / max(prompt_tokens, 1))
-            self.prefill_ms_per_token += self.alpha * (per_token - self.prefill_ms_per_token)
+            self.samples = (self.samples + [(prompt_tokens, ttft_ms)])[-self.window:]
+            xs = np.array([x for x, _ in self.samples], float)
+            ys = np.array([y for _, y in self.samples], float)
+            if np.ptp(xs) > 0:
+                slope, base = np.polyfit(xs, ys, 1)
+                self.prefill_ms_per_token, self.ttft_base_ms = max(0.0, slope), max(0.0, base)
+            else:  # one prompt length so far: keep the slope, move the base
+                self.ttft_base_ms = max(0.0, float(ys.mean()) - self.prefill_ms_per_token * xs[0])
         if tpot_ms is not None:
             self.tpot_ms += self.alpha * (tpot_ms - self.tpot_ms)
 
@@ -217,12 +228,11 @@ class _Run:
             self.complete, self.finish_reason = True, reason or "length"
         self.changed.set()
 
-    def timing(self, device_prompt: int, scale: float = 1.0, ttft_ms: float | None = None,
-               tpot_ms: float | None = None) -> Timing:
+    def timing(self, start_ms: float = 0.0, ttft_ms: float | None = None, tpot_ms: float | None = None) -> Timing:
         a, b, d = self.s.device_timing
         c = self.s.cloud
-        return Timing(a * scale, b * scale, d, ttft_ms if ttft_ms is not None else c.ttft_ms(len(self.prompt)),
-                      tpot_ms if tpot_ms is not None else c.tpot_ms)
+        return Timing(a, b, d, ttft_ms if ttft_ms is not None else c.ttft_ms(len(self.prompt)),
+                      tpot_ms if tpot_ms is not None else c.tpot_ms, start_ms)
 
     def plan(self) -> None:
         """Initial settings: cloud budget and display interval (settings algorithm)."""
@@ -233,22 +243,23 @@ class _Run:
             return
         n = len(self.prompt)
         self.device_prompt_est = max(1, int(n * opt.refine)) if opt.refine else n
-        st = choose_settings(self.timing(self.device_prompt_est), self.device_prompt_est, self.params.max_new_tokens,
-                             opt.target_tpot_ms)
+        t = self.timing()
+        if opt.refine:  # the refined prompt comes right after the first cloud token
+            t = self.timing(start_ms=t.cloud_ttft_ms)
+        st = choose_settings(t, self.device_prompt_est, self.params.max_new_tokens, opt.target_tpot_ms)
         self.speed.interval_ms = st.interval_ms
         self.budget = st.cloud_budget
         self.device_idle = st.cloud_budget is None  # cannot catch up: the cloud streams to the end
 
-    async def replan(self, prompt_done_ms: float) -> None:
-        """After the device's prompt prefill: re-estimate with what was measured; extend the budget."""
-        if not self.auto or self.budget is None or self.channel is None or not self.ready_ms:
+    async def replan(self, prompt_left: int) -> None:
+        """Re-plan from now with `prompt_left` prompt tokens still to prefill and the measured cloud
+        TTFT/TPOT; extend the cloud budget if more tokens are needed (and it is not too late)."""
+        if (not self.auto or self.budget is None or self.channel is None or not self.ready_ms
+                or self.cloud_done is not None or self.handoff is not None):
             return
-        a, b, _ = self.s.device_timing
-        predicted = a + b * self.device_prompt_est
-        scale = max(1.0, prompt_done_ms / predicted) if predicted > 0 else 1.0
         n = len(self.ready_ms)
         tpot = (self.ready_ms[-1] - self.ready_ms[0]) / (n - 1) if n > 1 else None
-        st = choose_settings(self.timing(self.device_prompt_est, scale, self.ready_ms[0], tpot), self.device_prompt_est,
+        st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot), prompt_left,
                              self.params.max_new_tokens, self.s.opt.target_tpot_ms, margin=0.1)
         want = st.cloud_budget if st.cloud_budget is not None else self.params.max_new_tokens
         if want > self.budget:
@@ -345,12 +356,13 @@ class _Run:
             if self.kept is not None and self.kept[:head] == list(range(head)):
                 prompt = [self.prompt[i] for i in self.kept]
             prompt = prompt[head:]
+            await self.replan(len(prompt))
             self.device_prompt_tokens = head + len(prompt)
         for i in range(0, len(prompt), chunk):
             if self.complete:
                 return  # the cloud finished the answer first
             logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[i:i + chunk], kv)
-        await self.replan((time.perf_counter() - t) * 1e3)
+        await self.replan(0)
         covered = 0
         while True:  # catch up: prefill every cloud token received so far in one batch
             if self.complete:
@@ -362,6 +374,8 @@ class _Run:
             covered = n
         self.device_prefill_ms = (time.perf_counter() - t) * 1e3
         self.handoff = covered  # atomic with the check above: no await in between
+        if self.auto:  # from now on only the device's pace matters
+            self.speed.interval_ms = max(self.s.opt.target_tpot_ms, self.s.device_timing[2])
         if self.channel is not None and self.fault is None and self.cloud_done is None:
             try:
                 await self.channel.send(Stop(self.request_id, covered))

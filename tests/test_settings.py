@@ -63,3 +63,22 @@ def test_speed_controller_paces_and_counts_stalls():
     st_ = sc.stats(0.0)
     assert st_["ttft_ms"] == 100.0 and st_["tpot_ms_p50"] == 50.0 and st_["tpot_ms_max"] == 150.0
     assert st_["stalls"] == 1
+
+
+def test_waiting_for_the_refined_prompt_needs_a_larger_budget():
+    t = Timing(0.0, 16.67, 52.6, cloud_ttft_ms=800.0, cloud_tpot_ms=20.0)
+    now = choose_settings(t, 256, 256, 60.0)
+    later = choose_settings(Timing(0.0, 16.67, 52.6, 800.0, 20.0, device_start_ms=800.0), 256, 256, 60.0)
+    assert later.cloud_budget > now.cloud_budget
+    sim = simulate(Timing(0.0, 16.67, 52.6, 800.0, 20.0, device_start_ms=800.0), 256, 256, later.cloud_budget, 60.0, 60.0)
+    assert sim["late"] == 0 and sim["stalls"] == 0
+
+
+def test_cloud_estimate_fits_base_and_slope():
+    from relayinfer.device.split import CloudEstimate
+
+    est = CloudEstimate()
+    for n in (64, 512, 128, 2048):
+        est.update(n, 300.0 + 4.0 * n, 25.0)
+    assert abs(est.ttft_base_ms - 300.0) < 1e-6 and abs(est.prefill_ms_per_token - 4.0) < 1e-9
+    assert abs(est.ttft_ms(1000) - 4300.0) < 1e-6 and 25.0 <= est.tpot_ms < 40.0
