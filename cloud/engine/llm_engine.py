@@ -16,7 +16,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import AsyncIterator, NamedTuple, Sequence as Seq
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.models.llama import Llama
