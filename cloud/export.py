@@ -13,9 +13,12 @@ file's sha256 so a device can verify what it downloaded.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import warnings
 import time
 from pathlib import Path
 from typing import Callable
@@ -69,6 +72,25 @@ def export_onnx(model: Llama, out: Path) -> None:
                             torch.export.Dim("past", max=cfg.context_length))
     shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past_len} for _ in past))
     inputs, outputs = io_names(cfg.n_layers)
+    with warnings.catch_warnings(), _quiet("torch.onnx", "torch._export", "torch.export"):
+        warnings.simplefilter("ignore")  # exporter chatter (torchvision ops, axis names, LeafSpec)
+        _export(model, ids, past, out, inputs, outputs, shapes)
+
+
+@contextlib.contextmanager
+def _quiet(*names: str):
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def _export(model, ids, past, out, inputs, outputs, shapes) -> None:
     torch.onnx.export(_ExportWrapper(model).eval(), (ids, *past), str(out), dynamo=True,
                       input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
                       optimize=True, external_data=False, verbose=False)

@@ -324,11 +324,13 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then apply pending aborts so their KV blocks are freed."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.engine._drain_inbox()
 
     def _run(self) -> None:
         eng = self.engine

@@ -332,8 +332,12 @@ class CloudService:
     async def start(self, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0) -> None:
         """Listen on `host` (websockets on `ws_port`, HTTP on `http_port`; 0 = a free port, None =
         no HTTP side). The bound ports are in `self.ws_port` / `self.http_port`."""
+        loop = asyncio.get_running_loop()
         if hasattr(self.engine, "warmup"):  # first forward allocates; keep that out of the first TTFT
-            await asyncio.get_running_loop().run_in_executor(self.worker, self.engine.warmup)
+            await loop.run_in_executor(self.worker, self.engine.warmup)
+        if self.llm is not None:  # the batching engine's runner allocates on its first steps too
+            await loop.run_in_executor(self.worker, self.llm.engine.generate, [list(range(16, 48))],
+                                       SamplingParams(max_new_tokens=2))
         self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
                                                auth_token=self.auth_token, server="relayinfer-cloud",
                                                max_frame_bytes=self.max_frame_bytes)
