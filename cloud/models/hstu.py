@@ -128,6 +128,15 @@ class HSTULayer(nn.Module):
         return x + self.drop(self.out(self.norm_out(o) * u))
 
 
+def _run_to_end(gen):
+    """Exhaust a step generator and return its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
 class HSTU(nn.Module):
     """HSTU ranker: score(history, candidate) from the candidate token's output.
 
@@ -205,12 +214,7 @@ class HSTU(nn.Module):
     # ---- cached path ---------------------------------------------------------------------------
     def _prefix(self, items, ts, lengths) -> PrefixKV:
         """Differentiable prefix pass (history only, causal) -> PrefixKV."""
-        steps = self.prefix_steps(items, ts, lengths)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return _run_to_end(self.prefix_steps(items, ts, lengths))
 
     def prefix_steps(self, items, ts, lengths):
         """The prefix pass as a generator: yields after each query chunk of each layer (a point where
@@ -281,12 +285,7 @@ class HSTU(nn.Module):
     @torch.no_grad()
     def prefix_forward(self, items, ts, lengths) -> PrefixKV:
         """History only (causal) -> per-layer K, V. Cost O(L^2) per layer; run once per user request."""
-        steps = self.prefix_forward_steps(items, ts, lengths)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return _run_to_end(self.prefix_forward_steps(items, ts, lengths))
 
     def prefix_forward_steps(self, items, ts, lengths):
         """prefix_forward as a generator (no grad): yields between attention chunks, returns the PrefixKV.
