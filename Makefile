@@ -22,7 +22,7 @@ setup: $(VENV)/.installed
 
 # The main job: embedded cloud service + device session on the default model (SmolLM2-135M-Instruct).
 demo: setup
-	$(BIN)/relayinfer demo $(PROMPT)
+	$(BIN)/relayinfer demo $(if $(PROMPT),"$(PROMPT)",)
 
 # The test suite (what CI runs). pytest's exit 5 (no tests collected) is a failure, not a pass.
 # Cases marked slow (minutes of training) run with `make test-slow`.
