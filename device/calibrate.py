@@ -43,11 +43,15 @@ def measure(engine, lengths=LENGTHS, decode_steps: int = 8, repeats: int = 2) ->
                          source="calibration run")
 
 
-def calibrated(engine, refresh: bool = False) -> DeviceProfile:
-    """The cached calibration of `engine` (an OnnxEngine), measuring it first when absent."""
+MAX_AGE_S = 24 * 3600
+
+
+def calibrated(engine, refresh: bool = False, max_age_s: float = MAX_AGE_S) -> DeviceProfile:
+    """The cached calibration of `engine` (an OnnxEngine), measured again when absent, older than
+    `max_age_s` seconds (a device's load changes), or when `refresh` is set."""
     key = f"{getattr(engine, 'fingerprint', '')[:16]}-{getattr(engine, 'onnx_file', 'x').name}-t{engine.threads}"
     path = cache_dir() / "profiles" / f"local-{key}.json"
-    if path.is_file() and not refresh:
+    if path.is_file() and not refresh and time.time() - path.stat().st_mtime < max_age_s:
         return DeviceProfile(**json.loads(path.read_text()))
     prof = measure(engine)
     path.parent.mkdir(parents=True, exist_ok=True)

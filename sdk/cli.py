@@ -160,7 +160,7 @@ def demo(
 
     say = (lambda m: typer.echo(m, err=True)) if not as_json else (lambda m: None)
     try:
-        say("loading the cloud model (torch) and the device model (ONNX; exported once, about 2 minutes)...")
+        say("loading the cloud model (torch) and the device model (ONNX; exported once, about 3 minutes)...")
         svc = _cloud_service(model, "cpu", 1, None)
         messages = [{"role": "user", "content": prompt}] if prompt else chitchat_prompt()
         with ServiceThread(svc) as running:
