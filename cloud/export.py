@@ -14,7 +14,6 @@ file's sha256 so a device can verify what it downloaded.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -27,10 +26,11 @@ import torch
 from torch import nn
 
 from relayinfer.cloud.models.llama import ConcatKV, Llama, load_llama
-from relayinfer.protocol.model_file import fingerprint, model_cache_dir, resolve_model_path
+from relayinfer.protocol.model_file import file_sha256, fingerprint, model_cache_dir, resolve_model_path
 from relayinfer.protocol.tokenizer import Tokenizer
 
 QUANTIZATIONS = (None, "int8")
+SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_meta.json")  # what a device needs besides the ONNX file
 
 
 class _ExportWrapper(nn.Module):
@@ -52,14 +52,6 @@ def io_names(n_layers: int) -> tuple[list[str], list[str]]:
     past = [f"past_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
     present = [f"present_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
     return ["input_ids", *past], ["logits", *present]
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def export_onnx(model: Llama, out: Path) -> None:
@@ -123,6 +115,8 @@ def ensure_device_model(model_path: str | os.PathLike | None = None, quantize: s
         model = load_llama(path)
         (d / "config.json").write_text(model.cfg.to_json())
         Tokenizer.from_gguf(path).save(d)
+        for name in SIDE_FILES:
+            manifest["files"][name] = file_sha256(d / name)
         say("exporting to ONNX (about a minute)")
         tmp = d / f".{fp32.name}.{os.getpid()}"
         with torch.no_grad():

@@ -32,9 +32,6 @@ class OnnxKV:
     values: list
     length: int
 
-    def nbytes(self) -> int:
-        return sum(int(np.prod(v.shape())) * 4 for v in self.values)
-
 
 class OnnxEngine:
     """Llama on ONNX Runtime (CPU execution provider by default).

@@ -66,13 +66,18 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
-@lru_cache(maxsize=8)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 (hex) of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+@lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
 
 
 def fingerprint(path: str | os.PathLike) -> str:

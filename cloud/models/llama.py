@@ -78,11 +78,6 @@ class StaticKV:
         self.length += self._pending
         self._pending = 0
 
-    def nbytes(self) -> int:
-        """Bytes held by the filled part of the cache (K and V, all layers)."""
-        n_layers, b, kvh, _, hd = self.k.shape
-        return 2 * n_layers * b * kvh * self.length * hd * self.k.element_size()
-
 
 class ObservationScores:
     """SnapKV-style importance of each key position (Li et al. 2024, "SnapKV: LLM Knows What You

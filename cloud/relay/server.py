@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import hashlib
 import inspect
 import itertools
 import json
@@ -25,13 +24,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from relayinfer.protocol.errors import ErrorCode, ProtocolError
 from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores, Tensor
+from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.ws import ServerChannel, serve
 
 MAX_QUEUE = 256  # requests waiting for the compute thread before OVERLOADED
@@ -39,7 +38,7 @@ MAX_QUEUE = 256  # requests waiting for the compute thread before OVERLOADED
 
 def fingerprint(path: Path) -> str:
     """sha256 of the checkpoint file (the model fingerprint checked at the handshake)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return file_sha256(path)
 
 
 class Worker:

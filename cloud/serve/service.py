@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
+from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate,
                                           RefinedPrompt, Stop, Token)
 from relayinfer.protocol.refine import WINDOW, refine_indices
@@ -85,6 +86,7 @@ class CloudService:
                  llm=None, model_name: str = "smollm2-135m-instruct"):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.device_model_dir = Path(device_model_dir) if device_model_dir else None
+        self._manifest: dict | None = None
         self.step_delay_ms, self.max_frame_bytes = step_delay_ms, max_frame_bytes
         self._special_ids = special_ids
         self.llm, self.model_name = llm, model_name
@@ -288,7 +290,7 @@ class CloudService:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/device-model", self._device_model)
-        app.router.add_get("/v1/device-model/manifest", self._manifest)
+        app.router.add_get("/v1/device-model/manifest", self._manifest_handler)
         app.router.add_get("/v1/device-model/{name}", self._device_model)
         if self.llm is not None:
             from relayinfer.cloud.serve.openai_api import openai_routes
@@ -308,16 +310,20 @@ class CloudService:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     def _manifest_data(self) -> dict:
-        if self.device_model_dir is None or not (self.device_model_dir / "manifest.json").is_file():
-            raise web.HTTPNotFound(text="this service has no exported device model")
-        m = json.loads((self.device_model_dir / "manifest.json").read_text())
-        for name in ("config.json", "tokenizer.json", "tokenizer_meta.json"):
-            from relayinfer.cloud.export import file_sha256
+        """The export manifest (file name -> sha256), read once; side files of exports made before
+        their hashes were recorded are hashed here, once."""
+        if self._manifest is None:
+            if self.device_model_dir is None or not (self.device_model_dir / "manifest.json").is_file():
+                raise web.HTTPNotFound(text="this service has no exported device model")
+            from relayinfer.cloud.export import SIDE_FILES
 
-            m["files"].setdefault(name, file_sha256(self.device_model_dir / name))
-        return m
+            m = json.loads((self.device_model_dir / "manifest.json").read_text())
+            for name in SIDE_FILES:
+                m["files"].setdefault(name, file_sha256(self.device_model_dir / name))
+            self._manifest = m
+        return self._manifest
 
-    async def _manifest(self, request):
+    async def _manifest_handler(self, request):
         return web.json_response(self._manifest_data())
 
     async def _device_model(self, request):
