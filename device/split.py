@@ -158,12 +158,15 @@ class SplitSession:
         device_timing: (prefill ms base, prefill ms per token, decode ms per token) of this device,
             for the settings algorithm (`cloud_budget='auto'`); None turns the algorithm off.
         cloud: the client's running cloud estimates, updated after the request.
+        ssl: `ssl.SSLContext` used for a wss:// cloud (CA and verification chosen by the caller).
     """
 
     def __init__(self, engine, tokenizer, cloud_url: str | None, fingerprint: str, token: str | None = None,
                  options: SplitOptions | None = None, executor: ThreadPoolExecutor | None = None,
-                 device_timing: tuple[float, float, float] | None = None, cloud: CloudEstimate | None = None):
+                 device_timing: tuple[float, float, float] | None = None, cloud: CloudEstimate | None = None,
+                 ssl=None):
         self.engine, self.tokenizer = engine, tokenizer
+        self.ssl = ssl  # ssl.SSLContext for wss:// (None: the default context for wss, none for ws)
         self.cloud_url, self.fingerprint, self.token = cloud_url, fingerprint, token
         self.opt = options or SplitOptions()
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-model")
@@ -295,7 +298,8 @@ class _Run:
         s = self.s
         try:
             self.channel = await proto_ws.open_channel(s.cloud_url, s.fingerprint, s.token, client="relayinfer-device",
-                                                       open_timeout=s.opt.connect_timeout_s)
+                                                       open_timeout=s.opt.connect_timeout_s,
+                                                       **({"ssl": s.ssl} if s.ssl is not None else {}))
             budget = self.budget if self.mode == "split" else None
             p = self.params
             refine = s.opt.refine if self.mode == "split" else None

@@ -209,11 +209,14 @@ class Done(_Msg, tag="done"):
 
 class Error(_Msg, tag="error"):
     """Either way: something failed. ``code``: an ``ErrorCode`` value; ``request_id``: the request it
-    concerns, or None for a connection-level error (the sender closes the connection after it)."""
+    concerns, or None for a connection-level error (the sender closes the connection after it);
+    ``retry_after_ms``: with OVERLOADED, how long the sender asks the peer to wait before trying
+    again (ms; a device runs device-only meanwhile), else None."""
 
     code: str
     message: str
     request_id: Union[str, None] = None
+    retry_after_ms: Union[float, None] = None
 
 
 class Ping(_Msg, tag="ping"):
