@@ -299,7 +299,15 @@ class CloudService:
             openai_routes(app, self.llm, Tokenizer.from_gguf(self.engine.model_path), self.model_name)
         return app
 
+    def health(self) -> str | None:
+        """None while the service can serve; else why not (the batching engine's thread died)."""
+        err = getattr(self.llm, "error", None) if self.llm is not None else None
+        return None if err is None else f"engine failed: {type(err).__name__}: {err}"
+
     async def _healthz(self, request):
+        dead = self.health()
+        if dead is not None:
+            return web.json_response({"status": "error", "reason": dead}, status=503)
         return web.json_response({"status": "ok", "model_fingerprint": self.fingerprint})
 
     async def _metrics(self, request):
