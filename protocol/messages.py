@@ -19,7 +19,7 @@ import numpy as np
 from .errors import ErrorCode, ProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "TENSOR_DTYPES",
+    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "TENSOR_DTYPES", "MAX_TENSOR_DIMS",
     "Tensor", "Hello", "Welcome", "Generate", "Token", "RefinedPrompt", "ExtendBudget", "Stop",
     "Cancel", "Done", "Error", "Ping", "Pong", "KVTransfer", "PreInfer", "Rank", "Scores",
     "TileBatch", "Embeddings", "Message", "MESSAGE_TYPES", "encode", "decode", "bfloat16_to_float32",
@@ -43,6 +43,12 @@ TENSOR_DTYPES: dict[str, np.dtype] = {
     "bool": np.dtype("?"),
 }
 
+MAX_TENSOR_DIMS = 32
+"""Most dimensions a Tensor may have (numpy 1.x's limit; numpy 2 allows 64), so that every tensor
+accepted off the wire converts with ``to_numpy`` on any supported numpy."""
+
+_MAX_ADDRESSABLE_BYTES = int(np.iinfo(np.intp).max)
+
 
 class Tensor(msgspec.Struct, frozen=True):
     """An n-d array as ``dtype`` name, ``shape`` (list of dims) and raw little-endian C-order ``data``.
@@ -50,7 +56,9 @@ class Tensor(msgspec.Struct, frozen=True):
     Allowed dtypes: float32, float16, bfloat16, int8, uint8, int32, int64, bool. bfloat16 is carried
     as its raw 16-bit patterns; :meth:`to_numpy` returns them as a ``uint16`` array (numpy has no
     bfloat16) and :func:`bfloat16_to_float32` widens them. Construction and decoding check that
-    ``len(data) == prod(shape) * itemsize`` and raise ``ProtocolError(BAD_FRAME)`` otherwise.
+    ``len(data) == prod(shape) * itemsize``, that there are at most ``MAX_TENSOR_DIMS`` dims and
+    that numpy can address the shape (non-zero dims times itemsize fit ``intp``), and raise
+    ``ProtocolError(BAD_FRAME)`` otherwise.
     """
 
     dtype: str
@@ -62,8 +70,14 @@ class Tensor(msgspec.Struct, frozen=True):
         if np_dtype is None:
             raise ProtocolError(ErrorCode.BAD_FRAME,
                                 f"tensor dtype {self.dtype!r} not allowed; use one of {', '.join(TENSOR_DTYPES)}")
+        if len(self.shape) > MAX_TENSOR_DIMS:
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"tensor has {len(self.shape)} dimensions; at most {MAX_TENSOR_DIMS} are allowed")
         if any(d < 0 for d in self.shape):
             raise ProtocolError(ErrorCode.BAD_FRAME, f"tensor shape {self.shape} has a negative dimension")
+        # numpy refuses a shape whose non-zero dims times the itemsize overflow intp, even when another dim is 0.
+        if math.prod(d for d in self.shape if d) * np_dtype.itemsize > _MAX_ADDRESSABLE_BYTES:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"tensor shape {self.shape} is too large to address")
         expected = math.prod(self.shape) * np_dtype.itemsize
         if len(self.data) != expected:
             raise ProtocolError(
@@ -317,8 +331,9 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes) -> Message:
     """Decode one frame body into a message, validating every field.
 
-    Raises ``ProtocolError`` with ``BAD_FRAME`` (not msgpack, truncated, trailing bytes, wrong field
-    types, bad tensor) or ``UNKNOWN_MESSAGE`` (valid msgpack map whose "type" is not a known tag).
+    Raises ``ProtocolError`` with ``BAD_FRAME`` (not msgpack, truncated, trailing bytes, nested too
+    deeply, wrong field types, bad tensor) or ``UNKNOWN_MESSAGE`` (valid msgpack map whose "type" is
+    not a known tag).
     """
     try:
         return _decoder.decode(data)
@@ -326,13 +341,15 @@ def decode(data: bytes) -> Message:
         raise _explain(data, exc) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(data)} bytes is not valid MessagePack: {exc}") from None
+    except RecursionError:  # msgspec raises it for MessagePack nested past the interpreter's recursion limit
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(data)} bytes is nested too deeply") from None
 
 
 def _explain(data: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     """Turn a validation failure into UNKNOWN_MESSAGE (unknown tag) or BAD_FRAME (bad fields)."""
     try:
         tag = _type_decoder.decode(data).type
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return ProtocolError(ErrorCode.BAD_FRAME, f"frame is not a message map with a string 'type': {exc}")
     if tag is None:
         return ProtocolError(ErrorCode.BAD_FRAME, "frame has no 'type' field")
