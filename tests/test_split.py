@@ -288,7 +288,7 @@ def test_http_side_health_metrics_and_device_model(cloud, onnx_engine, chat_prom
     client(cloud, onnx_engine).complete(chat_prompt_ids[0], max_new_tokens=4, mode="cloud-only")  # tokens to count
     base = f"http://127.0.0.1:{cloud.http_port}"
     health = json.loads(urllib.request.urlopen(f"{base}/healthz").read())
-    assert health == {"status": "ok", "model_fingerprint": cloud.fingerprint}
+    assert health["status"] == "ok" and health["model_fingerprint"] == cloud.fingerprint  # no token: details
     metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
     tokens = [line for line in metrics.splitlines() if line.startswith("relayinfer_cloud_tokens_total")]
     assert tokens and float(tokens[0].split()[-1]) > 0

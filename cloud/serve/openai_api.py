@@ -11,11 +11,19 @@ long), 404 (unknown model) or 500 (engine failure).
 
 Use `openai_routes(app, engine, tokenizer, model_name)` to mount the routes on an existing app
 (the cloud service), or `make_app(...)` for a standalone server.
+
+Client disconnects: serve the app with `web.AppRunner(app, handler_cancellation=True)` (the cloud
+service does): aiohttp >= 3.9 otherwise lets a handler run on after its client left. A cancelled
+handler leaves the engine's generator, which aborts the request at the engine's next step and
+frees its KV blocks, before the headers (queued or prefilling) or after them (streaming), streamed
+or not. A write to a connection the client closed ends the request the same way. Either is an
+ordinary event, logged at debug level only.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import AsyncIterator
@@ -25,6 +33,8 @@ from aiohttp import web
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine
 from relayinfer.protocol.decoding import SamplingParams
 from relayinfer.protocol.errors import PromptTooLongError
+
+log = logging.getLogger("relayinfer.openai")
 
 DEFAULT_MAX_TOKENS = 256
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "budget": "length", "abort": "stop"}
@@ -228,8 +238,10 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
             if include_usage:
                 await send(None, usage())
             await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client closed the connection between two writes
+            log.debug("client of %s went away mid-stream; request aborted", rid)
         finally:
-            await gen.aclose()  # client gone mid-stream: abort the request
+            await gen.aclose()  # client gone (write failed, handler cancelled): abort the request
         return resp
 
     def json_errors(handler):
@@ -238,9 +250,14 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
                 return await handler(request)
             except APIError as e:
                 return e.response()
-            except (ConnectionResetError, asyncio.CancelledError):
+            except asyncio.CancelledError:  # the client left (handler_cancellation): an ordinary event
+                log.debug("%s %s: client went away, handler cancelled", request.method, request.path)
                 raise
+            except ConnectionResetError:  # the client left while we read or wrote: nobody to answer
+                log.debug("%s %s: client went away", request.method, request.path)
+                return web.Response(status=499, text="client closed the request")
             except Exception as e:  # engine failure
+                log.exception("%s %s failed", request.method, request.path)
                 return APIError(500, f"internal error: {e}", type_="server_error").response()
         return wrapped
 
@@ -268,7 +285,9 @@ async def _first(gen: AsyncIterator[str]):
 
 
 def make_app(engine: AsyncLLMEngine, tokenizer, model_name: str) -> web.Application:
-    """A standalone aiohttp app serving only the OpenAI routes; shuts the engine thread down on cleanup."""
+    """A standalone aiohttp app serving only the OpenAI routes; shuts the engine thread down on cleanup.
+    Run it with `web.AppRunner(app, handler_cancellation=True)` so that requests whose client left
+    are aborted (see the module docstring)."""
     app = web.Application()
     openai_routes(app, engine, tokenizer, model_name)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl as _ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate,
                                           RefinedPrompt, Stop, Token)
 from relayinfer.protocol.refine import WINDOW, refine_indices
+from relayinfer.protocol.security import bearer_token, server_context, token_matches
 
 log = logging.getLogger("relayinfer.cloud")
 
@@ -78,13 +80,24 @@ class CloudService:
             API; requests with refinement take the per-request path (the batched runner does not
             compute attention scores).
         model_name: the model id of the OpenAI-compatible API.
+        metrics_public: serve `/metrics` without the token (for a scraper on a private network).
+
+    Auth (when `auth_token` is set): devices present the token in their Hello (websocket port);
+    HTTP clients send `Authorization: Bearer <token>` on every route but `/healthz` (and
+    `/metrics` with `metrics_public`); both compare in constant time. A missing or wrong token
+    gets 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`. `/healthz` answers
+    `{"status": "ok"}` to anyone and adds the model fingerprint, model id and engine state only
+    for an authorized caller. TLS: `start(..., ssl=...)` or `certfile`/`keyfile` serve both ports
+    over TLS (`wss://`, `https://`).
     """
 
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES, special_ids: frozenset[int] | None = None,
-                 llm=None, model_name: str = "smollm2-135m-instruct"):
+                 llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
+        self.metrics_public = metrics_public
+        self._ssl, self._host = None, "127.0.0.1"
         self.device_model_dir = Path(device_model_dir) if device_model_dir else None
         self._manifest: dict | None = None
         self.step_delay_ms, self.max_frame_bytes = step_delay_ms, max_frame_bytes
@@ -285,8 +298,24 @@ class CloudService:
 
     # --- HTTP side --------------------------------------------------------------------------------
 
+    def authorized(self, request: web.Request) -> bool:
+        """True when no token is set or the request carries `Authorization: Bearer <the token>`
+        (constant-time comparison)."""
+        return self.auth_token is None or token_matches(bearer_token(request.headers.get("Authorization")),
+                                                        self.auth_token)
+
     def http_app(self) -> web.Application:
-        app = web.Application()
+        """The HTTP side: `/healthz`, `/metrics`, `/v1/device-model*` and (with `llm`) the OpenAI
+        API, every route but `/healthz` (and `/metrics` with `metrics_public`) behind the token."""
+
+        @web.middleware
+        async def auth(request: web.Request, handler):
+            public = request.path == "/healthz" or (self.metrics_public and request.path == "/metrics")
+            if public or self.authorized(request):
+                return await handler(request)
+            return _unauthorized(request)
+
+        app = web.Application(middlewares=[auth])
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/device-model", self._device_model)
@@ -305,10 +334,22 @@ class CloudService:
         return None if err is None else f"engine failed: {type(err).__name__}: {err}"
 
     async def _healthz(self, request):
-        dead = self.health()
+        """Liveness for anyone (200 `{"status": "ok"}`, or 503 `{"status": "error"}` once the engine
+        died); the reason, model fingerprint, model id and engine state only for an authorized caller."""
+        dead, details = self.health(), self.authorized(request)
         if dead is not None:
-            return web.json_response({"status": "error", "reason": dead}, status=503)
-        return web.json_response({"status": "ok", "model_fingerprint": self.fingerprint})
+            return web.json_response({"status": "error", **({"reason": dead} if details else {})}, status=503)
+        return web.json_response({"status": "ok", **(self._health_details() if details else {})})
+
+    def _health_details(self) -> dict:
+        d = {"model_fingerprint": self.fingerprint, "model": self.model_name,
+             "sessions": int(self.metrics.active_sessions._value.get()),
+             "requests": int(self.metrics.active_requests._value.get())}
+        if self.llm is not None:
+            e = self.llm.engine
+            d["engine"] = {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                           "kv_blocks_used": e.block_manager.num_used_blocks, "kv_blocks_total": e.num_blocks}
+        return d
 
     async def _metrics(self, request):
         body = generate_latest(self.metrics.registry)
@@ -343,9 +384,32 @@ class CloudService:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0) -> None:
+    async def start(self, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0, *,
+                    ssl: _ssl.SSLContext | None = None, certfile: str | Path | None = None,
+                    keyfile: str | Path | None = None) -> None:
         """Listen on `host` (websockets on `ws_port`, HTTP on `http_port`; 0 = a free port, None =
-        no HTTP side). The bound ports are in `self.ws_port` / `self.http_port`."""
+        no HTTP side). The bound ports are in `self.ws_port` / `self.http_port`, the URLs in
+        `self.url` / `self.http_url`.
+
+        TLS: pass a server `ssl.SSLContext`, or `certfile` (PEM chain) and `keyfile` (its key; None
+        when it is inside `certfile`): both ports then speak TLS (`wss://`, `https://`).
+
+        HTTP handlers are cancelled when their client disconnects (aiohttp's `handler_cancellation`),
+        so an OpenAI request whose client left is aborted in the engine at its next step.
+
+        Raises:
+            ValueError: both `ssl` and `certfile`, a `keyfile` without `certfile`, or a certificate
+                that does not load (the message names the file and the reason).
+            OSError: a port is in use.
+        """
+        if certfile is not None:
+            if ssl is not None:
+                raise ValueError("give either an ssl context or certfile/keyfile, not both")
+            ssl = server_context(certfile, keyfile)
+        elif keyfile is not None:
+            raise ValueError("keyfile given without certfile")
+        self._ssl = ssl
+        self._host = "127.0.0.1" if host in ("", "0.0.0.0", "::", None) else host
         loop = asyncio.get_running_loop()
         if hasattr(self.engine, "warmup"):  # first forward allocates; keep that out of the first TTFT
             await loop.run_in_executor(self.worker, self.engine.warmup)
@@ -354,12 +418,13 @@ class CloudService:
                                        SamplingParams(max_new_tokens=2))
         self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
                                                auth_token=self.auth_token, server="relayinfer-cloud",
-                                               max_frame_bytes=self.max_frame_bytes)
+                                               max_frame_bytes=self.max_frame_bytes,
+                                               **({"ssl": ssl} if ssl is not None else {}))
         self.ws_port = self._ws_server.sockets[0].getsockname()[1]
         if http_port is not None:
-            self._http_runner = web.AppRunner(self.http_app(), access_log=None)
+            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True)
             await self._http_runner.setup()
-            site = web.TCPSite(self._http_runner, host, http_port)
+            site = web.TCPSite(self._http_runner, host, http_port, ssl_context=ssl)
             await site.start()
             self.http_port = site._server.sockets[0].getsockname()[1]
 
@@ -373,26 +438,51 @@ class CloudService:
             await asyncio.get_running_loop().run_in_executor(None, self.llm.shutdown)
         self.worker.shutdown(wait=False, cancel_futures=True)
 
+    def _netloc(self, port) -> str:
+        return f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
+
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.ws_port}"
+        """The websocket URL devices connect to (`wss://` when serving TLS)."""
+        return f"{'wss' if self._ssl is not None else 'ws'}://{self._netloc(self.ws_port)}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the HTTP side (`https://` when serving TLS), None without one."""
+        if self.http_port is None:
+            return None
+        return f"{'https' if self._ssl is not None else 'http'}://{self._netloc(self.http_port)}"
 
 
 class ServiceThread:
     """Run a `CloudService` on its own event loop in a daemon thread (embedded cloud of `relayinfer
     demo`, tests, benchmarks). Use as a context manager; it stops the service on exit."""
 
-    def __init__(self, service: CloudService, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0):
-        self.service, self._args = service, (host, ws_port, http_port)
+    def __init__(self, service: CloudService, host: str = "127.0.0.1", ws_port: int = 0, http_port: int | None = 0,
+                 ssl: _ssl.SSLContext | None = None):
+        self.service, self._args, self._ssl = service, (host, ws_port, http_port), ssl
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="cloud-service", daemon=True)
 
     def __enter__(self) -> CloudService:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.service.start(*self._args), self.loop).result(30)
+        asyncio.run_coroutine_threadsafe(self.service.start(*self._args, ssl=self._ssl), self.loop).result(30)
         return self.service
 
     def __exit__(self, *exc) -> None:
         asyncio.run_coroutine_threadsafe(self.service.stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+def _unauthorized(request: web.Request) -> web.Response:
+    """401 in OpenAI's error shape, with the RFC 6750 challenge."""
+    if bearer_token(request.headers.get("Authorization")) is None:
+        msg = "Missing API key: send the service token as 'Authorization: Bearer <token>'"
+        challenge = 'Bearer realm="relayinfer"'
+    else:
+        msg = "Incorrect API key provided"
+        challenge = 'Bearer realm="relayinfer", error="invalid_token"'
+    return web.json_response({"error": {"message": msg, "type": "invalid_request_error", "param": None,
+                                        "code": "invalid_api_key"}}, status=401,
+                             headers={"WWW-Authenticate": challenge})
