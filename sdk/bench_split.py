@@ -19,12 +19,19 @@ Per mode (all times ms, as shown to the user by the speed controller):
 * Cloud capacity: virtual devices (`device.virtual`) at increasing Poisson rates against the same
   cloud; the highest rate with TTFT p99 <= 1 s, cloud-only vs split.
 
+Link profiles (`link=`): the device sessions reach the cloud through a `sdk.linkem.LinkProxy`
+emulating that link on loopback (delay, jitter, bandwidth cap, loss as retransmission stalls); the
+summary then adds, per mode, TTFT ratios to device-only, result-mode and fault counts, fallbacks
+(requests ended by a network fault) and the proxy's counters. `pin_cores` pins the cloud's model
+thread and the device's model thread to two different cores (`os.sched_setaffinity`).
+
 Acceptance (phone profile): split TTFT p50 <= 40% of device-only TTFT p50 on prompts of target
 length >= 512, zero stalls, TPOT max <= 2x target.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -127,7 +134,7 @@ def _run_one(client, svc, ids, mode, max_new, refine):
     r = stream.result
     time.sleep(0.2)  # let the cloud record the request (Done crosses the client's close)
     busy = sum(list(svc.busy.values())[before:]) if len(svc.busy) > before else 0.0
-    done = svc.completed[before_c:]
+    done = list(svc.completed)[before_c:]  # a bounded deque in the service
     return r, events, busy, (done[0].prefill_ms if done else None)
 
 
@@ -150,6 +157,7 @@ def _mode_summary(rows: list[dict], target: float) -> dict:
                                                    if r["cloud_prefill_ms"] is not None and r["cloud_tokens"]]),
         "result_modes": {m: sum(1 for r in rows if r["mode"] == m) for m in {r["mode"] for r in rows}},
         "faults": {f: sum(1 for r in rows if r["fault"] == f) for f in {r["fault"] for r in rows if r["fault"]}},
+        "fallbacks": sum(1 for r in rows if r["fault"] not in (None, "device-too-slow")),  # ended by a network/cloud fault
     }
 
 
@@ -228,13 +236,39 @@ def run_capacity(url: str, fingerprint: str, tokenizer, profile: str, max_new_to
     return cap
 
 
+def _pin(executor, core: int) -> None:
+    """Pin the (single) thread of `executor` to `core` (Linux: affinity of the calling thread)."""
+    executor.submit(os.sched_setaffinity, 0, {core}).result(30)
+
+
+def _link_summary(modes: dict) -> dict:
+    """Per mode: TTFT p50/p99 and their ratio to device-only, stalls, TPOT p50/max, result modes,
+    faults and fallbacks (see `_mode_summary`)."""
+    do = modes["device-only"]
+    ratio = lambda a, b: (a / b) if a is not None and b else None  # noqa: E731
+    return {m: {"ttft_ms_p50": s["ttft_ms_p50"], "ttft_ms_p99": s["ttft_ms_p99"],
+                "ttft_p50_over_device_only": ratio(s["ttft_ms_p50"], do["ttft_ms_p50"]),
+                "ttft_p99_over_device_only": ratio(s["ttft_ms_p99"], do["ttft_ms_p99"]),
+                "stalls": s["stalls"], "tpot_ms_p50": s["tpot_ms_p50"], "tpot_ms_max": s["tpot_ms_max"],
+                "result_modes": s["result_modes"], "faults": s["faults"], "fallbacks": s["fallbacks"]}
+            for m, s in modes.items()}
+
+
 def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, seed: int = 0,
                     target_tpot_ms: float = 50.0, max_new_tokens: int = 64, refine: float = 0.5,
-                    capacity: bool = True) -> dict:
+                    capacity: bool = True, link: str | None = None, pin_cores: bool = False,
+                    command: str | None = None) -> dict:
     """Run the benchmark (see the module docstring), write `out` (JSON) and the PNGs beside it,
     and return the result dict ('summary', 'modes', 'requests', 'fidelity', 'capacity', ...).
 
-    quick: smoke run (2 prompts of 64 and 512 tokens, 16 new tokens, a one-rate capacity check)."""
+    quick: smoke run (2 prompts of 64 and 512 tokens, 16 new tokens, a one-rate capacity check).
+    link: a `sdk.linkem.PROFILES` name: device sessions go through an emulated link of that kind
+    (the capacity sweep, if any, stays on the direct loopback). pin_cores: cloud model thread on
+    the first core this process may use, device model thread on the second (needs >= 2).
+    command: the command line recorded in the JSON.
+
+    Raises:
+        ValueError: unknown link profile."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.serve.service import ServiceThread
@@ -243,6 +277,9 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     from relayinfer.sdk import Client
     from relayinfer.sdk.engines import load_engine
 
+    from relayinfer.sdk.linkem import LinkProxyThread, get_profile
+
+    link_profile = get_profile(link) if link else None
     t_start = time.perf_counter()
     if quick:
         prompts, max_new_tokens = min(prompts, 2), 16
@@ -253,9 +290,17 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     tok = device_engine.tokenizer()
     plist = _prompts(tok, prompts, seed, (64, 512) if quick else LENGTHS)
     svc = _service_class()(cloud_engine, cloud_engine.fingerprint)
-    rows, timeline = [], None
-    with ServiceThread(svc, http_port=None) as running:
-        client = Client(cloud_url=running.url, engine=device_engine, profile=profile, target_tpot_ms=target_tpot_ms)
+    rows, timeline, link_counters, pinned = [], None, None, None
+    with contextlib.ExitStack() as stack:
+        running = stack.enter_context(ServiceThread(svc, http_port=None))
+        proxy = stack.enter_context(LinkProxyThread(running.url, link_profile, seed=seed)) if link_profile else None
+        client = Client(cloud_url=proxy.url if proxy else running.url, engine=device_engine, profile=profile,
+                        target_tpot_ms=target_tpot_ms)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if pin_cores and len(cores) >= 2:
+            _pin(svc.worker, cores[0])
+            _pin(client._executor, cores[1])
+            pinned = {"cloud_model_thread": cores[0], "device_model_thread": cores[1]}
         client.complete(plist[0][1], max_new_tokens=8)  # warm-up: calibration + first cloud estimates
         for mode in MODES:
             for pi, (target, ids) in enumerate(plist):
@@ -272,6 +317,7 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
                       f"cloud {r.cloud_streamed:3d}  stalls {r.stalls}  tpot max {r.tpot_ms_max:5.0f}", flush=True)
         cap = run_capacity(running.url, cloud_engine.fingerprint, tok, profile, max_new_tokens, target_tpot_ms,
                            seed, quick) if capacity else {}
+        link_counters = proxy.counters() if proxy else None
     # fidelity of split+refine against the full-prompt greedy answer (the cloud-only answer)
     fid = []
     ref_by = {r["prompt_idx"]: r["token_ids"] for r in rows if r["bench_mode"] == "cloud-only"}
@@ -300,10 +346,16 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
         "capacity_rps": {m: cap[m]["capacity_rps"] for m in ("cloud-only", "split")} if cap else None,
         "capacity_ratio_split_over_cloud_only": cap.get("ratio_split_over_cloud_only") if cap else None,
     }
-    res = {"profile": profile, "summary": summary, "modes": modes, "fidelity": fid, "capacity": cap,
+    if link_profile:
+        summary["link"] = {"profile": link, "emulated": "LinkProxy on loopback (sdk.linkem), not a real network",
+                           "per_mode": _link_summary(modes)}
+    res = {"profile": profile, "command": command, "summary": summary, "modes": modes, "fidelity": fid, "capacity": cap,
+           "link": {"profile": link_profile.to_dict(), "counters": link_counters} if link_profile else None,
            "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
            "setup": {"cloud": "CloudService+TorchEngine cpu 1 thread, in-process ServiceThread",
                      "device": f"OnnxEngine 1 thread via Client, PacedEngine profile {profile!r}",
+                     "link": f"LinkProxy {link!r} on loopback (emulated)" if link else "direct loopback",
+                     "pinned_cores": pinned,
                      "device_timing": list(client.device_timing()), "cores": os.cpu_count(),
                      "load_avg_1m": os.getloadavg()[0], "wall_s": time.perf_counter() - t_start}}
     outp = Path(out)

@@ -241,12 +241,40 @@ def bench_split(
     out: Optional[str] = typer.Option(None, help="Results JSON; default bench/results/split-<profile>.json."),
     quick: bool = typer.Option(False, help="Smoke run: few prompts, short answers."),
     seed: int = typer.Option(0),
+    link: Optional[list[str]] = typer.Option(None, help="Emulated link between device and cloud: loopback, wifi, "
+                                             "lte, lossy (repeatable or a comma list; one run per link, default "
+                                             "out bench/results/split-link-<link>.json, no capacity sweep)."),
+    pin_cores: Optional[bool] = typer.Option(None, help="Pin the cloud and device model threads to two cores "
+                                             "(default: on with --link)."),
 ):
     """Split vs device-only vs cloud-only (and split+refine) on real conversations."""
-    from relayinfer.sdk.bench_split import run_split_bench
+    import shlex
 
-    res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed)
-    print(json.dumps(res.get("summary", res), indent=1, default=str))
+    from relayinfer.sdk.bench_split import run_split_bench
+    from relayinfer.sdk.linkem import PROFILES
+
+    command = shlex.join(["relayinfer", *sys.argv[1:]])
+    links = [x.strip() for item in link or [] for x in item.split(",") if x.strip()]
+    bad = [x for x in links if x not in PROFILES]
+    if bad:
+        fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
+    if out and len(links) > 1:
+        fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
+    if not links:
+        res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed,
+                              pin_cores=bool(pin_cores), command=command)
+        print(json.dumps(res.get("summary", res), indent=1, default=str))
+        return
+    table = []
+    for name in links:
+        res = run_split_bench(profile, prompts, out or f"bench/results/split-link-{name}.json", quick=quick, seed=seed,
+                              capacity=False, link=name, pin_cores=pin_cores is not False, command=command)
+        for mode, s in res["summary"]["link"]["per_mode"].items():
+            table.append(f"{name:8s} {mode:12s} {s['ttft_ms_p50']:8.0f} {s['ttft_ms_p99']:8.0f} "
+                         f"{s['ttft_p50_over_device_only'] or 0:6.2f} {s['stalls']:6d} {s['tpot_ms_p50']:7.0f} "
+                         f"{s['tpot_ms_max']:7.0f} {s['fallbacks']:5d}  {s['result_modes']} {s['faults']}")
+    print("link     mode         TTFTp50  TTFTp99  /dev  stalls TPOTp50 TPOTmax fallb  modes faults")
+    print("\n".join(table))
 
 
 def _relay_app():

@@ -343,3 +343,22 @@ def test_unreachable_upstream_closes_the_client():
 
     got, c = run(main())
     assert got == b"" and c["connections"] == 1 and c["bytes_down"] == 0
+
+
+def test_bench_link_summary_counts_fallbacks_and_ratios():
+    from relayinfer.sdk.bench_split import _link_summary, _mode_summary
+
+    def row(mode, fault, ttft):
+        return {"mode": mode, "fault": fault, "ttft_ms": ttft, "shown_ms": [ttft, ttft + 100.0, ttft + 250.0],
+                "target_len": 64, "stalls": 1, "cloud_streamed": 3, "cloud_tokens": 3, "cloud_busy_ms": 10.0,
+                "device_prefill_ms": 0.0, "device_prompt_tokens": 10, "cloud_prefill_ms": None}
+
+    modes = {"device-only": _mode_summary([row("device-only", None, 1000.0), row("device-only", None, 3000.0)], 50.0),
+             "split": _mode_summary([row("split", "connection-lost", 500.0), row("cloud-only", "device-too-slow", 700.0),
+                                     row("device-only", "cloud-unreachable", 900.0)], 50.0)}
+    s = _link_summary(modes)["split"]
+    assert s["fallbacks"] == 2  # network faults; device-too-slow is a planned outcome, not a fallback
+    assert s["faults"] == {"connection-lost": 1, "device-too-slow": 1, "cloud-unreachable": 1}
+    assert s["result_modes"] == {"split": 1, "cloud-only": 1, "device-only": 1}
+    assert s["ttft_p50_over_device_only"] == pytest.approx(700.0 / 2000.0)
+    assert s["tpot_ms_p50"] == pytest.approx(125.0) and s["tpot_ms_max"] == pytest.approx(150.0) and s["stalls"] == 3
