@@ -79,7 +79,7 @@ app.add_typer(cloud_app, name="cloud")
 
 
 def _cloud_service(model, device: str, threads: int | None, token: str | None, export: bool = True,
-                   kv_cache_mb: int | None = None):
+                   kv_cache_mb: int | None = None, metrics_public: bool = False):
     """A CloudService; with `kv_cache_mb` it batches requests in an LLMEngine (continuous batching,
     paged KV cache of that many MiB) and serves the OpenAI-compatible API too."""
     from relayinfer.cloud.engine.torch_engine import TorchEngine
@@ -93,7 +93,23 @@ def _cloud_service(model, device: str, threads: int | None, token: str | None, e
         from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 
         llm = AsyncLLMEngine(LLMEngine(engine, kv_cache_bytes=kv_cache_mb << 20))
-    return CloudService(engine, engine.fingerprint, auth_token=token, device_model_dir=model_dir, llm=llm)
+    return CloudService(engine, engine.fingerprint, auth_token=token, device_model_dir=model_dir, llm=llm,
+                        metrics_public=metrics_public)
+
+
+def _server_tls(certfile: str | None, keyfile: str | None):
+    """The server ssl.SSLContext of --certfile/--keyfile (None without them); exits 2 with one
+    line when only one is given or the files do not load."""
+    if certfile is None and keyfile is None:
+        return None
+    if certfile is None or keyfile is None:
+        fail(ValueError("--certfile and --keyfile go together: give both (TLS) or neither (plain ws/http)"))
+    from relayinfer.protocol.security import server_context
+
+    try:
+        return server_context(certfile, keyfile)
+    except ValueError as e:
+        fail(e)
 
 
 @cloud_app.command("serve")
@@ -104,23 +120,31 @@ def cloud_serve(
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, npu."),
     threads: Optional[int] = typer.Option(None, help="torch intra-op threads."),
-    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token devices must send."),
+    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN",
+                                        help="Bearer token every client must send (devices and HTTP)."),
     duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
     kv_cache_mb: int = typer.Option(256, help="Paged KV cache of the batching engine (MiB); 0 = one request at a time."),
+    certfile: Optional[str] = typer.Option(None, help="PEM certificate chain: serve wss:// and https:// (with --keyfile)."),
+    keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
+    metrics_public: bool = typer.Option(False, help="Serve /metrics without the token."),
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
     import asyncio
 
+    tls = _server_tls(certfile, keyfile)  # before loading the model: a bad file fails fast
     try:
-        svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None)
+        svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
+                             metrics_public=metrics_public)
     except (RelayInferError, ValueError) as e:
         fail(e)
 
     async def main():
-        await svc.start(host, port, http_port)
-        typer.echo(f"cloud service: ws://{host}:{svc.ws_port}  http://{host}:{svc.http_port}  "
-                   f"model {svc.fingerprint[:16]}", err=True)
+        await svc.start(host, port, http_port, ssl=tls)
+        s = "s" if tls else ""
+        typer.echo(f"cloud service: ws{s}://{host}:{svc.ws_port}  http{s}://{host}:{svc.http_port}  "
+                   f"model {svc.fingerprint[:16]}" + ("" if token else "  (no --token: open to anyone who can connect)"),
+                   err=True)
         try:
             await asyncio.sleep(duration_s if duration_s else 1e9)
         finally:
@@ -152,6 +176,10 @@ def demo(
     cloud_budget: Optional[int] = typer.Option(None, help="Most tokens the cloud streams."),
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
     as_json: bool = typer.Option(False, "--json", help="Print the GenerationResult as one JSON object."),
+    certfile: Optional[str] = typer.Option(None, help="Embedded cloud over TLS (wss://): PEM certificate chain."),
+    keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
+    ca: Optional[str] = typer.Option(None, help="PEM CA file the device trusts for wss:// (a private CA)."),
+    insecure: bool = typer.Option(False, "--insecure", help="Do not verify the cloud's TLS certificate."),
 ):
     """The main job: an embedded cloud service on loopback and a device session against it."""
     from relayinfer.cloud.serve.service import ServiceThread
@@ -161,11 +189,12 @@ def demo(
     say = (lambda m: typer.echo(m, err=True)) if not as_json else (lambda m: None)
     try:
         say("loading the cloud model (torch) and the device model (ONNX; exported once, about 3 minutes)...")
+        tls = _server_tls(certfile, keyfile)
         svc = _cloud_service(model, "cpu", 1, None)
         messages = [{"role": "user", "content": prompt}] if prompt else chitchat_prompt()
-        with ServiceThread(svc) as running:
+        with ServiceThread(svc, ssl=tls) as running:
             client = Client(cloud_url=running.url, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
-                            cloud_budget=cloud_budget)
+                            cloud_budget=cloud_budget, ca=ca, verify=not insecure)
             if not prompt:
                 for m in messages:
                     say(f"[{m['role']}] {m['content']}")
@@ -200,17 +229,20 @@ def demo(
 
 @app.command()
 def chat(
-    cloud: str = typer.Option(..., help="ws:// URL of a running `relayinfer cloud serve`."),
+    cloud: str = typer.Option(..., help="ws:// or wss:// URL of a running `relayinfer cloud serve`."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN"),
     model: Optional[str] = typer.Option(None), profile: Optional[str] = typer.Option(None),
     target_tpot_ms: float = typer.Option(50.0), max_new_tokens: int = typer.Option(256),
     temperature: float = typer.Option(0.0),
+    ca: Optional[str] = typer.Option(None, help="PEM CA file trusted for a wss:// cloud (a private CA)."),
+    insecure: bool = typer.Option(False, "--insecure", help="Do not verify the cloud's TLS certificate."),
 ):
     """Interactive chat against a running cloud service (empty line or Ctrl-D ends)."""
     from relayinfer.sdk.client import Client
 
     try:
-        client = Client(cloud_url=cloud, token=token, model=model, target_tpot_ms=target_tpot_ms, profile=profile)
+        client = Client(cloud_url=cloud, token=token, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
+                        ca=ca, verify=not insecure)
     except (RelayInferError, ValueError) as e:
         fail(e)
     history: list[dict] = []

@@ -93,7 +93,7 @@ class Client:
     """Split-inference client: the device runtime plus an optional cloud prefill service.
 
     Args:
-        cloud_url: ws:// URL of `relayinfer cloud serve` (None = device-only).
+        cloud_url: ws:// or wss:// (TLS) URL of `relayinfer cloud serve` (None = device-only).
         model: GGUF path (default SmolLM2-135M-Instruct); its exported ONNX model is used on device.
         target_tpot_ms: the TPOT shown to the user (ms per token).
         token: bearer token for the cloud.
@@ -106,18 +106,29 @@ class Client:
         profile: device profile ('local', 'phone', a JSON path, or a `DeviceProfile`) pacing the device engine.
         engine: an already loaded device engine to share (tests, load generators); `model`,
             `quantize` and `threads` are then ignored.
+        ca: PEM file of the CA that signed the cloud's certificate (a private or self-signed CA)
+            for a wss:// cloud; None = the system CAs.
+        verify: False turns certificate and host-name verification off for wss:// (a warning is
+            logged; the token can then be intercepted).
+
+    A wss:// cloud whose certificate does not verify is treated like an unreachable one: the
+    answer comes from the device (`fault` 'cloud-unreachable', `error` naming the certificate
+    problem), or `cloud-only` raises the `ssl.SSLCertVerificationError`.
 
     Raises:
         ModelFileError: no model file, or no exported device model and no torch to export it.
+        ValueError: `ca` is missing or holds no PEM certificate.
     """
 
     def __init__(self, cloud_url: str | None = None, model: str | os.PathLike | None = None,
                  target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int = 1,
                  quantize: str | None = None, cloud_budget: int | None | str = "auto", connect_timeout_s: float = 5.0,
-                 profile=None, engine=None):
+                 profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True):
+        from relayinfer.protocol.security import context_for_url
         from relayinfer.sdk.engines import load_engine
 
         self.cloud_url, self.token = cloud_url, token
+        self.ssl = context_for_url(cloud_url, ca, verify)  # ssl.SSLContext for wss://, None for ws://
         self.options = SplitOptions(mode=mode, target_tpot_ms=target_tpot_ms, cloud_budget=cloud_budget,
                                     connect_timeout_s=connect_timeout_s)
         if engine is None:
@@ -150,7 +161,7 @@ class Client:
         options = SplitOptions(**opts)
         timing = self.device_timing() if options.cloud_budget == "auto" and options.mode == "split" else None
         session = SplitSession(self.engine, self.tokenizer, self.cloud_url, self.fingerprint, self.token,
-                               options, self._executor, timing, self.cloud)
+                               options, self._executor, timing, self.cloud, ssl=self.ssl)
         return lambda on_token: session.run(ids, params, on_token)
 
     def device_timing(self) -> tuple[float, float, float]:
