@@ -14,13 +14,29 @@ With greedy sampling the cloud and the device agree on every token, so the split
 cloud-only and device-only answers (fp32; tested). Seeded sampling draws position i with the same
 generator on both sides (see `protocol.decoding.sample`).
 
-Faults: cloud unreachable or refusing at start -> device-only; connection lost mid-stream -> the
-device continues from the tokens it has; device slower than the whole answer -> the cloud streams
-to the end (mode cloud-only). `GenerationResult.fault` records which happened.
+Faults (every one ends the request in a bounded time; `GenerationResult.fault` records which):
+
+* cloud unreachable or refusing at start -> device-only ('cloud-unreachable', 'cloud-refused');
+* the cloud overloaded (OVERLOADED at the handshake or for the request) -> device-only, and the
+  client stays device-only for the `retry_after_ms` the cloud asked for ('cloud-overloaded');
+* connection lost, a request-level Error, or no frame within the progress timeout (a stalled
+  server or a black-holed network; checked while no device work is running, since a working
+  device hands off without waiting for the cloud) -> the device takes over from the tokens it has: it prefills
+  the prompt and the tokens received, then decodes the rest ('connection-lost', 'cloud-error',
+  'cloud-stalled'). This holds also when the settings had planned the cloud to the end and no
+  device work was running. In cloud-only mode (or when the device runtime failed) the answer ends
+  with the tokens received and finish_reason 'error';
+* device runtime error -> the cloud streams to the end if it still can ('device-error');
+* device slower than the whole answer -> the cloud streams to the end (mode cloud-only,
+  'device-too-slow').
+
+The progress timeout is derived per request from the client's cloud estimates (see
+`SplitOptions.progress_timeout`).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,14 +47,17 @@ import numpy as np
 
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
-from relayinfer.protocol.errors import RelayInferError
-from relayinfer.protocol.messages import Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop, Token
+from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
+from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop, Token
 from relayinfer.protocol.refine import system_prefix_len
 
 from .settings import Timing, choose_settings
 from .speed import SpeedController
 
 MODES = ("split", "device-only", "cloud-only")
+SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send and on closing the channel
+
+log = logging.getLogger("relayinfer.device")
 
 
 @dataclass
@@ -64,7 +83,9 @@ class GenerationResult:
     device_prefill_ms: wall ms from the device's first prefill call to the hand-off (prompt +
     catch-up). device_prompt_tokens: prompt tokens the device prefilled (fewer with refinement).
     cloud_budget / budget_extensions / interval_ms: the settings used (see `device.settings`).
-    fault: None, 'cloud-unreachable', 'cloud-refused', 'connection-lost' or 'device-too-slow'.
+    fault: None, 'cloud-unreachable', 'cloud-refused', 'cloud-overloaded', 'connection-lost',
+    'cloud-error', 'cloud-stalled', 'device-error' or 'device-too-slow' (see the module docstring);
+    error: the message behind the fault.
     """
 
     text: str
@@ -100,7 +121,10 @@ class SplitOptions:
     needed), an int, or None (until the device takes over). connect_timeout_s: handshake bound.
     prefill_chunk: prompt tokens per device prefill call. refine: keep ratio of prompt refinement
     (None = off): the device prefills the system turn at once, then only the prompt tokens the
-    cloud keeps (`RefinedPrompt`, sent right after the first token)."""
+    cloud keeps (`RefinedPrompt`, sent right after the first token). progress_timeout_s: longest
+    wait for the next frame from the cloud before the device takes over (s); None derives it per
+    wait from the cloud estimates: `progress_floor_s + progress_factor x` the expected TTFT (before
+    the first token) or TPOT (after it)."""
 
     mode: str = "split"
     target_tpot_ms: float = 50.0
@@ -108,10 +132,22 @@ class SplitOptions:
     connect_timeout_s: float = 5.0
     prefill_chunk: int = 256
     refine: float | None = None
+    progress_timeout_s: float | None = None
+    progress_floor_s: float = 3.0
+    progress_factor: float = 5.0
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
+            raise ValueError(f"progress_timeout_s must be > 0, got {self.progress_timeout_s}")
+
+    def progress_timeout(self, cloud: "CloudEstimate", prompt_tokens: int, first: bool) -> float:
+        """Seconds to wait for the next cloud frame (see the class docstring)."""
+        if self.progress_timeout_s is not None:
+            return self.progress_timeout_s
+        expected_ms = cloud.ttft_ms(prompt_tokens) if first else cloud.tpot_ms
+        return self.progress_floor_s + self.progress_factor * expected_ms / 1e3
 
 
 @dataclass
@@ -127,6 +163,12 @@ class CloudEstimate:
     alpha: float = 0.5
     window: int = 32
     samples: list = field(default_factory=list)
+    retry_at: float = 0.0  # time.monotonic() before which the cloud asked not to be called (OVERLOADED)
+
+    def back_off(self, retry_after_ms: float | None) -> None:
+        """Honour an OVERLOADED hint: no cloud for `retry_after_ms` (default 1 s, at most 10 min)."""
+        ms = 1000.0 if retry_after_ms is None else min(max(retry_after_ms, 0.0), 600_000.0)
+        self.retry_at = max(self.retry_at, time.monotonic() + ms / 1e3)
 
     def ttft_ms(self, prompt_tokens: int) -> float:
         return self.ttft_base_ms + self.prefill_ms_per_token * prompt_tokens
@@ -217,6 +259,9 @@ class _Run:
         self.speed = SpeedController(s.opt.target_tpot_ms)
         self.decoder = s.tokenizer.stream_decoder()
         self.events: list[TokenEvent] = []
+        self.tasks: list[asyncio.Task] = []  # receiver and device worker (the display is awaited apart)
+        self.device_task: asyncio.Task | None = None
+        self.device_failed = False
 
     def now(self) -> float:
         return (time.perf_counter() - self.t0) * 1e3
@@ -268,35 +313,73 @@ class _Run:
         if want > self.budget:
             self.budget = want
             self.extended += 1
-            try:
-                await self.channel.send(ExtendBudget(self.request_id, want))
-            except RelayInferError:
-                pass
+            await self.send_quietly(ExtendBudget(self.request_id, want))
 
     async def go(self) -> GenerationResult:
         self.t0 = time.perf_counter()
         self.plan()
         if self.mode != "device-only":
             await self.connect()
-        tasks = [asyncio.create_task(self.display())]
+        display = asyncio.create_task(self.display())
         if self.channel is not None:
-            tasks.append(asyncio.create_task(self.receive()))
+            self.tasks.append(asyncio.create_task(self.receive()))
         if self.mode != "cloud-only" and not (self.device_idle and self.channel is not None):
-            tasks.append(asyncio.create_task(self.device()))
+            self.start_device()
         try:
-            await tasks[0]  # the display ends when the answer is complete and shown
+            await display  # the display ends when the answer is complete and shown
         finally:
-            for t in tasks[1:]:
+            display.cancel()
+            for t in self.tasks:
                 t.cancel()
-            await asyncio.gather(*tasks[1:], return_exceptions=True)
+            await asyncio.gather(display, *self.tasks, return_exceptions=True)
             if self.channel is not None:
-                await self.channel.close()
+                await self.close_channel()
         return self.result()
+
+    def start_device(self) -> None:
+        """Run the device worker (once)."""
+        if self.device_task is None:
+            self.device_task = asyncio.create_task(self.device())
+            self.tasks.append(self.device_task)
+
+    async def send_quietly(self, msg) -> bool:
+        """Best-effort send to the cloud, bounded by SEND_TIMEOUT_S; False if it did not go."""
+        try:
+            await asyncio.wait_for(self.channel.send(msg), SEND_TIMEOUT_S)
+            return True
+        except (RelayInferError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def close_channel(self) -> None:
+        try:  # a black-holed peer never answers the close handshake: bounded
+            await asyncio.wait_for(self.channel.close(), SEND_TIMEOUT_S)
+        except (RelayInferError, asyncio.TimeoutError, OSError):
+            self.channel.ws.transport.abort() if getattr(self.channel.ws, "transport", None) else None
+
+    def cloud_fault(self, fault: str, error: str) -> None:
+        """The cloud stream ended early (lost, refused, stalled): record why, and finish the answer
+        on the device from the tokens received; without a usable device (cloud-only mode, device
+        runtime failed) end it with the tokens received."""
+        if self.complete or self.handoff is not None:
+            return  # the device already took over: the cloud is no longer needed
+        self.fault, self.error = self.fault or fault, self.error or error
+        log.info("request %s: cloud %s (%s); %s", self.request_id, fault, error,
+                 "ending with the tokens received" if self.mode == "cloud-only" or self.device_failed
+                 else "the device takes over")
+        if self.mode == "cloud-only" or self.device_failed:
+            self.complete, self.finish_reason = True, "error"
+            self.changed.set()
+        else:
+            self.start_device()
 
     async def connect(self) -> None:
         """Handshake and send Generate; on failure fall back to device-only (split) or raise."""
         s = self.s
         try:
+            wait_ms = (s.cloud.retry_at - time.monotonic()) * 1e3
+            if wait_ms > 0:  # the cloud said OVERLOADED: honour its retry-after hint
+                raise RemoteError(ErrorCode.OVERLOADED, f"the cloud asked to retry after {wait_ms:.0f} more ms",
+                                  retry_after_ms=wait_ms)
             self.channel = await proto_ws.open_channel(s.cloud_url, s.fingerprint, s.token, client="relayinfer-device",
                                                        open_timeout=s.opt.connect_timeout_s,
                                                        **({"ssl": s.ssl} if s.ssl is not None else {}))
@@ -307,16 +390,33 @@ class _Run:
                                              p.top_k, p.seed, budget, refine, list(p.stop_ids)))
             self.refine_wanted = refine is not None
         except Exception as e:  # unreachable (OSError, TimeoutError), refused (RemoteError), ...
+            overloaded = isinstance(e, RemoteError) and e.code is ErrorCode.OVERLOADED
+            if overloaded and wait_ms <= 0:
+                s.cloud.back_off(e.retry_after_ms)
             if self.mode == "cloud-only":
                 raise
-            self.fault = "cloud-refused" if isinstance(e, RelayInferError) else "cloud-unreachable"
+            self.fault = ("cloud-overloaded" if overloaded else
+                          "cloud-refused" if isinstance(e, RelayInferError) else "cloud-unreachable")
             self.error = f"{type(e).__name__}: {e}"
+            if self.channel is not None:
+                await self.close_channel()
             self.mode, self.channel = "device-only", None
 
     async def receive(self) -> None:
-        """Cloud tokens into the answer until the hand-off; Done / Error / connection loss recorded."""
+        """Cloud tokens into the answer until the hand-off. Every way the stream can end early
+        (connection lost, request Error, Done before the answer is complete, no frame within the
+        progress timeout) goes to `cloud_fault`, so the answer always completes."""
         try:
-            async for msg in self.channel:
+            while True:
+                timeout = self.s.opt.progress_timeout(self.s.cloud, len(self.prompt), first=not self.cloud_streamed)
+                try:
+                    msg = await asyncio.wait_for(self.channel.recv(), timeout)
+                except asyncio.TimeoutError:
+                    if self.device_task is not None and not self.device_task.done():
+                        continue  # the device is working and hands off without the cloud: no harm yet
+                    self.cloud_fault("cloud-stalled", f"no frame from the cloud for {timeout:.1f} s")
+                    await self.send_quietly(Cancel(self.request_id))
+                    return
                 if isinstance(msg, Token) and msg.request_id == self.request_id:
                     self.cloud_streamed += 1
                     if self.handoff is None and not self.complete and msg.index == len(self.answer):
@@ -326,27 +426,54 @@ class _Run:
                     if msg.kept_indices and all(0 <= i < n for i in msg.kept_indices):
                         self.kept = sorted(set(msg.kept_indices))
                     self.got_refined.set()
-                elif isinstance(msg, Done):
+                elif isinstance(msg, Done) and msg.request_id == self.request_id:
                     self.cloud_done = msg
-                    if self.mode == "cloud-only" and not self.complete:
-                        self.complete, self.finish_reason = True, msg.reason
-                        self.changed.set()
+                    if not self.complete and self.handoff is None:
+                        if msg.reason == "budget" and self.mode == "split" and not self.device_failed:
+                            self.start_device()  # as planned: the device takes over from here
+                        elif self.mode == "cloud-only" and msg.reason in ("eos", "stop", "length"):
+                            self.complete, self.finish_reason = True, msg.reason
+                            self.changed.set()
+                        else:  # cancelled or stopped by the cloud itself (e.g. shutting down)
+                            self.cloud_fault("cloud-error", f"the cloud ended the stream early ({msg.reason})")
                     return
-                elif isinstance(msg, Error):
-                    raise RelayInferError(f"cloud error [{msg.code}]: {msg.message}")
-        except RelayInferError as e:
-            if self.complete or self.handoff is not None:
-                return
-            self.error = str(e)
-            if self.mode == "cloud-only":
-                self.complete, self.finish_reason, self.fault = True, "error", "connection-lost"
-                self.changed.set()
-            else:
-                self.fault = "connection-lost"
+                elif isinstance(msg, Error) and msg.request_id == self.request_id:
+                    overloaded = msg.code == ErrorCode.OVERLOADED.value
+                    if overloaded:
+                        self.s.cloud.back_off(msg.retry_after_ms)
+                    self.cloud_fault("cloud-overloaded" if overloaded else "cloud-error",
+                                     f"cloud error [{msg.code}]: {msg.message}")
+                    return
+        except RelayInferError as e:  # connection lost, connection-level Error, protocol violation
+            if isinstance(e, RemoteError) and e.code is ErrorCode.OVERLOADED:
+                self.s.cloud.back_off(e.retry_after_ms)
+            self.cloud_fault("connection-lost", str(e))
+        except (OSError, ValueError) as e:  # transport failures outside the protocol layer
+            self.cloud_fault("connection-lost", f"{type(e).__name__}: {e}")
         finally:
             self.got_refined.set()  # nothing more will come: the device uses the full prompt
 
     async def device(self) -> None:
+        """The device worker; a runtime failure hands the answer back to the cloud if it can."""
+        try:
+            await self._device()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("request %s: device runtime failed", self.request_id)
+            self.device_failed = True
+            self.fault, self.error = self.fault or "device-error", self.error or f"device runtime failed: {e}"
+            cloud_alive = self.channel is not None and self.handoff is None and self.cloud_done is None and \
+                any(not t.done() for t in self.tasks if t is not self.device_task)
+            if cloud_alive and self.mode == "split":  # the cloud streams to the end
+                self.budget = self.params.max_new_tokens
+                if await self.send_quietly(ExtendBudget(self.request_id, self.budget)):
+                    return
+            if not self.complete:
+                self.complete, self.finish_reason = True, "error"
+                self.changed.set()
+
+    async def _device(self) -> None:
         """Prefill prompt, catch up on cloud tokens, hand off, decode locally."""
         loop, eng, ex = asyncio.get_running_loop(), self.s.engine, self.s.executor
         kv, chunk = None, self.s.opt.prefill_chunk
@@ -381,10 +508,7 @@ class _Run:
         if self.auto:  # from now on only the device's pace matters
             self.speed.interval_ms = max(self.s.opt.target_tpot_ms, self.s.device_timing[2])
         if self.channel is not None and self.fault is None and self.cloud_done is None:
-            try:
-                await self.channel.send(Stop(self.request_id, covered))
-            except RelayInferError:
-                pass  # connection gone: nothing to stop
+            await self.send_quietly(Stop(self.request_id, covered))  # connection gone: nothing to stop
         for i in range(covered, self.params.max_new_tokens):
             tok = sample(logits, self.params, i)
             self.append(tok, "device")

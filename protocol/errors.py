@@ -70,10 +70,12 @@ class RemoteError(RelayInferError):
 
     ``code`` is the peer's code as an :class:`ErrorCode` (``INTERNAL`` if the peer sent a code this
     version does not know; the raw string stays in ``raw_code``). ``request_id`` is the request the
-    error refers to, or ``None`` for a connection-level error.
+    error refers to, or ``None`` for a connection-level error. ``retry_after_ms``: the peer's
+    back-off hint with OVERLOADED (ms), else None.
     """
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: str, message: str, request_id: str | None = None,
+                 retry_after_ms: float | None = None) -> None:
         try:
             known = ErrorCode(code)
         except ValueError:
@@ -81,6 +83,7 @@ class RemoteError(RelayInferError):
         super().__init__(message, known)
         self.raw_code = str(code.value if isinstance(code, ErrorCode) else code)
         self.request_id = request_id
+        self.retry_after_ms = retry_after_ms
 
 
 class ChannelClosed(RelayInferError):

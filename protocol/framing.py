@@ -60,29 +60,40 @@ class FrameBuffer:
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add ``data`` (any size, any split) and return the complete frame bodies, in order."""
+        self.append(data)
+        frames: list[bytes] = []
+        while (frame := self.pop()) is not None:
+            frames.append(frame)
+        return frames
+
+    def append(self, data: bytes) -> None:
+        """Buffer ``data`` without parsing it (see ``pop``)."""
+        if self._error is not None:
+            raise self._error
+        self._buf += data
+
+    def pop(self) -> bytes | None:
+        """The next complete frame body, or None if none is complete yet. The size limit in force is
+        ``max_frame_bytes`` at the moment the frame's header is read (a session lowers it during
+        the handshake). Raises ``ProtocolError(FRAME_TOO_LARGE)`` on an oversized declared length."""
         if self._error is not None:
             raise self._error
         buf = self._buf
-        buf += data
-        frames: list[bytes] = []
-        pos = 0
-        while True:
-            if self._need is None:
-                if len(buf) - pos < HEADER_BYTES:
-                    break
-                (size,) = _HEADER.unpack_from(buf, pos)
-                try:
-                    check_frame_size(size, self.max_frame_bytes)
-                except ProtocolError as exc:
-                    self._error = exc
-                    buf.clear()
-                    raise
-                pos += HEADER_BYTES
-                self._need = size
-            if len(buf) - pos < self._need:
-                break
-            frames.append(bytes(buf[pos:pos + self._need]))
-            pos += self._need
-            self._need = None
-        del buf[:pos]
-        return frames
+        if self._need is None:
+            if len(buf) < HEADER_BYTES:
+                return None
+            (size,) = _HEADER.unpack_from(buf, 0)
+            try:
+                check_frame_size(size, self.max_frame_bytes)
+            except ProtocolError as exc:
+                self._error = exc
+                buf.clear()
+                raise
+            del buf[:HEADER_BYTES]
+            self._need = size
+        if len(buf) < self._need:
+            return None
+        frame = bytes(buf[:self._need])
+        del buf[:self._need]
+        self._need = None
+        return frame

@@ -19,7 +19,7 @@ import numpy as np
 from .errors import ErrorCode, ProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "TENSOR_DTYPES", "MAX_TENSOR_DIMS",
+    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HANDSHAKE_MAX_BYTES", "TENSOR_DTYPES", "MAX_TENSOR_DIMS",
     "Tensor", "Hello", "Welcome", "Generate", "Token", "RefinedPrompt", "ExtendBudget", "Stop",
     "Cancel", "Done", "Error", "Ping", "Pong", "KVTransfer", "PreInfer", "Rank", "Scores",
     "TileBatch", "Embeddings", "Message", "MESSAGE_TYPES", "encode", "decode", "bfloat16_to_float32",
@@ -29,7 +29,11 @@ PROTOCOL_VERSION = 1
 """Bumped on any incompatible change to the messages below."""
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-"""Default largest frame (one encoded message) a connection accepts, in bytes (64 MiB)."""
+"""Default largest frame (one encoded message) a connection accepts after the handshake, in bytes
+(64 MiB: KV transfers and tile batches). Services size their own limit to their largest real
+message (the split service: a Generate of a full context, `CloudService.max_frame_bytes`)."""
+HANDSHAKE_MAX_BYTES = 4 * 1024
+"""Largest frame accepted before the handshake (bytes): a Hello or Welcome is ~200 bytes."""
 
 # dtype name -> little-endian numpy dtype of the raw bytes. bfloat16 travels as its raw 16-bit patterns.
 TENSOR_DTYPES: dict[str, np.dtype] = {

@@ -29,7 +29,7 @@ from typing import Union
 from .errors import ErrorCode, ProtocolError
 from .framing import FrameBuffer, check_frame_size, pack_frame
 from .messages import (
-    MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Hello, Message, Ping, Pong, Welcome, decode, encode,
+    HANDSHAKE_MAX_BYTES, MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Hello, Message, Ping, Pong, Welcome, decode, encode,
 )
 
 __all__ = [
@@ -89,8 +89,9 @@ def _short(fingerprint: str, n: int = 16) -> str:
 class _Session:
     """Behaviour shared by both ends; subclasses implement ``_handshake``."""
 
-    def __init__(self, max_frame_bytes: int, stream: bool) -> None:
+    def __init__(self, max_frame_bytes: int, stream: bool, handshake_max_bytes: int = HANDSHAKE_MAX_BYTES) -> None:
         self.max_frame_bytes = max_frame_bytes
+        self.handshake_max_bytes = min(handshake_max_bytes, max_frame_bytes)
         self.stream = stream
         self.state = State.HANDSHAKE
         self.hello: Hello | None = None
@@ -106,13 +107,19 @@ class _Session:
 
     # -- input ------------------------------------------------------------------------------------
 
+    @property
+    def frame_limit(self) -> int:
+        """Largest frame accepted now (bytes): ``handshake_max_bytes`` until the handshake is done
+        (a peer that has not authenticated cannot make us buffer more), then ``max_frame_bytes``."""
+        return self.handshake_max_bytes if self.state is State.HANDSHAKE else self.max_frame_bytes
+
     def receive_frame(self, data: bytes) -> list[Event]:
         """Process one frame body (one websocket message). Never raises on bad input: returns
         ``[ProtocolViolation]`` instead. Returns ``[]`` once the session is closed."""
         if self.state is State.CLOSED:
             return []
         try:
-            check_frame_size(len(data), self.max_frame_bytes)
+            check_frame_size(len(data), self.frame_limit)
             msg = decode(data)
         except ProtocolError as exc:
             return [self._violation(exc.code, exc.message)]
@@ -124,13 +131,17 @@ class _Session:
             raise RuntimeError("receive_data needs a session created with stream=True; use receive_frame")
         if self.state is State.CLOSED:
             return []
-        try:
-            frames = self._buffer.feed(data)
-        except ProtocolError as exc:
-            return [self._violation(exc.code, exc.message)]
         events: list[Event] = []
-        for frame in frames:
-            events += self.receive_frame(frame)
+        try:
+            self._buffer.append(data)
+            while self.state is not State.CLOSED:
+                self._buffer.max_frame_bytes = self.frame_limit  # the limit of the state this frame meets
+                frame = self._buffer.pop()
+                if frame is None:
+                    break
+                events += self.receive_frame(frame)
+        except ProtocolError as exc:
+            events.append(self._violation(exc.code, exc.message))
         return events
 
     def _handle(self, msg: Message) -> list[Event]:
@@ -205,9 +216,10 @@ class ServerSession(_Session):
     before the fingerprint so that unauthenticated clients learn nothing about the model), model
     fingerprint (FINGERPRINT_MISMATCH). Success queues a Welcome and emits ``HandshakeDone``.
 
-    ``max_frame_bytes``: largest accepted frame in bytes; ``stream``: length-prefixed byte-stream
-    framing instead of one frame per call; ``server``: name sent in the Welcome; ``session_id``:
-    defaults to 16 random hex digits.
+    ``max_frame_bytes``: largest accepted frame in bytes after the handshake; ``handshake_max_bytes``:
+    largest accepted frame before it (default 4 KiB: a Hello is ~200 bytes); ``stream``:
+    length-prefixed byte-stream framing instead of one frame per call; ``server``: name sent in the
+    Welcome; ``session_id``: defaults to 16 random hex digits.
     """
 
     def __init__(
@@ -219,8 +231,9 @@ class ServerSession(_Session):
         stream: bool = False,
         server: str = "",
         session_id: str | None = None,
+        handshake_max_bytes: int = HANDSHAKE_MAX_BYTES,
     ) -> None:
-        super().__init__(max_frame_bytes, stream)
+        super().__init__(max_frame_bytes, stream, handshake_max_bytes)
         self.expected_fingerprint = expected_fingerprint
         self.auth_token = auth_token
         self.server = server
@@ -267,8 +280,9 @@ class ClientSession(_Session):
         *,
         stream: bool = False,
         client: str = "",
+        handshake_max_bytes: int = HANDSHAKE_MAX_BYTES,
     ) -> None:
-        super().__init__(max_frame_bytes, stream)
+        super().__init__(max_frame_bytes, stream, handshake_max_bytes)
         self.fingerprint = fingerprint
         self.token = token
         self.client = client

@@ -31,6 +31,7 @@ before anything is sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from typing import Any, Awaitable, Callable
 
@@ -40,7 +41,7 @@ from websockets.asyncio.server import serve as _ws_serve
 from websockets.exceptions import ConnectionClosed
 
 from .errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
-from .messages import MAX_FRAME_BYTES, Hello, Message, Welcome
+from .messages import MAX_FRAME_BYTES, Error, Hello, Message, Welcome
 from .session import ClientSession, HandshakeDone, MessageReceived, PeerError, ProtocolViolation, ServerSession
 
 __all__ = ["ws_max_size", "ServerChannel", "ClientChannel", "accept", "serve", "open_channel"]
@@ -157,7 +158,7 @@ class _Channel:
                 raise ProtocolError(code, event.error.message)
             elif isinstance(event, PeerError):
                 await self.ws.close()
-                raise RemoteError(event.error.code, event.error.message)
+                raise RemoteError(event.error.code, event.error.message, retry_after_ms=event.error.retry_after_ms)
         return events
 
     def _closed_error(self, exc: ConnectionClosed) -> RelayInferError:
@@ -200,12 +201,28 @@ async def accept(ws: ServerConnection, session: ServerSession, timeout: float = 
     """
     channel = ServerChannel(ws, session)
     try:
-        await asyncio.wait_for(_until_handshake(channel), timeout)
+        with _handshake_limit(ws, session):
+            await asyncio.wait_for(_until_handshake(channel), timeout)
     except asyncio.TimeoutError:
         if not session.closed:
             await _fail(ws, session, ErrorCode.HANDSHAKE_REQUIRED, f"no hello within {timeout} s")
         raise TimeoutError(f"no hello within {timeout} s") from None
     return channel
+
+
+@contextlib.contextmanager
+def _handshake_limit(ws: ServerConnection | ClientConnection, session: ServerSession | ClientSession):
+    """Until the handshake is done websockets refuses messages above the handshake limit (plus the
+    margin of `ws_max_size`) itself, so an unauthenticated peer cannot make it buffer megabytes."""
+    proto = getattr(ws, "protocol", None)
+    if proto is None or not hasattr(proto, "max_message_size"):
+        yield
+        return
+    proto.max_message_size = ws_max_size(session.handshake_max_bytes)
+    try:
+        yield
+    finally:
+        proto.max_message_size = ws_max_size(session.max_frame_bytes)
 
 
 async def _until_handshake(channel: _Channel) -> None:
@@ -223,6 +240,7 @@ def serve(
     max_frame_bytes: int = MAX_FRAME_BYTES,
     handshake_timeout: float = 10.0,
     server: str = "",
+    admit: Callable[[], "Error | None"] | None = None,
     **serve_kwargs: Any,
 ) -> Any:
     """Start a websockets server whose ``handler`` receives handshaken :class:`ServerChannel`\\ s.
@@ -233,12 +251,19 @@ def serve(
     ``handler``. A ``RelayInferError`` escaping ``handler`` ends only that connection: quietly if the
     channel is already closed (protocol violation, remote error, closure), otherwise with an Error
     frame carrying the exception's code and message; any other exception sends an INTERNAL Error
-    frame and is re-raised (logged by websockets). Extra keyword arguments go to
-    ``websockets.asyncio.server.serve``.
+    frame and is re-raised (logged by websockets). ``admit``, if given, is called for each new
+    connection before the handshake: it returns None to go on, or a connection-level ``Error``
+    (e.g. OVERLOADED with ``retry_after_ms``) that is sent instead of the Welcome before closing.
+    Extra keyword arguments go to ``websockets.asyncio.server.serve``.
     """
 
     async def _handler(ws: ServerConnection) -> None:
         session = ServerSession(expected_fingerprint, auth_token, max_frame_bytes, server=server)
+        refusal = admit() if admit is not None else None
+        if refusal is not None:
+            await _send_quietly(ws, session.send(refusal))
+            await ws.close(_CLOSE_CODES.get(ErrorCode(refusal.code), 1008), refusal.code)
+            return
         try:
             channel = await accept(ws, session, handshake_timeout)
         except (RelayInferError, TimeoutError):
@@ -279,7 +304,8 @@ async def open_channel(
     channel = ClientChannel(ws, session)
     try:
         await _send_quietly(ws, session.start())
-        await asyncio.wait_for(_until_handshake(channel), open_timeout)
+        with _handshake_limit(ws, session):
+            await asyncio.wait_for(_until_handshake(channel), open_timeout)
     except asyncio.TimeoutError:
         await ws.close()
         raise TimeoutError(f"no welcome from {url} within {open_timeout} s") from None

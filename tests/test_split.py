@@ -271,7 +271,7 @@ def test_eight_concurrent_sessions(batched_cloud, onnx_engine, tokenizer):
     for t in threads:
         t.join(300)
     assert [r.token_ids for r in results] == refs
-    assert all(r.fault is None and r.mode in ("split", "device-only", "cloud-only") for r in results)
+    assert all(r.fault is None and r.mode in ("split", "device-only", "cloud-only") for r in results), [(r.mode, r.fault, r.error) for r in results]
     # every request reached the cloud and was freed there (Stop, Done or the device hanging up)
     deadline = time.monotonic() + 30
     while cloud.metrics.active_requests._value.get() and time.monotonic() < deadline:

@@ -19,7 +19,8 @@ from typing import AsyncIterator, NamedTuple, Sequence as Seq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.models.llama import Llama
-from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
+from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
+from relayinfer.protocol.errors import PromptTooLongError
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, kv_bytes_per_token
@@ -133,6 +134,23 @@ class LLMEngine:
     def num_blocks(self) -> int:
         return self.block_manager.num_blocks
 
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + answer) one request can hold: min(context length, KV cache
+        capacity). A request above it could never be scheduled, so it is refused at admission."""
+        return min(self.context_length, self.num_blocks * self.block_size)
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Raise PromptTooLongError naming the effective limit if the request cannot fit
+        (`max_model_len` tokens: min(context length, KV cache capacity)); ValueError if empty."""
+        if n_prompt == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        if n_prompt + max_new_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt too long: {n_prompt} prompt tokens + {max_new_tokens} new tokens exceed this "
+                f"server's limit of {self.max_model_len} tokens per request (min of the context length, "
+                f"{self.context_length}, and the KV cache capacity, {self.num_blocks * self.block_size})")
+
     # --- thread-safe request API ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                     cloud_budget: int | None = None, ignore_eos: bool = False) -> None:
@@ -141,15 +159,12 @@ class LLMEngine:
         output lengths for benchmarks, vLLM's `SamplingParams.ignore_eos`).
 
         Raises:
-            PromptTooLongError: prompt + max_new_tokens exceed the context window.
-            ValueError: empty prompt, duplicate live request_id, or the request cannot fit the
-                whole KV cache even alone.
+            PromptTooLongError: prompt + max_new_tokens exceed `max_model_len` (the context window
+                or the whole KV cache, whichever is smaller; the message names the limit).
+            ValueError: empty prompt or duplicate live request_id.
         """
-        check_prompt(len(prompt_ids), params.max_new_tokens, self.context_length)
+        self.check_fits(len(prompt_ids), params.max_new_tokens)
         max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
-        need = -(-(len(prompt_ids) + max_tokens) // self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
         seq = Sequence(request_id, list(prompt_ids), params, max_tokens, ignore_eos=ignore_eos)
         with self._lock:
             if request_id in self.seqs or any(r == request_id for r, _ in self._inbox):
@@ -162,7 +177,9 @@ class LLMEngine:
             self._inbox.append((request_id, None))
 
     def set_budget(self, request_id: str, cloud_budget: int) -> None:
-        """Extend/shrink a live request's cloud budget (applied at the next step)."""
+        """Extend/shrink a live request's cloud budget (applied at the next step), capped at the
+        request's max_new_tokens (which admission checked against `max_model_len`), so a budget
+        can never grow a request past what fits the KV cache."""
         with self._lock:
             self._inbox.append((request_id, int(cloud_budget)))
 
@@ -196,7 +213,7 @@ class LLMEngine:
             else:
                 seq = self.seqs.get(rid)
                 if seq is not None:
-                    seq.max_tokens = min(seq.params.max_new_tokens, item)
+                    seq.max_tokens = max(0, min(seq.params.max_new_tokens, item))
         for seq in list(self.seqs.values()):  # a budget cut below what was already generated
             if seq.num_output_tokens and seq.num_output_tokens >= seq.max_tokens:
                 self._finish(seq, "budget")

@@ -19,6 +19,7 @@ import ssl as _ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +30,25 @@ from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
-from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate,
-                                          RefinedPrompt, Stop, Token)
+from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop,
+                                          Token, encode)
 from relayinfer.protocol.refine import WINDOW, refine_indices
 from relayinfer.protocol.security import bearer_token, server_context, token_matches
 
 log = logging.getLogger("relayinfer.cloud")
+
+MAX_REQUEST_ID = 64  # characters
+MAX_STOP_IDS = 64
+KEEPALIVE_S = 10.0  # websocket ping interval and timeout: a black-holed device is dropped within ~20 s
+
+
+def split_frame_limit(context_length: int, vocab_size: int) -> int:
+    """The largest frame a device sends to the split service (bytes), rounded up to KiB: a Generate
+    with a whole context of the largest token ids, the longest request_id and all stop_ids."""
+    big = vocab_size - 1
+    g = Generate("r" * MAX_REQUEST_ID, [big] * context_length, context_length, 1.5, 0.5, big, 2**63 - 1,
+                 context_length, 0.5, [big] * MAX_STOP_IDS)
+    return -(-len(encode(g)) // 1024) * 1024
 
 
 class Metrics:
@@ -72,7 +86,15 @@ class CloudService:
         device_model_dir: directory of exported device files served on `/v1/device-model`.
         step_delay_ms: extra wait before each decode step (simulates a slower or loaded cloud in
             tests and benchmarks; 0 in production).
-        max_frame_bytes: largest frame accepted from a device (bytes); larger ones get FRAME_TOO_LARGE.
+        max_frame_bytes: largest frame accepted from a device after the handshake (bytes); larger
+            ones get FRAME_TOO_LARGE. Default: the largest real message, a Generate of a whole
+            context (`split_frame_limit`, ~50 KiB for an 8k context); before the handshake the
+            limit is `HANDSHAKE_MAX_BYTES` (4 KiB).
+        max_sessions: open device sessions at most; a device beyond it is refused at the handshake
+            with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
+        max_requests_per_session: concurrent Generates per session at most (OVERLOADED beyond).
+        retry_after_ms: the back-off hint sent with OVERLOADED (ms).
+        history: Done messages kept in `completed` (the most recent ones; for tests and benches).
         special_ids: chat-template token ids that prompt refinement always keeps (default: the
             CONTROL tokens of the engine's model file).
         llm: an `AsyncLLMEngine` (continuous batching over a paged KV cache). When given, requests
@@ -93,27 +115,34 @@ class CloudService:
 
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, special_ids: frozenset[int] | None = None,
-                 llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False):
+                 max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
+                 llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False,
+                 max_sessions: int = 256, max_requests_per_session: int = 4, retry_after_ms: float = 5000.0,
+                 history: int = 1000):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.metrics_public = metrics_public
         self._ssl, self._host = None, "127.0.0.1"
         self.device_model_dir = Path(device_model_dir) if device_model_dir else None
         self._manifest: dict | None = None
-        self.step_delay_ms, self.max_frame_bytes = step_delay_ms, max_frame_bytes
+        self.step_delay_ms = step_delay_ms
+        self.max_frame_bytes = max_frame_bytes or split_frame_limit(engine.context_length, engine.cfg.vocab_size)
+        self.max_sessions, self.max_requests_per_session = max_sessions, max_requests_per_session
+        self.retry_after_ms = retry_after_ms
+        self.num_sessions = 0  # open device sessions (after the handshake)
         self._special_ids = special_ids
         self.llm, self.model_name = llm, model_name
         self.metrics = Metrics()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
         self.ws_port = self.http_port = None
         self._ws_server = self._http_runner = None
-        self.completed: list[Done] = []  # the last Done of every request, for tests and benches
+        self.completed: deque[Done] = deque(maxlen=history)  # the last Done of recent requests
 
     # --- websockets side ------------------------------------------------------------------------
 
     async def _session(self, channel: proto_ws.ServerChannel) -> None:
         """One device connection: dispatch messages, run each Generate as its own task."""
         self.metrics.active_sessions.inc()
+        self.num_sessions += 1
         requests: dict[str, _Request] = {}
         tasks: set[asyncio.Task] = set()
         try:
@@ -136,10 +165,14 @@ class CloudService:
                         continue  # finished already: the Done crossed the Stop on the wire
                     self._stop(req, "stop" if isinstance(msg, Stop) else "cancel")
                 elif isinstance(msg, ExtendBudget):
-                    if msg.request_id in requests:
-                        requests[msg.request_id].budget = msg.cloud_budget
-                        if requests[msg.request_id].batched:
-                            self.llm.set_budget(msg.request_id, msg.cloud_budget)
+                    req = requests.get(msg.request_id)
+                    if msg.cloud_budget < 0:
+                        await channel.send(Error(ErrorCode.BAD_REQUEST.value,
+                                                 f"cloud_budget must be >= 0, got {msg.cloud_budget}", msg.request_id))
+                    elif req is not None:  # capped at max_new_tokens, which admission checked
+                        req.budget = min(msg.cloud_budget, req.msg.max_new_tokens)
+                        if req.batched:
+                            self.llm.set_budget(msg.request_id, req.budget)
                 else:
                     await channel.send(Error(ErrorCode.BAD_REQUEST.value,
                                              f"unexpected {type(msg).__name__} from a device", None))
@@ -152,22 +185,51 @@ class CloudService:
                 self._stop(req, "cancel")
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            self.num_sessions -= 1
             self.metrics.active_sessions.dec()
+
+    def _admit(self) -> Error | None:
+        """Before a handshake: OVERLOADED (with the back-off hint) when `max_sessions` are open."""
+        if self.num_sessions >= self.max_sessions:
+            self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
+            return Error(ErrorCode.OVERLOADED.value, f"the server holds its limit of {self.max_sessions} device "
+                         f"sessions; retry after {self.retry_after_ms:.0f} ms", None, self.retry_after_ms)
+        return None
+
+    def max_request_tokens(self, batched: bool) -> int:
+        """Prompt + answer tokens one request may hold: min(context length, KV cache capacity)."""
+        return self.llm.engine.max_model_len if batched else self.engine.context_length
 
     def _validate(self, msg: Generate, requests: dict) -> Error | None:
         """A request-level Error for a Generate we will not run, else None."""
         rid = msg.request_id
         n, vocab = len(msg.prompt_ids), self.engine.cfg.vocab_size
+        if len(rid) > MAX_REQUEST_ID:
+            return Error(ErrorCode.BAD_REQUEST.value, f"request_id longer than {MAX_REQUEST_ID} characters", rid[:MAX_REQUEST_ID])
         if rid in requests:
             return Error(ErrorCode.BAD_REQUEST.value, f"request_id {rid!r} is already running", rid)
+        if len(requests) >= self.max_requests_per_session:
+            return Error(ErrorCode.OVERLOADED.value, f"this session already runs {len(requests)} requests, the "
+                         f"limit per session; retry after {self.retry_after_ms:.0f} ms", rid, self.retry_after_ms)
+        dead = self.health()
+        if dead is not None:
+            return Error(ErrorCode.INTERNAL.value, dead, rid)
         if n == 0:
             return Error(ErrorCode.BAD_REQUEST.value, "empty prompt", rid)
         if msg.max_new_tokens < 1:
             return Error(ErrorCode.BAD_REQUEST.value, f"max_new_tokens must be >= 1, got {msg.max_new_tokens}", rid)
-        if n + msg.max_new_tokens > self.engine.context_length:
+        if len(msg.stop_ids) > MAX_STOP_IDS:
+            return Error(ErrorCode.BAD_REQUEST.value, f"{len(msg.stop_ids)} stop_ids; at most {MAX_STOP_IDS}", rid)
+        if msg.cloud_budget is not None and msg.cloud_budget < 0:
+            return Error(ErrorCode.BAD_REQUEST.value, f"cloud_budget must be >= 0, got {msg.cloud_budget}", rid)
+        batched = self.llm is not None and msg.refine is None
+        limit = self.max_request_tokens(batched)
+        if n + msg.max_new_tokens > limit:
+            what = (f"the limit of {limit} tokens per request (min of the context length, {self.engine.context_length}, "
+                    f"and the KV cache capacity, {self.llm.engine.num_blocks * self.llm.engine.block_size})"
+                    if batched else f"the context length of {limit} tokens")
             return Error(ErrorCode.PROMPT_TOO_LONG.value,
-                         f"prompt too long: {n} prompt tokens + {msg.max_new_tokens} new tokens exceed the "
-                         f"context length of {self.engine.context_length} tokens", rid)
+                         f"prompt too long: {n} prompt tokens + {msg.max_new_tokens} new tokens exceed {what}", rid)
         bad = next((t for t in msg.prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             return Error(ErrorCode.BAD_REQUEST.value, f"token id {bad} outside the vocabulary [0, {vocab})", rid)
@@ -418,7 +480,8 @@ class CloudService:
                                        SamplingParams(max_new_tokens=2))
         self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
                                                auth_token=self.auth_token, server="relayinfer-cloud",
-                                               max_frame_bytes=self.max_frame_bytes,
+                                               max_frame_bytes=self.max_frame_bytes, admit=self._admit,
+                                               ping_interval=KEEPALIVE_S, ping_timeout=KEEPALIVE_S,
                                                **({"ssl": ssl} if ssl is not None else {}))
         self.ws_port = self._ws_server.sockets[0].getsockname()[1]
         if http_port is not None:
