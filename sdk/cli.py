@@ -79,7 +79,7 @@ app.add_typer(cloud_app, name="cloud")
 
 
 def _cloud_service(model, device: str, threads: int | None, token: str | None, export: bool = True,
-                   kv_cache_mb: int | None = None, metrics_public: bool = False):
+                   kv_cache_mb: int | None = None, metrics_public: bool = False, **limits):
     """A CloudService; with `kv_cache_mb` it batches requests in an LLMEngine (continuous batching,
     paged KV cache of that many MiB) and serves the OpenAI-compatible API too."""
     from relayinfer.cloud.engine.torch_engine import TorchEngine
@@ -94,7 +94,7 @@ def _cloud_service(model, device: str, threads: int | None, token: str | None, e
 
         llm = AsyncLLMEngine(LLMEngine(engine, kv_cache_bytes=kv_cache_mb << 20))
     return CloudService(engine, engine.fingerprint, auth_token=token, device_model_dir=model_dir, llm=llm,
-                        metrics_public=metrics_public)
+                        metrics_public=metrics_public, **limits)
 
 
 def _server_tls(certfile: str | None, keyfile: str | None):
@@ -127,6 +127,9 @@ def cloud_serve(
     certfile: Optional[str] = typer.Option(None, help="PEM certificate chain: serve wss:// and https:// (with --keyfile)."),
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
     metrics_public: bool = typer.Option(False, help="Serve /metrics without the token."),
+    max_sessions: int = typer.Option(256, min=1, help="Open device sessions at most; more get OVERLOADED + retry-after."),
+    max_requests_per_session: int = typer.Option(4, min=1, help="Concurrent Generates per device session at most."),
+    retry_after_ms: float = typer.Option(5000.0, min=0, help="Back-off hint sent with OVERLOADED (ms)."),
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
@@ -135,7 +138,8 @@ def cloud_serve(
     tls = _server_tls(certfile, keyfile)  # before loading the model: a bad file fails fast
     try:
         svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
-                             metrics_public=metrics_public)
+                             metrics_public=metrics_public, max_sessions=max_sessions,
+                             max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms)
     except (RelayInferError, ValueError) as e:
         fail(e)
 
