@@ -123,7 +123,7 @@ def session(engine, tokenizer, url, phase: str, mode: str, cloud: CloudEstimate 
     if phase == "device-idle":  # prefill costs more per token than the display interval: cloud to the end
         timing, opt["cloud_budget"] = (0.0, 500.0, 20.0), "auto"
     elif phase in ("device-catching-up", "before-first-token"):  # still prefilling when the fault comes
-        engine = PacedEngine(engine, DeviceProfile("slow-prefill", prefill_ms_base=600.0))
+        engine = PacedEngine(engine, DeviceProfile("slow-prefill", prefill_ms_base=300.0, decode_ms_per_token=1.0))
         opt["cloud_budget"] = None
     else:
         opt["cloud_budget"] = None
