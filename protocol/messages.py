@@ -290,19 +290,40 @@ class Scores(_Msg, tag="scores"):
 
 
 class TileBatch(_Msg, tag="tile_batch"):
-    """Device -> cloud: candidate tiles of a slide. ``coords``: [x, y] pixel offsets per tile; ``tiles``: N x H x W x C uint8."""
+    """Device -> cloud: candidate tiles of a slide. ``coords``: [x, y] level-0 pixel offsets per tile;
+    ``tiles``: N x H x W x C uint8 (shape [0, H, W, C] when the tiles travel otherwise).
+
+    Pathology screening (defaults keep older senders valid): ``jpeg``: the N tiles as JPEG files
+    instead of raw pixels; ``features``: device features (N x D float16/float32) instead of pixels;
+    ``device_scores``: the device's coarse-screen score per tile; ``last``: no more tiles for this
+    ``request_id`` (may carry none): the cloud answers with the slide result.
+    """
 
     request_id: str
     slide_id: str
     coords: list[list[int]]
     tiles: Tensor
+    jpeg: list[bytes] = []
+    features: Union[Tensor, None] = None
+    device_scores: list[float] = []
+    last: bool = False
 
 
 class Embeddings(_Msg, tag="embeddings"):
-    """Cloud -> device: one embedding row per tile of the matching TileBatch."""
+    """Cloud -> device: one embedding row per tile of the matching TileBatch.
+
+    With the answer to a ``last`` TileBatch (defaults otherwise): ``slide_score`` in [0, 1] (the
+    MIL score of the whole slide), ``attention`` (float32, one weight per tile of the request in the
+    order sent, summing to 1), ``encoder`` (name) and ``weights`` ("random-init" or the sha256 of
+    the weights files) so a result from random weights is never mistaken for a trained one.
+    """
 
     request_id: str
     embeddings: Tensor
+    slide_score: Union[float, None] = None
+    attention: Union[Tensor, None] = None
+    encoder: str = ""
+    weights: str = ""
 
 
 Message = Union[
