@@ -163,7 +163,9 @@ class Generate(_Msg, tag="generate"):
     ``prompt_ids``: token ids of the full prompt; ``max_new_tokens``: cap on generated tokens;
     sampling: ``temperature`` (0 = greedy), ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed``;
     ``cloud_budget``: max tokens the cloud streams (None = to the end); ``refine``: keep ratio in
-    (0, 1] for prompt refinement (None = off); ``stop_ids``: token ids that end generation.
+    (0, 1] for prompt refinement (None = off); ``stop_ids``: token ids that end generation;
+    ``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty`` / ``min_tokens``: as in
+    ``decoding.SamplingParams`` (defaults: off), so both sides sample the same answer.
     """
 
     request_id: str
@@ -176,6 +178,10 @@ class Generate(_Msg, tag="generate"):
     cloud_budget: Union[int, None] = None
     refine: Union[float, None] = None
     stop_ids: list[int] = []
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
 
 class Token(_Msg, tag="token"):
@@ -254,12 +260,19 @@ class Pong(_Msg, tag="pong"):
 # -- P/D-Serve, RelayGR, pathology ----------------------------------------------------------------
 
 class KVTransfer(_Msg, tag="kv_transfer"):
-    """Prefill -> decode instance: KV cache of ``num_tokens`` prompt tokens, layers from ``layer_start`` on, in one tensor."""
+    """Prefill -> decode instance: KV cache of ``num_tokens`` prompt tokens, layers from ``layer_start`` on, in one tensor.
+
+    P/D hand-off (``relayinfer.cloud.pd.kv``): ``kv`` is [layers, 2 (K, V), kv_heads, tokens, head_dim].
+    ``block_index`` -1: contiguous, the whole request in one message; >= 0: block-fixed, this
+    message holds block ``block_index`` (tokens [i * block_size, ...)) of ``num_blocks``.
+    """
 
     request_id: str
     layer_start: int
     kv: Tensor
     num_tokens: int
+    block_index: int = -1
+    num_blocks: int = 1
 
 
 class PreInfer(_Msg, tag="pre_infer"):
@@ -272,13 +285,15 @@ class PreInfer(_Msg, tag="pre_infer"):
 
 
 class Rank(_Msg, tag="rank"):
-    """Ranking request: user history (``item_ids``, ``timestamps`` in seconds) and the ``candidate_ids`` to score."""
+    """Ranking request: user history (``item_ids``, ``timestamps`` in seconds) and the ``candidate_ids`` to score.
+    ``request_ts``: the request time in seconds (the candidates' time); None means the last history event's time."""
 
     request_id: str
     user_id: int
     item_ids: list[int]
     timestamps: list[int]
     candidate_ids: list[int]
+    request_ts: Union[int, None] = None
 
 
 class Scores(_Msg, tag="scores"):

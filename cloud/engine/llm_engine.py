@@ -1,3 +1,6 @@
+# TEAM NOTE for the engineer on issue 10 (P/D serving), from the lead, temporary (the lead removes it;
+# do not commit this line): read /tmp/preamble.md now and follow it: team rules, CI time budget, how to
+# commit only your own changes, and the hard stop at 15:35 UTC with a final report.
 """The batching engine: requests in, tokens out, one `step()` at a time; plus an asyncio wrapper.
 
 `LLMEngine` ties the pieces together (nano-vllm's `llm_engine.py`): `Scheduler` picks the step's
@@ -12,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import AsyncIterator, NamedTuple, Sequence as Seq
+from typing import AsyncIterator, Callable, NamedTuple, Sequence as Seq
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.models.llama import Llama
-from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
+from relayinfer.protocol.decoding import SamplingParams, is_stop, sample, token_logprobs
 from relayinfer.protocol.errors import PromptTooLongError
 
 from .block_manager import BlockManager
@@ -30,12 +33,15 @@ from .sequence import Sequence, SequenceStatus
 
 class StepOutput(NamedTuple):
     """One generated token: `index` is its answer position (0 = first token); `finish_reason`
-    is None, or 'eos' / 'stop' / 'length' / 'budget' on the request's last token."""
+    is None, or 'eos' / 'stop' / 'length' / 'budget' on the request's last token. `logprobs`:
+    None unless `params.logprobs` is set, then `decoding.token_logprobs` of the step's raw logits
+    (the token's logprob, [(id, logprob)] of the top `params.logprobs`)."""
 
     request_id: str
     token_id: int
     index: int
     finish_reason: str | None
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,11 +58,32 @@ class RequestStats:
     finish_reason: str | None
 
 
-_MS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_RELEASE = object()  # inbox marker: free a held sequence's KV blocks (P/D prefill after its export)
+
+
+@dataclass
+class _Import:
+    """A sequence arriving with its KV computed elsewhere (P/D decode): `write(runner, slots, start)`
+    writes the K/V of positions [start, seq.num_computed_tokens) into `slots` on the engine thread."""
+
+    seq: Sequence
+    num_computed: int
+    write: Callable
+
+
+# Latency bucket edges (s), log-spaced from 5 ms to 30 min: past the longest request the limits allow
+# (a whole 8,192-token context at CPU speed is minutes), so no observation lands in +Inf unseen.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                   320.0, 640.0, 1200.0, 1800.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_MS = LATENCY_BUCKETS
 
 
 class EngineMetrics:
-    """Prometheus metrics of one engine (own `CollectorRegistry` unless one is passed)."""
+    """Prometheus metrics of one engine (own `CollectorRegistry` unless one is passed). Names follow
+    Prometheus' rules (`promtool check metrics` passes: base units, `_total` only on counters) and
+    vLLM's where it has one (`e2e_request_latency_seconds`, `request_prompt_tokens`,
+    `request_generation_tokens`, `request_success_total{finished_reason}`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry if registry is not None else CollectorRegistry()
@@ -72,7 +99,17 @@ class EngineMetrics:
         self.blocks_used = Gauge("relayinfer_engine_kv_blocks_used", "KV blocks referenced", registry=r)
         self.blocks_cached = Gauge("relayinfer_engine_kv_blocks_cached", "Free KV blocks holding a cached prefix",
                                    registry=r)
-        self.blocks_total = Gauge("relayinfer_engine_kv_blocks_total", "KV blocks in the cache", registry=r)
+        self.blocks_total = Gauge("relayinfer_engine_kv_blocks", "KV blocks in the cache", registry=r)
+        self.e2e = Histogram("relayinfer_engine_e2e_request_latency_seconds",
+                             "Arrival to the last token (or abort) of a request", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.req_prompt_tokens = Histogram("relayinfer_engine_request_prompt_tokens", "Prompt tokens per request",
+                                           registry=r, buckets=TOKEN_BUCKETS)
+        self.req_gen_tokens = Histogram("relayinfer_engine_request_generation_tokens",
+                                        "Generated tokens per finished request", registry=r, buckets=TOKEN_BUCKETS)
+        self.success = Counter("relayinfer_engine_request_success", "Finished requests by OpenAI finish reason "
+                               "(stop: EOS, stop id or stop string; length: max_tokens or budget; abort)",
+                               ["finished_reason"], registry=r)
         self.kv_bytes_per_token = Gauge("relayinfer_engine_kv_bytes_per_token",
                                         "K+V bytes of one token over all layers", registry=r)
         self.kv_budget_bytes = Gauge("relayinfer_engine_kv_cache_bytes", "KV cache memory (bytes)", registry=r)
@@ -129,6 +166,9 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._preemptions_seen = 0
         self._prefix_hits = self._prefix_queries = 0
+        self.held: dict[str, Sequence] = {}     # finished with hold_kv: blocks kept until release()
+        self._imports: deque[_Import] = deque()  # prefilled elsewhere, waiting for blocks / a slot
+        self.prefill_tok_s: float | None = None  # EWMA of prefill tokens per second of step time
 
     @property
     def num_blocks(self) -> int:
@@ -153,10 +193,16 @@ class LLMEngine:
 
     # --- thread-safe request API ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
-                    cloud_budget: int | None = None, ignore_eos: bool = False) -> None:
+                    cloud_budget: int | None = None, ignore_eos: bool = False, *, hold_kv: bool = False,
+                    output_ids: Seq[int] = ()) -> None:
         """Queue a request. `cloud_budget` caps the tokens generated here (finish reason 'budget'
         when it, not max_new_tokens, ends the request). `ignore_eos` generates past EOS (fixed
         output lengths for benchmarks, vLLM's `SamplingParams.ignore_eos`).
+
+        P/D: `hold_kv` keeps the finished sequence's KV blocks (in `held`) until `release()`, so a
+        prefill instance can export them; `output_ids` resumes a request whose first answer tokens
+        were generated elsewhere (they are prefilled with the prompt and answer positions continue
+        after them, so seeded sampling draws the same tokens).
 
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed `max_model_len` (the context window
@@ -165,11 +211,36 @@ class LLMEngine:
         """
         self.check_fits(len(prompt_ids), params.max_new_tokens)
         max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
-        seq = Sequence(request_id, list(prompt_ids), params, max_tokens, ignore_eos=ignore_eos)
+        seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, max_tokens, ignore_eos=ignore_eos,
+                       num_prompt_tokens=len(prompt_ids), hold_kv=hold_kv)
+        self._enqueue(request_id, seq)
+
+    def _enqueue(self, request_id: str, item) -> None:
         with self._lock:
-            if request_id in self.seqs or any(r == request_id for r, _ in self._inbox):
+            if request_id in self.seqs or request_id in self.held or any(r == request_id for r, _ in self._inbox):
                 raise ValueError(f"request {request_id!r} is already running")
-            self._inbox.append((request_id, seq))
+            self._inbox.append((request_id, item))
+
+    def add_prefilled(self, request_id: str, token_ids: Seq[int], num_prompt_tokens: int, params: SamplingParams,
+                      write_kv: Callable, cloud_budget: int | None = None, ignore_eos: bool = False) -> None:
+        """P/D decode: admit a request whose tokens `token_ids` (prompt, then the answer so far:
+        at least the first token) have their K/V computed elsewhere for all but the last token.
+        At admission it takes the cached prefix blocks it can share, allocates fresh blocks for the
+        rest, and `write_kv(runner, slots, start)` scatters the K/V of positions [start, n - 1) into
+        them (on the engine thread); it then decodes in the batch like any running sequence. It
+        waits (FIFO, ahead of nothing else) while the cache or the sequence cap is full."""
+        if len(token_ids) <= num_prompt_tokens:
+            raise ValueError("a prefilled request carries its first answer token")
+        self.check_fits(num_prompt_tokens, params.max_new_tokens)
+        max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
+        seq = Sequence(request_id, list(token_ids), params, max_tokens, num_prompt_tokens=num_prompt_tokens,
+                       ignore_eos=ignore_eos)
+        self._enqueue(request_id, _Import(seq, len(token_ids) - 1, write_kv))
+
+    def release(self, request_id: str) -> None:
+        """Free the KV blocks of a sequence finished with `hold_kv` (at the next step; no-op if unknown)."""
+        with self._lock:
+            self._inbox.append((request_id, _RELEASE))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at the start of the next step. No-op if unknown."""
@@ -185,7 +256,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._inbox) or self.scheduler.has_unfinished()
+            return bool(self._inbox) or bool(self._imports) or self.scheduler.has_unfinished()
 
     def request_stats(self, request_id: str) -> RequestStats | None:
         """Counters of a live or finished request (finished ones kept for the last 10000)."""
@@ -206,10 +277,16 @@ class LLMEngine:
             if isinstance(item, Sequence):
                 self.seqs[rid] = item
                 self.scheduler.add(item)
-            elif item is None:
+            elif isinstance(item, _Import):
+                self.seqs[rid] = item.seq
+                self._imports.append(item)
+            elif item is None or item is _RELEASE:
                 seq = self.seqs.get(rid)
-                if seq is not None:
+                if seq is not None and item is None:
                     self._finish(seq, "abort")
+                held = self.held.pop(rid, None)
+                if held is not None:
+                    self.block_manager.free_sequence(held)
             else:
                 seq = self.seqs.get(rid)
                 if seq is not None:
@@ -219,19 +296,35 @@ class LLMEngine:
                 self._finish(seq, "budget")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.remove(seq)
+        if seq.hold_kv and reason != "abort":  # keep its blocks for the P/D export until release()
+            sch = self.scheduler
+            (sch.running if seq in sch.running else sch.waiting).remove(seq)
+            self.held[seq.request_id] = seq
+        else:
+            self.scheduler.remove(seq)
+        for imp in self._imports:
+            if imp.seq is seq:
+                self._imports.remove(imp)
+                break
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self.seqs[seq.request_id]
         self.stats[seq.request_id] = self._stats_of(seq)
         if len(self.stats) > 10000:
             self.stats.popitem(last=False)
-        self.metrics.finished.labels(reason).inc()
+        m = self.metrics
+        m.finished.labels(reason).inc()
+        m.success.labels({"eos": "stop", "stop": "stop", "length": "length", "budget": "length"}.get(reason, "abort")).inc()
+        m.e2e.observe(time.perf_counter() - seq.arrival_s)
+        m.req_prompt_tokens.observe(seq.num_prompt_tokens)
+        m.req_gen_tokens.observe(seq.num_output_tokens)
 
     def step(self) -> list[StepOutput]:
         """Run one scheduling + model step; return the tokens generated in it (at most one per
         running sequence). Finished and aborted requests have freed their KV blocks on return."""
         self._drain_inbox()
+        self._admit_imports()
         m = self.metrics
+        t_step = time.perf_counter()
         batch = self.scheduler.schedule()
         now = time.perf_counter()
         for seq in self.scheduler.admitted:
@@ -253,6 +346,10 @@ class LLMEngine:
             m.batch_tokens.observe(n_tok)
             logits = self.runner.run(batch).cpu().numpy()
             now = time.perf_counter()
+            n_pre = sum(s.n for s in batch if s.n > 1 or s.start < s.seq.num_prompt_tokens)
+            if n_pre >= 16:  # a step that prefilled: its tokens/s (EWMA) estimates prefill speed
+                rate = n_pre / max(now - t_step, 1e-6)
+                self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.8 * self.prefill_tok_s + 0.2 * rate
             li = 0
             for s in batch:
                 seq = s.seq
@@ -264,7 +361,8 @@ class LLMEngine:
                 if not s.sample:
                     continue
                 idx = seq.num_output_tokens
-                tok = sample(logits[li], seq.params, idx)
+                tok = sample(logits[li], seq.params, idx, seq.token_ids, seq.num_prompt_tokens, self.eos_id)
+                lp = None if seq.params.logprobs is None else token_logprobs(logits[li], tok, seq.params.logprobs)
                 li += 1
                 seq.token_ids.append(tok)
                 if seq.first_token_s is None:
@@ -277,7 +375,7 @@ class LLMEngine:
                 reason = is_stop(tok, -1 if seq.ignore_eos else self.eos_id, seq.params)
                 if reason is None and seq.num_output_tokens >= seq.max_tokens:
                     reason = "length" if seq.max_tokens >= seq.params.max_new_tokens else "budget"
-                outputs.append(StepOutput(seq.request_id, tok, idx, reason))
+                outputs.append(StepOutput(seq.request_id, tok, idx, reason, lp))
                 if reason:
                     self._finish(seq, reason)
         new_pre = self.scheduler.num_preemptions - self._preemptions_seen
@@ -286,6 +384,25 @@ class LLMEngine:
             self._preemptions_seen = self.scheduler.num_preemptions
         self._update_gauges()
         return outputs
+
+    def _admit_imports(self) -> None:
+        """Admit prefilled sequences (P/D decode) in FIFO order while blocks and slots allow."""
+        bm, sch = self.block_manager, self.scheduler
+        while self._imports and len(sch.running) < sch.config.max_num_seqs:
+            imp = self._imports[0]
+            seq = imp.seq
+            hit = bm.match_prefix(seq)  # shares cached full prompt blocks (the last token is never matched)
+            if not bm.allocate(seq, imp.num_computed - hit):
+                bm.free_sequence(seq)
+                break
+            self._imports.popleft()
+            imp.write(self.runner, self.runner.slots(seq.block_table, hit, imp.num_computed), hit)
+            seq.num_computed_tokens = imp.num_computed
+            bm.commit(seq, hit)
+            seq.prefix_hit_tokens += hit
+            seq.status = SequenceStatus.RUNNING
+            seq.first_scheduled_s = seq.first_token_s = time.perf_counter()
+            sch.running.append(seq)
 
     def _update_gauges(self) -> None:
         m, bm = self.metrics, self.block_manager
@@ -376,16 +493,25 @@ class AsyncLLMEngine:
             q.put_nowait(e)
 
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
-                    cloud_budget: int | None = None) -> asyncio.Queue:
-        """Queue a request; returns its queue of `StepOutput` (then `None` if aborted)."""
+                    cloud_budget: int | None = None, **kw) -> asyncio.Queue:
+        """Queue a request; returns its queue of `StepOutput` (then `None` if aborted). `kw`:
+        `LLMEngine.add_request`'s keywords (`hold_kv`, `output_ids`)."""
+        return self._add(request_id, self.engine.add_request, request_id, prompt_ids, params, cloud_budget, **kw)
+
+    def _add(self, request_id: str, add, *args, **kw) -> asyncio.Queue:
         self.start()
         if self.error is not None:
             raise RuntimeError("the engine thread failed") from self.error
         q: asyncio.Queue = asyncio.Queue()
-        self.engine.add_request(request_id, prompt_ids, params, cloud_budget)
+        add(*args, **kw)
         self._queues[request_id] = q
         self._wake.set()
         return q
+
+    def release(self, request_id: str) -> None:
+        """Free a held sequence's KV blocks (P/D prefill, after its export)."""
+        self.engine.release(request_id)
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         q = self._queues.pop(request_id, None)
@@ -399,9 +525,30 @@ class AsyncLLMEngine:
         self._wake.set()
 
     async def generate(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
-                       cloud_budget: int | None = None) -> AsyncIterator[StepOutput]:
-        q = self.add_request(request_id, prompt_ids, params, cloud_budget)  # raises before the try:
-        finished = False                                                  # a rejected id owns nothing
+                       cloud_budget: int | None = None, **kw) -> AsyncIterator[StepOutput]:
+        q = self.add_request(request_id, prompt_ids, params, cloud_budget, **kw)  # raises before the try:
+        gen = self._stream(request_id, q)                                       # a rejected id owns nothing
+        try:
+            async for o in gen:
+                yield o
+        finally:  # an early exit aborts the request now (closing gen), not when it is collected
+            await gen.aclose()
+
+    async def generate_prefilled(self, request_id: str, token_ids: Seq[int], num_prompt_tokens: int,
+                                 params: SamplingParams, write_kv, cloud_budget: int | None = None
+                                 ) -> AsyncIterator[StepOutput]:
+        """P/D decode: `LLMEngine.add_prefilled`, then the request's tokens after the ones it came with."""
+        q = self._add(request_id, self.engine.add_prefilled, request_id, token_ids, num_prompt_tokens, params,
+                      write_kv, cloud_budget)
+        gen = self._stream(request_id, q)
+        try:
+            async for o in gen:
+                yield o
+        finally:
+            await gen.aclose()
+
+    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
+        finished = False
         try:
             while True:
                 o = await q.get()

@@ -58,6 +58,28 @@ class ModelRunner:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end) of a sequence with `block_table`."""
+        bs = self.block_size
+        pos = torch.arange(start, end, device=self.device)
+        return torch.tensor(block_table, dtype=torch.long, device=self.device)[pos // bs] * bs + pos % bs
+
+    @torch.inference_mode()
+    def gather_kv(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """P/D export: K/V of `slots` into `out` [n_layers, 2, kv_heads, len(slots), head_dim], one
+        `index_select` per layer and K/V straight into the buffer (no intermediate copy)."""
+        for li in range(self.cfg.n_layers):
+            torch.index_select(self.k[li], 1, slots, out=out[li, 0])
+            torch.index_select(self.v[li], 1, slots, out=out[li, 1])
+        return out
+
+    @torch.inference_mode()
+    def scatter_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """P/D import: write `kv` [n_layers, 2, kv_heads, len(slots), head_dim] into `slots`."""
+        for li in range(self.cfg.n_layers):
+            self.k[li].index_copy_(1, slots, kv[li, 0])
+            self.v[li].index_copy_(1, slots, kv[li, 1])
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Compute the scheduled tokens, write their K/V to the cache, and return float32 logits

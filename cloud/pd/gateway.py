@@ -1,0 +1,530 @@
+"""The P/D gateway: scenario groups, on-demand forwarding (or the push router), KV hand-off,
+retries on instance faults.
+
+Requests are classified into a **scenario** (by a request tag, else by prompt length class); each
+scenario has its own **group**: prefill and decode pools, TTFT/TPOT SLOs and P/D ratio (P/D-Serve,
+arXiv 2408.08147, sec. 3.2).
+
+**Forwarding** (sec. 3.3), one code path and a flag:
+
+* `on-demand`: the gateway offers the request to the group's prefill instances in turn; each accepts
+  only if its own local queue lets it start within the remaining TTFT budget, else rejects at once,
+  and the gateway tries the next. When all reject it backs off briefly and retries until the budget
+  is spent, then sends it to the instance that reported the shortest wait (forced).
+* `push`: the gateway picks the prefill instance with the shortest queue **as last reported**
+  (every `report_interval_s`, so stale in between) and pushes the request; the instance always
+  accepts. This is the baseline P/D-Serve compares against.
+
+After the prefill the first token goes to the client at once (TTFT), the `Handoff` (token ids + KV
+payload) goes to the group's decode instance with the fewest requests in flight from this gateway,
+and its tokens stream on. Split-service requests (a device `Generate` with a cloud budget) never
+use a decode instance: they run on the prefill instance for their few tokens (`split=True`).
+
+**Faults**: an instance that dies (an actor crash, a lost KV object, an injected fault) raises
+`InstanceDied` in the handle; the gateway retries the request from where it is: the prompt plus the
+tokens already sent are prefilled again on a live prefill instance (prefix cache helps; answer
+positions continue, so greedy and seeded answers are unchanged) and handed to a live decode
+instance. After `max_retries` the request fails with `PDError` naming the instances and causes.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from relayinfer.cloud.engine.llm_engine import StepOutput
+from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.errors import RelayInferError
+
+from .instance import Handoff, Instance, InstanceDied, Rejected
+
+log = logging.getLogger("relayinfer.pd")
+
+FORWARDING = ("on-demand", "push")
+
+
+class PDError(RuntimeError):
+    """A request the P/D pools could not serve (no live instance, retries exhausted)."""
+
+
+@dataclass
+class Scenario:
+    """A class of requests with its SLOs. `max_prompt_tokens`: the length class (prompts up to it
+    belong here when no tag says otherwise)."""
+
+    name: str
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    max_prompt_tokens: int = 1 << 30
+
+
+@dataclass
+class Group:
+    """One scenario's P/D group: its own pools (handles), SLOs and measured latencies."""
+
+    scenario: Scenario
+    prefill: list = field(default_factory=list)
+    decode: list = field(default_factory=list)
+    ttft_ms: deque = field(default_factory=lambda: deque(maxlen=512))
+    tpot_ms: deque = field(default_factory=lambda: deque(maxlen=2048))
+
+    @property
+    def name(self) -> str:
+        return self.scenario.name
+
+    @property
+    def ratio(self) -> str:
+        return f"{len(self.prefill)}P:{len(self.decode)}D"
+
+
+class LocalHandle:
+    """An in-process `Instance` behind the handle interface the gateway uses (`RayHandle` is the
+    same over a Ray actor)."""
+
+    def __init__(self, instance: Instance):
+        self.instance, self.name = instance, instance.name
+
+    @property
+    def role(self) -> str:
+        return self.instance.role
+
+    async def set_role(self, role: str) -> None:
+        self.instance.role = role
+
+    async def prefill(self, request_id, prompt_ids, params, output_ids=(), ttft_budget_ms=None):
+        return await self.instance.prefill(request_id, prompt_ids, params, output_ids, ttft_budget_ms)
+
+    async def decode(self, handoff: Handoff, request_id: str, cloud_budget=None) -> AsyncIterator[StepOutput]:
+        async for o in self.instance.decode(handoff, request_id, cloud_budget):
+            yield o
+
+    async def generate(self, request_id, prompt_ids, params, cloud_budget=None, output_ids=(), ttft_budget_ms=None):
+        async for o in self.instance.generate(request_id, prompt_ids, params, cloud_budget, output_ids,
+                                              ttft_budget_ms):
+            yield o
+
+    async def abort(self, request_id: str) -> None:
+        self.instance.abort(request_id)
+
+    async def set_budget(self, request_id: str, budget: int) -> None:
+        self.instance.set_budget(request_id, budget)
+
+    async def load(self) -> dict:
+        return self.instance.load()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.instance.shutdown)
+
+
+@dataclass
+class GroupSpec:
+    """How many instances a scenario group starts with (the ratio controller may move them)."""
+
+    scenario: Scenario
+    n_prefill: int = 1
+    n_decode: int = 1
+
+
+def local_groups(model, specs: list[GroupSpec], config=None) -> list[Group]:
+    """Groups of in-process instances sharing one loaded model (tests, benchmarks, one process)."""
+    from .instance import InstanceConfig
+
+    groups = []
+    for spec in specs:
+        mk = lambda role, i: LocalHandle(Instance(model, f"{spec.scenario.name}-{role[0]}{i}", role,  # noqa: E731
+                                                  config or InstanceConfig()))
+        groups.append(Group(spec.scenario, [mk("prefill", i) for i in range(spec.n_prefill)],
+                            [mk("decode", i) for i in range(spec.n_decode)]))
+    return groups
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("relayinfer_pd_requests", "P/D requests by group and outcome", ["group", "outcome"],
+                                registry=r)
+        self.offers = Counter("relayinfer_pd_forward_offers", "Requests offered to prefill instances", ["group"],
+                              registry=r)
+        self.rejections = Counter("relayinfer_pd_forward_rejections", "Offers rejected (TTFT budget)", ["group"],
+                                  registry=r)
+        self.forced = Counter("relayinfer_pd_forward_forced", "Requests sent after every instance rejected until "
+                              "the budget was spent", ["group"], registry=r)
+        self.retries = Counter("relayinfer_pd_retries", "Requests resumed after an instance fault", ["group"],
+                               registry=r)
+        self.kv_bytes = Counter("relayinfer_pd_kv_bytes", "KV bytes handed from prefill to decode", ["mode"],
+                                registry=r)
+        self.kv_objects = Counter("relayinfer_pd_kv_objects", "KV objects handed over", ["mode"], registry=r)
+        self.kv_transfer = Histogram("relayinfer_pd_kv_transfer_seconds", "Prefill end to decode admission",
+                                     ["mode"], registry=r,
+                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+        self.ttft = Histogram("relayinfer_pd_ttft_seconds", "Time to first token", ["group"], registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+        self.tpot = Histogram("relayinfer_pd_tpot_seconds", "Time between output tokens", ["group"], registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5))
+        self.live = Gauge("relayinfer_pd_live_requests", "Requests in the gateway", registry=r)
+        self.instances = Gauge("relayinfer_pd_instances", "Instances by group and role", ["group", "role"],
+                               registry=r)
+
+
+@dataclass
+class _Live:
+    group: Group
+    where: list = field(default_factory=list)  # (handle, instance request id) currently holding it
+    aborted: bool = False
+    budget: int | None = None
+
+
+class Gateway:
+    """Front of the P/D pools.
+
+    Args:
+        groups: one `Group` per scenario (the first one whose `max_prompt_tokens` fits the prompt
+            serves untagged requests; the last one takes the rest).
+        forwarding: 'on-demand' or 'push' (see the module docstring).
+        report_interval_s: how often instances report their load (the push router's stale view, the
+            `/healthz` numbers, the ratio controller).
+        retry_backoff_s: pause after a round of rejections (on-demand).
+        max_retries: resumptions after instance faults before the request fails.
+        restart_wait_s: how long a request waits for a pool whose instances are all dead to come
+            back (Ray restarts them) before it fails with `PDError`.
+    """
+
+    def __init__(self, groups: list[Group], forwarding: str = "on-demand", report_interval_s: float = 0.5,
+                 retry_backoff_s: float = 0.01, max_retries: int = 2, restart_wait_s: float = 60.0,
+                 registry: CollectorRegistry | None = None):
+        if forwarding not in FORWARDING:
+            raise ValueError(f"unknown forwarding {forwarding!r}; choose from {', '.join(FORWARDING)}")
+        if not groups:
+            raise ValueError("at least one P/D group is needed")
+        self.groups = groups
+        self.forwarding, self.report_interval_s = forwarding, report_interval_s
+        self.retry_backoff_s, self.max_retries, self.restart_wait_s = retry_backoff_s, max_retries, restart_wait_s
+        self.metrics = GatewayMetrics(registry)
+        self.reports: dict[str, dict] = {}   # last load report per instance (stale by design)
+        self.report_time = 0.0
+        self._rr = {g.name: itertools.count() for g in groups}
+        self._decode_active: dict[str, int] = {}
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._reporter: asyncio.Task | None = None
+        self.dead: dict[str, str] = {}  # instance name -> last failure, until it reports again
+        self._update_instance_gauges()
+
+    # --- set-up -----------------------------------------------------------------------------------
+    @property
+    def handles(self) -> list:
+        return [h for g in self.groups for h in g.prefill + g.decode]
+
+    def group(self, name: str) -> Group:
+        return next(g for g in self.groups if g.name == name)
+
+    def classify(self, num_prompt_tokens: int, tag: str | None = None) -> Group:
+        """The scenario group of a request: its tag if it names a group, else its length class."""
+        if tag:
+            for g in self.groups:
+                if g.name == tag:
+                    return g
+        for g in sorted(self.groups, key=lambda g: g.scenario.max_prompt_tokens):
+            if num_prompt_tokens <= g.scenario.max_prompt_tokens:
+                return g
+        return self.groups[-1]
+
+    async def start(self) -> None:
+        await self.refresh_reports()
+        if self._reporter is None:
+            self._reporter = asyncio.create_task(self._report_loop())
+
+    async def stop(self, shutdown_instances: bool = True) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+            self._reporter = None
+        if shutdown_instances:
+            await asyncio.gather(*(h.shutdown() for h in self.handles), return_exceptions=True)
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.report_interval_s)
+            try:
+                await self.refresh_reports()
+            except Exception:  # pragma: no cover - a report round must never kill the loop
+                log.exception("load report round failed")
+
+    async def refresh_reports(self) -> None:
+        """Ask every instance for its load (the push router's view until the next round)."""
+        hs = self.handles
+        res = await asyncio.gather(*(asyncio.wait_for(h.load(), 10.0) for h in hs), return_exceptions=True)
+        for h, r in zip(hs, res):
+            if isinstance(r, BaseException):
+                self.dead[h.name] = f"{type(r).__name__}: {r}"
+            else:
+                self.reports[h.name] = r
+                self.dead.pop(h.name, None)
+        self.report_time = time.perf_counter()
+
+    def _update_instance_gauges(self) -> None:
+        for g in self.groups:
+            self.metrics.instances.labels(g.name, "prefill").set(len(g.prefill))
+            self.metrics.instances.labels(g.name, "decode").set(len(g.decode))
+
+    async def move(self, handle, src: Group, dst: Group, to_role: str) -> None:
+        """Move an instance to another role and/or group (the ratio controller). Requests already on
+        it finish there; new ones follow the new role."""
+        for pool in (src.prefill, src.decode):
+            if handle in pool:
+                pool.remove(handle)
+        (dst.prefill if to_role == "prefill" else dst.decode).append(handle)
+        await handle.set_role(to_role)
+        self._update_instance_gauges()
+
+    # --- requests ---------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its KV is freed on that instance at its next step."""
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        live.aborted = True
+        for h, irid in list(live.where):
+            asyncio.ensure_future(self._quiet(h.abort(irid)))
+
+    def set_budget(self, request_id: str, budget: int) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        live.budget = budget
+        for h, irid in list(live.where):
+            asyncio.ensure_future(self._quiet(h.set_budget(irid, budget)))
+
+    @staticmethod
+    async def _quiet(coro) -> None:
+        try:
+            await coro
+        except Exception:  # the instance is gone: nothing left to stop there
+            pass
+
+    async def _forward(self, group: Group, t0: float, n_tokens: int, offer):
+        """Pick a prefill instance and run `offer(handle, ttft_budget_ms)` on it; returns
+        (handle, result). On-demand: try instances in turn until one accepts; push: the shortest
+        reported queue, always accepted."""
+        m, gname = self.metrics, group.name
+        slo = group.scenario.ttft_slo_ms
+        while True:
+            pool = await self._live_pool(group, "prefill")
+            k = next(self._rr[gname])
+            if self.forwarding == "push":
+                h = min(pool, key=lambda h: (self.reports.get(h.name, {}).get("queued_prefill_tokens", 0),
+                                             (pool.index(h) - k) % len(pool)))
+                m.offers.labels(gname).inc()
+                return h, await offer(h, None)
+            order = pool[k % len(pool):] + pool[:k % len(pool)]
+            best = None
+            for h in order:
+                budget = slo - (time.perf_counter() - t0) * 1e3
+                m.offers.labels(gname).inc()
+                r = await offer(h, max(budget, 0.0))
+                if not isinstance(r, Rejected):
+                    return h, r
+                m.rejections.labels(gname).inc()
+                if best is None or r.est_wait_ms < best[1]:
+                    best = (h, r.est_wait_ms)
+            if (time.perf_counter() - t0) * 1e3 + self.retry_backoff_s * 1e3 >= slo:
+                m.forced.labels(gname).inc()  # every instance keeps rejecting: the shortest wait takes it
+                return best[0], await offer(best[0], None)
+            await asyncio.sleep(self.retry_backoff_s)
+
+    def _dead_text(self, handles) -> str:
+        return "; ".join(f"{h.name}: {self.dead.get(h.name, 'not reporting')}" for h in handles) or "none configured"
+
+    async def _live_pool(self, group: Group, role: str) -> list:
+        """The group's instances of `role` not known dead; when all are, wait up to
+        `restart_wait_s` for one to report again (Ray restarts dead actors), else PDError."""
+        handles = group.prefill if role == "prefill" else group.decode
+        t0 = time.perf_counter()
+        while True:
+            pool = [h for h in handles if h.name not in self.dead]
+            if pool:
+                return pool
+            if time.perf_counter() - t0 > self.restart_wait_s:
+                raise PDError(f"group {group.name!r} has no live {role} instance after waiting "
+                              f"{self.restart_wait_s:.0f} s ({self._dead_text(handles)})")
+            await asyncio.sleep(0.2)
+            await self.refresh_reports()
+
+    async def _pick_decode(self, group: Group):
+        pool = await self._live_pool(group, "decode")
+        return min(pool, key=lambda h: self._decode_active.get(h.name, 0))
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       cloud_budget: int | None = None, tag: str | None = None,
+                       split: bool = False) -> AsyncIterator[StepOutput]:
+        """Serve one request; yields `StepOutput`s with this `request_id` (answer index from 0).
+        Leaving the iteration early aborts it. `split`: stay on the prefill instance (device
+        requests with a cloud budget). Raises `PDError` when it cannot be served."""
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already running")
+        group = self.classify(len(prompt_ids), tag)
+        live = self._live[request_id] = _Live(group, budget=cloud_budget)
+        self.metrics.live.inc()
+        outcome, outs, retries = "error", [], 0
+        t0 = time.perf_counter()
+        last = [t0]
+
+        def emit(o: StepOutput) -> StepOutput:
+            now = time.perf_counter()
+            if not outs:
+                group.ttft_ms.append((now - t0) * 1e3)
+                self.metrics.ttft.labels(group.name).observe(now - t0)
+            else:
+                group.tpot_ms.append((now - last[0]) * 1e3)
+                self.metrics.tpot.labels(group.name).observe(now - last[0])
+            last[0] = now
+            outs.append(o.token_id)
+            return StepOutput(request_id, o.token_id, len(outs) - 1, o.finish_reason)
+
+        try:
+            while True:
+                try:
+                    if split:
+                        async for o in self._run_split(group, live, request_id, prompt_ids, params, outs, t0):
+                            yield emit(o)
+                            if o.finish_reason:
+                                break
+                    else:
+                        async for o in self._run_pd(group, live, request_id, prompt_ids, params, outs, t0):
+                            yield emit(o)
+                            if o.finish_reason:
+                                break
+                    outcome = "aborted" if live.aborted else "ok"
+                    return
+                except InstanceDied as e:
+                    if live.aborted:
+                        outcome = "aborted"
+                        return
+                    retries += 1
+                    self.metrics.retries.labels(group.name).inc()
+                    if retries > self.max_retries:
+                        raise PDError(f"request {request_id!r} failed after {retries - 1} retries: {e}") from e
+                    log.warning("request %s: %s; resuming after %d tokens (retry %d)", request_id, e, len(outs),
+                                retries)
+        finally:
+            for h, irid in live.where:  # whatever still runs somewhere stops and frees its KV
+                await self._quiet(h.abort(irid))
+            self._live.pop(request_id, None)
+            self.metrics.live.dec()
+            self.metrics.requests.labels(group.name, outcome).inc()
+
+    def _irid(self, request_id: str) -> str:
+        return f"{request_id}#{next(self._ids)}"  # unique per attempt and instance
+
+    async def _run_split(self, group, live, request_id, prompt_ids, params, outs, t0):
+        """The whole (short) request on a prefill instance: no KV transfer."""
+        irid = self._irid(request_id)
+        streams = {}
+
+        async def offer(h, budget_ms):
+            gen = h.generate(irid, prompt_ids, params, live.budget, outs, budget_ms)
+            first = await self._guard(h, gen.__anext__())
+            if isinstance(first, Rejected):
+                await gen.aclose()
+                return first
+            streams[h] = gen
+            return first
+
+        h, first = await self._forward(group, t0, len(prompt_ids) + len(outs), offer)
+        live.where.append((h, irid))
+        gen = streams[h]
+        try:
+            o = first
+            while True:
+                yield o
+                if o.finish_reason or live.aborted:
+                    return
+                o = await self._guard(h, gen.__anext__())
+        except StopAsyncIteration:
+            return
+        finally:
+            live.where.remove((h, irid))
+            await gen.aclose()
+
+    async def _guard(self, h, aw):
+        """Await `aw` from instance `h`, turning its death into `InstanceDied` (and marking it)."""
+        try:
+            return await aw
+        except InstanceDied as e:
+            self.dead[h.name] = str(e)
+            raise
+        except (StopAsyncIteration, asyncio.CancelledError, GeneratorExit, PDError):
+            raise
+        except (RelayInferError, ValueError):  # the request's own fault (too long, duplicate id)
+            raise
+        except Exception as e:
+            cause = getattr(e, "cause", None)  # Ray wraps an error raised inside the actor
+            if isinstance(cause, (RelayInferError, ValueError)) and not isinstance(cause, InstanceDied):
+                raise cause from None
+            if "Actor" in type(e).__name__:  # the actor itself died: skip it until it reports again
+                self.dead[h.name] = f"{type(e).__name__}"
+            raise InstanceDied(f"instance {h.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                               ) from e
+
+    async def _run_pd(self, group, live, request_id, prompt_ids, params, outs, t0):
+        """Prefill on the group's prefill pool, first token out, then decode on its decode pool."""
+        irid = self._irid(request_id)
+
+        async def offer(h, budget_ms):
+            live.where.append((h, irid))
+            try:
+                return await self._guard(h, h.prefill(irid, prompt_ids, params, list(outs), budget_ms))
+            finally:
+                live.where.remove((h, irid))
+
+        ph, ho = await self._forward(group, t0, len(prompt_ids) + len(outs), offer)
+        if ho is None or live.aborted:  # aborted while prefilling
+            return
+        reason = ho.finish_reason
+        if reason == "budget" and (live.budget is None or ho.num_output_tokens < live.budget):
+            reason = None  # the prefill instance stopped after one token by design: decode goes on
+        yield StepOutput(request_id, ho.new_token, ho.num_output_tokens - 1, reason)
+        if reason or live.aborted:
+            return
+        dh = await self._pick_decode(group)
+        self._decode_active[dh.name] = self._decode_active.get(dh.name, 0) + 1
+        drid = self._irid(request_id)
+        live.where.append((dh, drid))
+        t_hand = time.perf_counter()
+        gen = dh.decode(ho, drid, live.budget)
+        first = True
+        try:
+            while True:
+                try:
+                    o = await self._guard(dh, gen.__anext__())
+                except StopAsyncIteration:
+                    return
+                if first:
+                    first = False
+                    kv = ho.kv
+                    self.metrics.kv_bytes.labels(kv.mode).inc(kv.nbytes)
+                    self.metrics.kv_objects.labels(kv.mode).inc(kv.num_objects)
+                    self.metrics.kv_transfer.labels(kv.mode).observe(time.perf_counter() - t_hand)
+                yield o
+                if o.finish_reason or live.aborted:
+                    return
+        finally:
+            self._decode_active[dh.name] -= 1
+            live.where.remove((dh, drid))
+            await gen.aclose()
+
+    # --- state ------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Groups, ratios, SLOs and the last reports (for /healthz and the benchmark)."""
+        return {"forwarding": self.forwarding, "live_requests": len(self._live),
+                "report_age_s": round(time.perf_counter() - self.report_time, 3),
+                "groups": [{"name": g.name, "ratio": g.ratio, "ttft_slo_ms": g.scenario.ttft_slo_ms,
+                            "tpot_slo_ms": g.scenario.tpot_slo_ms,
+                            "prefill": [h.name for h in g.prefill], "decode": [h.name for h in g.decode]}
+                           for g in self.groups],
+                "instances": {n: r for n, r in self.reports.items()}, "dead": dict(self.dead)}

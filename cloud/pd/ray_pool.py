@@ -1,0 +1,261 @@
+"""P/D instances as Ray actors: placement, restarts and KV movement by Ray.
+
+* Each instance is one async Ray actor (`InstanceActor`) holding an `Instance` (its own
+  `LLMEngine` and paged KV cache). Actors are restarted by Ray when their process dies
+  (`max_restarts`); the gateway retries the requests they held (`gateway.py`).
+* The model weights are put in the object store once by the driver; every actor maps them
+  zero-copy on its node (no per-actor GGUF dequantization, one copy of the weights per node).
+* KV hand-off: the prefill actor `ray.put`s its export, one object (contiguous) or one per 16-token
+  block (block-fixed), and returns only their references; the gateway passes the `Handoff` to the
+  decode actor, which fetches the objects from the object store: shared memory on one node, Ray's
+  object transfer across nodes. The KV never passes through the gateway.
+
+`start_ray(address)` starts a local Ray (the default, one machine) or joins a cluster
+(`ray start --head` on one node, `ray start --address=HEAD:6379` on the others, then
+`relayinfer pd serve --ray-address auto` on the head).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import warnings
+from dataclasses import asdict
+
+import numpy as np
+
+from .gateway import Group, GroupSpec
+from .instance import Handoff, Instance, InstanceConfig
+
+NAMESPACE = "relayinfer-pd"
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, **kw) -> None:
+    """`ray.init` once: a local Ray when `address` is None, else join that cluster ('auto' = the
+    cluster this node belongs to)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    opts = dict(include_dashboard=False, log_to_driver=kw.pop("log_to_driver", False), namespace=NAMESPACE,
+                configure_logging=False)
+    if address is None:
+        opts["num_cpus"] = num_cpus if num_cpus is not None else os.cpu_count()
+    ray.init(address=address, **opts, **kw)
+
+
+def model_weights(model) -> tuple:
+    """(config, {name: float32 numpy}) of a loaded `Llama`: what actors rebuild the model from."""
+    return model.cfg, {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def build_model(cfg, weights: dict):
+    """A `Llama` on `weights` (read-only zero-copy arrays from the object store are fine: inference
+    never writes them)."""
+    import torch
+
+    from relayinfer.cloud.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        state = {k: torch.from_numpy(v) for k, v in weights.items()}
+    model.load_state_dict(state, assign=True, strict=False)
+    if cfg.tied_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
+                                                 / cfg.head_dim)))
+    return model.eval()
+
+
+class InstanceActor:
+    """The Ray actor around one `Instance` (wrapped by `ray.remote` in `actor_class`)."""
+
+    def __init__(self, model_ref, name: str, role: str, config: dict, threads: int = 1):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        cfg, weights = model_ref
+        self.model = build_model(cfg, weights)
+        self.inst = Instance(self.model, name, role, InstanceConfig(**config), in_process=False)
+        self.inst.engine.generate([list(range(16, 48))], _warm_params())  # first steps allocate
+        self.started = time.time()
+        self.die_after_handoff = 0
+
+    async def ready(self) -> dict:
+        return {"name": self.inst.name, "pid": os.getpid(), "node": _node_ip(), "started": self.started}
+
+    async def prefill(self, request_id, prompt_ids, params, output_ids=(), ttft_budget_ms=None):
+        import ray
+
+        ho = await self.inst.prefill(request_id, prompt_ids, params, output_ids, ttft_budget_ms)
+        if isinstance(ho, Handoff) and ho.kv is not None:  # into the object store: 1 or one per block
+            ho.kv.parts = [ray.put(p) for p in ho.kv.parts]
+            if self.die_after_handoff > 0:  # dies while the decode side fetches: the objects it owns go too
+                self.die_after_handoff -= 1
+                asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+        return ho
+
+    async def decode(self, handoff: Handoff, request_id: str, cloud_budget=None):
+        t0 = time.perf_counter()
+        refs = handoff.kv.parts
+        handoff.kv.parts = list(await asyncio.gather(*refs))
+        handoff.kv.fetch_s = time.perf_counter() - t0
+        del refs
+        async for o in self.inst.decode(handoff, request_id, cloud_budget):
+            yield o
+
+    async def generate(self, request_id, prompt_ids, params, cloud_budget=None, output_ids=(), ttft_budget_ms=None):
+        async for o in self.inst.generate(request_id, prompt_ids, params, cloud_budget, output_ids, ttft_budget_ms):
+            yield o
+
+    async def abort(self, request_id: str) -> None:
+        self.inst.abort(request_id)
+
+    async def set_budget(self, request_id: str, budget: int) -> None:
+        self.inst.set_budget(request_id, budget)
+
+    async def set_role(self, role: str) -> None:
+        self.inst.role = role
+
+    async def set_fault(self, die_after_export: int = 0, die_after_tokens: int | None = None,
+                        die_after_handoff: int = 0) -> None:
+        """Injected faults: the next prefills die after their export (before answering) or right
+        after answering (their KV objects die with them), the next decode after n tokens."""
+        self.inst.set_fault(die_after_export, die_after_tokens)
+        self.die_after_handoff = die_after_handoff
+
+    async def load(self) -> dict:
+        return self.inst.load()
+
+    async def transfers(self) -> list:
+        return list(self.inst.transfers)
+
+    async def shutdown(self) -> None:
+        self.inst.shutdown()
+
+
+def _warm_params():
+    from relayinfer.protocol.decoding import SamplingParams
+
+    return SamplingParams(max_new_tokens=2)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # pragma: no cover
+        return "?"
+
+
+_ACTOR = None
+
+
+def actor_class():
+    global _ACTOR
+    if _ACTOR is None:
+        import ray
+
+        _ACTOR = ray.remote(InstanceActor)
+    return _ACTOR
+
+
+class RayHandle:
+    """The gateway's view of one `InstanceActor` (same interface as `gateway.LocalHandle`)."""
+
+    def __init__(self, actor, name: str, role: str):
+        self.actor, self.name, self._role = actor, name, role
+
+    @property
+    def role(self) -> str:
+        return self._role
+
+    async def set_role(self, role: str) -> None:
+        self._role = role
+        await self.actor.set_role.remote(role)
+
+    async def prefill(self, request_id, prompt_ids, params, output_ids=(), ttft_budget_ms=None):
+        return await self.actor.prefill.remote(request_id, prompt_ids, params, list(output_ids), ttft_budget_ms)
+
+    async def decode(self, handoff: Handoff, request_id: str, cloud_budget=None):
+        async for ref in self.actor.decode.remote(handoff, request_id, cloud_budget):
+            yield await ref
+
+    async def generate(self, request_id, prompt_ids, params, cloud_budget=None, output_ids=(), ttft_budget_ms=None):
+        async for ref in self.actor.generate.remote(request_id, prompt_ids, params, cloud_budget, list(output_ids),
+                                                    ttft_budget_ms):
+            yield await ref
+
+    async def abort(self, request_id: str) -> None:
+        await self.actor.abort.remote(request_id)
+
+    async def set_budget(self, request_id: str, budget: int) -> None:
+        await self.actor.set_budget.remote(request_id, budget)
+
+    async def set_fault(self, **kw) -> None:
+        await self.actor.set_fault.remote(**kw)
+
+    async def load(self) -> dict:
+        return await self.actor.load.remote()
+
+    async def shutdown(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+class RayPool:
+    """Start the actors of `specs` (one per instance) and build the gateway's groups.
+
+    Args:
+        model: a loaded `Llama` (or anything with `.model`), put in the object store once.
+        specs: instances per scenario group.
+        config: engine/transfer settings of every instance.
+        threads: torch threads per actor; actor_cpus: Ray CPUs each actor reserves (0 lets more
+            actors than cores share a small machine).
+        spread: place actors across nodes (Ray's SPREAD strategy) instead of packing.
+        max_restarts: Ray restarts of a dead actor.
+    """
+
+    def __init__(self, model, specs: list[GroupSpec], config: InstanceConfig | None = None, threads: int = 1,
+                 actor_cpus: float = 1.0, spread: bool = False, max_restarts: int = 3):
+        import ray
+
+        model = getattr(model, "model", model)
+        self.model_ref = ray.put(model_weights(model))
+        cls = actor_class().options(num_cpus=actor_cpus, max_restarts=max_restarts, max_task_retries=0,
+                                    max_concurrency=1000, **({"scheduling_strategy": "SPREAD"} if spread else {}))
+        cfg = asdict(config or InstanceConfig())
+        self.groups: list[Group] = []
+        actors = []
+        for spec in specs:
+            g = Group(spec.scenario)
+            for role, n in (("prefill", spec.n_prefill), ("decode", spec.n_decode)):
+                for i in range(n):
+                    name = f"{spec.scenario.name}-{role[0]}{i}"
+                    a = cls.remote(self.model_ref, name, role, cfg, threads)
+                    (g.prefill if role == "prefill" else g.decode).append(RayHandle(a, name, role))
+                    actors.append(a)
+            self.groups.append(g)
+        self.placement = ray.get([a.ready.remote() for a in actors])
+
+    @property
+    def handles(self) -> list[RayHandle]:
+        return [h for g in self.groups for h in g.prefill + g.decode]
+
+    def handle(self, name: str) -> RayHandle:
+        return next(h for h in self.handles if h.name == name)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for h in self.handles:
+            ray.kill(h.actor, no_restart=True)
+
+
+def kv_bytes_per_token(cfg) -> int:
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * np.dtype(np.float32).itemsize

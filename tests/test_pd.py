@@ -1,0 +1,191 @@
+"""P/D serving in one process: prefill -> KV hand-off -> decode equals aggregated serving token for
+token in both transfer modes (prefix-cache hits included), on-demand forwarding vs the push router,
+faults with retries, and a device split session through the P/D service."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from relayinfer.cloud.engine.llm_engine import LLMEngine
+from relayinfer.cloud.pd.gateway import Gateway, Group, GroupSpec, LocalHandle, PDError, Scenario, local_groups
+from relayinfer.cloud.pd.instance import Instance, InstanceConfig
+from relayinfer.cloud.pd.kv import from_messages, to_messages
+from relayinfer.cloud.pd.service import wait_idle
+from relayinfer.protocol.decoding import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_prompt_ids, tokenizer):
+    from relayinfer.sdk.datasets import chitchat_prompts_by_length
+
+    # the third chat prompt shares the system turn with the first two; the last repeats the first
+    return list(chat_prompt_ids) + chitchat_prompts_by_length(tokenizer, [90], per_length=1) + [chat_prompt_ids[0]]
+
+
+@pytest.fixture(scope="module")
+def aggregated(torch_engine, prompts):
+    """The aggregated engine's greedy answers (one LLMEngine, continuous batching)."""
+    return LLMEngine(torch_engine, kv_cache_bytes=16 << 20).generate(prompts, GREEDY)
+
+
+def cfg(**kw) -> InstanceConfig:
+    return InstanceConfig(kv_cache_bytes=16 << 20, **kw)
+
+
+def test_pd_equals_aggregated_in_both_transfer_modes(torch_engine, prompts, aggregated):
+    async def main(mode):
+        p, d = Instance(torch_engine, "p", "prefill", cfg(transfer=mode)), Instance(torch_engine, "d", "decode", cfg())
+        out, payloads = [], []
+        try:
+            for i, ids in enumerate(prompts):
+                ho = await p.prefill(f"r{i}", ids, GREEDY)
+                payloads.append(ho.kv)
+                toks = [ho.new_token] + [o.token_id async for o in d.decode(ho)]
+                out.append(toks)
+            hits = [d.engine.request_stats(f"r{i}").prefix_hit_tokens for i in range(len(prompts))]
+            return out, payloads, hits, p.load(), d.load()
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+    runs = {mode: asyncio.run(main(mode)) for mode in ("contiguous", "block-fixed")}
+    for mode, (out, payloads, hits, pl, dl) in runs.items():
+        assert out == aggregated, mode
+        # the decode instance's own prefix cache: the repeated prompt reuses every full block it received
+        assert hits[-1] == (len(prompts[-1]) // 16) * 16 and hits[1] >= 16, (mode, hits)
+        assert pl["kv_blocks_used"] == dl["kv_blocks_used"] == 0 and pl["held"] == 0
+    (_, con, _, pc, dc), (_, blk, _, pb, db) = runs["contiguous"][:5], runs["block-fixed"][:5]
+    per_token = 2 * torch_engine.cfg.n_layers * torch_engine.cfg.n_kv_heads * torch_engine.cfg.head_dim * 4
+    for c, b, ids in zip(con, blk, prompts):
+        assert c.nbytes == b.nbytes == len(ids) * per_token  # same bytes moved in both modes
+        assert c.num_objects == 1 and b.num_objects == -(-len(ids) // 16)
+        np.testing.assert_array_equal(np.concatenate(b.parts, axis=3), c.parts[0])
+    assert pc["kv_bytes_out"] == pb["kv_bytes_out"] == dc["kv_bytes_in"] == db["kv_bytes_in"]
+    # the KV payload travels as protocol messages too (one frame, or one per block)
+    back = from_messages(to_messages(blk[0], "r0"))
+    assert back.mode == "block-fixed" and np.array_equal(np.concatenate(back.parts, axis=3), con[0].parts[0])
+
+
+def gateway(torch_engine, n_prefill=2, n_decode=1, **kw) -> Gateway:
+    return Gateway(local_groups(torch_engine, [GroupSpec(Scenario("chat", 5000, 500), n_prefill, n_decode)],
+                                cfg()), **kw)
+
+
+async def collect(gw, rid, ids, **kw):
+    return [o.token_id async for o in gw.generate(rid, ids, GREEDY, **kw)]
+
+
+def test_on_demand_forwarding_rejects_and_tries_next_push_uses_stale_reports(torch_engine, prompts, aggregated):
+    async def main(forwarding):
+        gw = gateway(torch_engine, forwarding=forwarding)
+        await gw.start()
+        p0, p1 = (h.instance for h in gw.groups[0].prefill)
+        try:
+            p0.outstanding["someone-else"] = 10 ** 6  # p0's real queue: far beyond any TTFT budget
+            gw.reports = {"chat-p0": {"queued_prefill_tokens": 0}, "chat-p1": {"queued_prefill_tokens": 500}}
+            gw.report_interval_s = 1e9  # the push router's view stays this stale one
+            toks = await collect(gw, "a", prompts[1])
+            assert toks == aggregated[1]
+            return p0.counters, p1.counters, gw.metrics.registry
+        finally:
+            p0.outstanding.clear()
+            await gw.stop()
+
+    c0, c1, reg = asyncio.run(main("on-demand"))
+    assert c0["rejected"] == 1 and c0["prefills"] == 0 and c1["prefills"] == 1
+    assert reg.get_sample_value("relayinfer_pd_forward_rejections_total", {"group": "chat"}) == 1
+    c0, c1, reg = asyncio.run(main("push"))  # the stale report sends it to the loaded instance
+    assert c0["prefills"] == 1 and c0["rejected"] == 0 and c1["prefills"] == 0
+
+
+def test_every_instance_rejecting_forces_the_shortest_wait(torch_engine, prompts, aggregated):
+    async def main():
+        gw = gateway(torch_engine, retry_backoff_s=0.05)
+        gw.groups[0].scenario.ttft_slo_ms = 200.0
+        p0, p1 = (h.instance for h in gw.groups[0].prefill)
+        p0.outstanding["x"], p1.outstanding["y"] = 10 ** 6, 2 * 10 ** 6
+        try:
+            t0 = time.perf_counter()
+            toks = await collect(gw, "a", prompts[0])
+            return toks, time.perf_counter() - t0, p0.counters, gw.metrics.registry
+        finally:
+            await gw.stop()
+
+    toks, wall, c0, reg = asyncio.run(main())
+    assert toks == aggregated[0] and c0["prefills"] == 1  # p0 reported the shorter wait
+    assert reg.get_sample_value("relayinfer_pd_forward_forced_total", {"group": "chat"}) == 1
+    assert reg.get_sample_value("relayinfer_pd_forward_rejections_total", {"group": "chat"}) >= 4
+
+
+def test_faults_are_retried_and_leave_no_kv(torch_engine, prompts, aggregated):
+    async def main():
+        gw = gateway(torch_engine, n_decode=2, max_retries=2)
+        await gw.start()
+        (p0, p1), (d0, d1) = ([h.instance for h in hs] for hs in (gw.groups[0].prefill, gw.groups[0].decode))
+        try:
+            p0.set_fault(die_after_export=1)
+            p1.set_fault(die_after_export=1)
+            a = await collect(gw, "a", prompts[1])       # both prefill instances die once: retried twice
+            d0.set_fault(die_after_tokens=3)
+            d1.set_fault(die_after_tokens=3)
+            b = await collect(gw, "b", prompts[2])       # the decode dies after 3 tokens: resumed there
+            p0.set_fault(die_after_export=5)
+            p1.set_fault(die_after_export=5)
+            with pytest.raises(PDError, match="failed after 2 retries.*died"):
+                await collect(gw, "c", prompts[0])
+            reports = await wait_idle(gw)
+            return a, b, reports, gw.metrics.registry
+        finally:
+            await gw.stop()
+
+    a, b, reports, reg = asyncio.run(main())
+    assert a == aggregated[1] and b == aggregated[2]
+    assert reg.get_sample_value("relayinfer_pd_retries_total", {"group": "chat"}) == 2 + 1 + 3
+    assert reg.get_sample_value("relayinfer_pd_requests_total", {"group": "chat", "outcome": "error"}) == 1
+    assert all(r["kv_blocks_used"] == 0 and r["held"] == 0 and r["running"] == 0 for r in reports.values()), reports
+
+
+def test_classification_by_tag_and_length(torch_engine):
+    short, long_ = Scenario("chat", 1000, 100, max_prompt_tokens=512), Scenario("long", 8000, 200)
+    gw = Gateway([Group(short), Group(long_)])
+    assert gw.classify(100).name == "chat" and gw.classify(3000).name == "long"
+    assert gw.classify(100, tag="long").name == "long" and gw.classify(100, tag="nope").name == "chat"
+
+
+# --- the split service on the P/D pools ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pd_cloud(torch_engine):
+    from relayinfer.cloud.pd.service import PDEngine, PDService
+    from relayinfer.cloud.serve.service import ServiceThread
+
+    gw = gateway(torch_engine, n_prefill=1, n_decode=1)
+    blocks = (16 << 20) // (16 * 46080)
+    llm = PDEngine(gw, torch_engine.cfg, min(torch_engine.context_length, blocks * 16), blocks)
+    with ServiceThread(PDService(torch_engine, torch_engine.fingerprint, llm=llm)) as running:
+        yield running
+
+
+def test_split_session_through_pd_gateway(pd_cloud, onnx_engine, chat_prompt_ids, torch_engine):
+    from test_split import BUDGET, MAX_NEW, client
+
+    ref = torch_engine.generate(chat_prompt_ids[2], SamplingParams(max_new_tokens=MAX_NEW)).token_ids
+    gw = pd_cloud.llm.gateway
+    p, d = gw.groups[0].prefill[0].instance, gw.groups[0].decode[0].instance
+    c = client(pd_cloud, onnx_engine)
+    split = c.complete(chat_prompt_ids[2], max_new_tokens=MAX_NEW)
+    assert split.token_ids == ref and split.mode == "split" and 0 < split.cloud_tokens <= BUDGET
+    assert d.counters["decodes"] == 0 and p.counters["generates"] == 1  # the device never used a decode instance
+    cloud_only = c.complete(chat_prompt_ids[2], max_new_tokens=MAX_NEW, mode="cloud-only")
+    assert cloud_only.token_ids == ref and d.counters["decodes"] == 1  # no budget: prefill -> KV -> decode
+    deadline = time.monotonic() + 30
+    while (p.load()["kv_blocks_used"] or d.load()["kv_blocks_used"] or pd_cloud.metrics.active_requests._value.get()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.load()["kv_blocks_used"] == d.load()["kv_blocks_used"] == 0  # after Stop nothing is left
+    assert pd_cloud.metrics.active_requests._value.get() == 0
