@@ -329,6 +329,11 @@ if _relay is not None:
 
     bench_app.command("relay", help="The GR relay cascade benchmark (same as `relayinfer relay bench`).")(_relay_bench)
 
+from relayinfer.sdk.patho_cli import bench_patho as _bench_patho, patho_app as _patho_app  # noqa: E402
+
+app.add_typer(_patho_app, name="patho")
+bench_app.command("patho", help="Pathology split screening on the real SVS (results in bench/results/).")(_bench_patho)
+
 
 @app.command()
 def calibrate(

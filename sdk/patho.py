@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from relayinfer.device.screen import CoarseScreen, coarse_regions, payload_mode, select_candidates
-from relayinfer.device.slide import SlideError, open_slide, tissue_mask
+from relayinfer.device.slide import SlideError, laplacian_variance, open_slide, tissue_mask
 from relayinfer.protocol.errors import RelayInferError, RemoteError
 from relayinfer.protocol.messages import MAX_FRAME_BYTES, Embeddings, Error, Tensor, TileBatch, encode
 from relayinfer.protocol.patho import TILE_MPP, TILE_PX, jpeg_encode, patho_fingerprint
@@ -36,6 +36,7 @@ PAYLOADS = ("jpeg", "raw", "features", "auto")
 class PathoReport:
     """Result of screening one slide. Sizes in bytes, times in seconds, coordinates in level-0 pixels.
 
+    ``blurred_tiles``: candidate tiles not sent, their Laplacian variance below ``blur_var``.
     ``tiles``: one dict per tile sent: x, y, size, device_score (its region's), attention (cloud ABMIL
     weight, sums to 1 over the tiles sent). ``decision``: "positive"/"negative" against ``threshold``
     when one is given, else None. ``bytes_sent``: encoded TileBatch frames device -> cloud."""
@@ -49,6 +50,7 @@ class PathoReport:
     regions: int
     candidate_regions: int
     tiles_sent: int
+    blurred_tiles: int
     payload: str
     bytes_sent: int
     slide_bytes: int
@@ -77,7 +79,8 @@ class PathoReport:
 
 def screen_slide(path: str | os.PathLike, cloud_url: str, coarse_model: str | os.PathLike, *, token: str | None = None,
                  slide_mpp: float | None = None, mpp: float = TILE_MPP, tile_px: int = TILE_PX, region_tiles: int = 4,
-                 keep: float = 0.5, device_threshold: float = 0.5, min_tissue: float = 0.25, batch_tiles: int = 16,
+                 keep: float = 0.5, device_threshold: float = 0.5, min_tissue: float = 0.25, blur_var: float = 50.0,
+                 batch_tiles: int = 16,
                  payload: str = "jpeg", link_mbps: float | None = None, jpeg_quality: int = 90,
                  threshold: float | None = None, calibration: dict | None = None, ca: str | None = None,
                  verify: bool = True, threads: int = 1, timeout_s: float = 600.0,
@@ -87,7 +90,8 @@ def screen_slide(path: str | os.PathLike, cloud_url: str, coarse_model: str | os
 
     ``payload``: "jpeg" (tiles as JPEG, ``jpeg_quality``), "raw" (uint8 pixels), "features" (device
     features, scored by the cloud's feature ABMIL), or "auto" (``payload_mode(link_mbps, ...)``).
-    ``threshold``: decision threshold on the slide score (e.g. from ``protocol.calibration``).
+    ``blur_var``: candidate tiles whose Laplacian variance (grey levels²) is lower are dropped as
+    out of focus. ``threshold``: decision threshold on the slide score (e.g. from ``protocol.calibration``).
     ``timeout_s`` bounds the whole exchange with the cloud. Raises SlideError for a bad slide or model,
     ValueError for a bad argument, RemoteError / ChannelClosed / OSError / TimeoutError from the cloud.
     """
@@ -96,13 +100,13 @@ def screen_slide(path: str | os.PathLike, cloud_url: str, coarse_model: str | os
     if batch_tiles < 1:
         raise ValueError(f"batch_tiles must be >= 1, got {batch_tiles}")
     screen = CoarseScreen(coarse_model, threads=threads)   # a bad model file fails before any connection
-    args = (path, screen, slide_mpp, mpp, tile_px, region_tiles, keep, device_threshold, min_tissue, batch_tiles,
-            payload, link_mbps, jpeg_quality, progress)
+    args = (path, screen, slide_mpp, mpp, tile_px, region_tiles, keep, device_threshold, min_tissue, blur_var,
+            batch_tiles, payload, link_mbps, jpeg_quality, progress)
     return asyncio.run(asyncio.wait_for(_screen(cloud_url, token, ca, verify, args, threshold, calibration), timeout_s))
 
 
-def _prepare(path, screen, slide_mpp, mpp, tile_px, region_tiles, keep, device_threshold, min_tissue, batch_tiles,
-             payload, link_mbps, jpeg_quality, progress) -> dict:
+def _prepare(path, screen, slide_mpp, mpp, tile_px, region_tiles, keep, device_threshold, min_tissue, blur_var,
+             batch_tiles, payload, link_mbps, jpeg_quality, progress) -> dict:
     """The device's work before sending: tissue mask, coarse screen of the regions, reading the
     candidate tiles and packing them into TileBatch keyword sets (runs in a worker thread)."""
     t0 = time.perf_counter()
@@ -122,7 +126,12 @@ def _prepare(path, screen, slide_mpp, mpp, tile_px, region_tiles, keep, device_t
         t_screen = time.perf_counter()
         cand = select_candidates(scores, device_threshold, keep)
         sent = [(t, regions[i].score) for i in cand for t in regions[i].tiles]
-        tiles = np.stack([slide.read(t.x, t.y, t.size, tile_px) for t, _ in sent])
+        tiles = [slide.read(t.x, t.y, t.size, tile_px) for t, _ in sent]
+        sharp = [laplacian_variance(t) >= blur_var for t in tiles]     # out-of-focus tiles are not sent
+        sent = [st for st, ok in zip(sent, sharp) if ok]
+        if not sent:
+            raise SlideError(f"every candidate tile of {path} is blurred (Laplacian variance < {blur_var})")
+        tiles = np.stack([t for t, ok in zip(tiles, sharp) if ok])
         t_read = time.perf_counter()
         info = dict(dimensions=list(slide.dimensions), mpp=slide.mpp)
     mode = payload_mode(link_mbps, len(sent)) if payload == "auto" else payload
@@ -142,6 +151,7 @@ def _prepare(path, screen, slide_mpp, mpp, tile_px, region_tiles, keep, device_t
         batches.append(kw)
     t_pack = time.perf_counter()
     return dict(info, fine=len(fine), regions=len(regions), cand=int(len(cand)), sent=sent, mode=mode,
+                blurred=len(sharp) - len(sent),
                 batches=batches, times={"tissue_s": t_mask - t0, "screen_s": t_screen - t_mask,
                                         "read_s": t_read - t_screen, "pack_s": t_pack - t_read})
 
@@ -173,6 +183,7 @@ async def _screen(url, token, ca, verify, args, threshold, calibration) -> Patho
     return PathoReport(
         slide=str(path), dimensions=prep["dimensions"], mpp=prep["mpp"], tile_px=tile_px, tile_mpp=mpp,
         tissue_tiles=prep["fine"], regions=prep["regions"], candidate_regions=prep["cand"], tiles_sent=len(sent),
+        blurred_tiles=prep["blurred"],
         payload=prep["mode"], bytes_sent=nbytes, slide_bytes=Path(path).stat().st_size, device_head=screen.head,
         encoder=result.encoder, weights=result.weights, random_weights=random_weights,
         slide_score=float(result.slide_score), threshold=threshold,

@@ -12,7 +12,7 @@ from relayinfer.cloud.patho.effnet import export_coarse_model
 from relayinfer.cloud.patho.encoder import ViTEncoder
 from relayinfer.cloud.patho.service import PathoService, PathoServiceThread, SlideScreener
 from relayinfer.cloud.patho.vit import VIT_TINY_TEST
-from relayinfer.device.slide import bundled_svs
+from relayinfer.device.slide import SlideError, bundled_svs
 from relayinfer.protocol.errors import RemoteError
 from relayinfer.protocol.messages import Embeddings, Error, Tensor, TileBatch, encode
 from relayinfer.protocol.patho import jpeg_encode, patho_fingerprint
@@ -39,7 +39,7 @@ def test_screen_the_real_svs_end_to_end(cloud, coarse, tmp_path):
     seen = []
     r = screen_slide(bundled_svs(), cloud.url, coarse, token="s3cret", keep=0.5, batch_tiles=8,
                      threshold=0.5, progress=lambda stage, done, total: seen.append((stage, done, total)))
-    assert r.tissue_tiles >= 30 and r.regions >= 6
+    assert r.tissue_tiles >= 30 and r.regions >= 6 and r.blurred_tiles == 0   # in-focus scan: nothing dropped
     assert r.candidate_regions == -(-r.regions // 2)                  # top half of the regions
     assert 0 < r.tiles_sent < r.tissue_tiles and len(r.tiles) == r.tiles_sent
     att = np.array([t["attention"] for t in r.tiles])
@@ -60,6 +60,13 @@ def test_screen_the_real_svs_end_to_end(cloud, coarse, tmp_path):
     thumb_glass = img[-5:, :5]                                         # bottom-left corner: glass, not tinted
     assert img.shape[:2] == (1024, 766) and thumb_glass.mean() > 200
     assert json.loads((tmp_path / "report.json").read_text())["tiles_sent"] == r.tiles_sent
+
+
+def test_out_of_focus_tiles_are_not_sent(cloud, coarse):
+    with pytest.raises(SlideError, match="every candidate tile .* is blurred"):
+        screen_slide(bundled_svs(), cloud.url, coarse, token="s3cret", blur_var=1e9)
+    r = screen_slide(bundled_svs(), cloud.url, coarse, token="s3cret", blur_var=1500, payload="features")
+    assert r.blurred_tiles > 0 and r.tiles_sent > 0                  # the smoother stroma tiles go
 
 
 def test_auth_and_tile_geometry_are_checked_at_the_handshake(cloud, coarse):
