@@ -1,6 +1,3 @@
-# TEAM NOTE for the engineer on issue 10 (P/D serving), from the lead, temporary (the lead removes it;
-# do not commit this line): read /tmp/preamble.md now and follow it: team rules, CI time budget, how to
-# commit only your own changes, and the hard stop at 15:35 UTC with a final report.
 """The batching engine: requests in, tokens out, one `step()` at a time; plus an asyncio wrapper.
 
 `LLMEngine` ties the pieces together (nano-vllm's `llm_engine.py`): `Scheduler` picks the step's

@@ -1,6 +1,3 @@
-# TEAM NOTE for the engineer on issue 10 (P/D serving), from the lead, temporary (the lead removes it;
-# do not commit this line): read /tmp/preamble.md now and follow it: team rules, CI time budget, how to
-# commit only your own changes, and the hard stop at 15:35 UTC with a final report.
 """One request inside the batching engine: its tokens, its progress and its KV block table.
 
 Plain dataclass in the style of nano-vllm's `engine/sequence.py`. A sequence's `token_ids` hold the
