@@ -223,3 +223,24 @@ def test_worker_runs_ranking_between_pre_inference_chunks():
     assert f_rank.result(5) == "scores" and f_pre.result(5) == "kv"
     i = order.index("rank")
     assert 1 <= i <= 4 and len(order) == 7                # ranked mid-way, pre-inference then resumed
+
+
+def test_instance_prefix_serves_every_request_time(model, data):
+    """One pre-inferred prefix serves the same user at two request times (hbm, then dram); the scores
+    follow the request time and equal full inference at that time."""
+    inst = _instance(model, Clock())
+    u = data.users[20]
+    it, ts = extend_history(data, u, 300, np.random.default_rng(2))
+    cands = np.arange(1, 51)
+
+    def full(t):
+        return model.score(torch.from_numpy(it)[None], torch.from_numpy(ts)[None], torch.tensor([300]),
+                           torch.from_numpy(cands)[None], torch.tensor([t])).detach().numpy()[0]
+    assert inst.pre_infer(u, it, ts) == "admitted"
+    soon, later = int(ts[-1]) + 60, int(ts[-1]) + 30 * 86_400
+    s1, src1 = inst.rank(u, it, ts, cands, request_ts=soon)
+    s2, src2 = inst.rank(u, it, ts, cands, request_ts=later)
+    assert (src1, src2) == ("hbm", "dram")
+    np.testing.assert_allclose(s1, full(soon), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s2, full(later), rtol=1e-4, atol=1e-4)
+    assert np.abs(s1 - s2).max() > 1e-3

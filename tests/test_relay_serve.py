@@ -90,15 +90,18 @@ def test_rank_during_running_pre_inference_waits_for_it(cluster):
         cands = np.arange(100, 140)
         await client.pre_infer(u, it, ts)
         await asyncio.sleep(0.1)
-        s, src, _ = await client.rank(u, it, ts, cands)
+        s, src, _ = await client.rank(u, it, ts, cands, request_ts=int(ts[-1]) + 7 * 86_400)
         await client.close()
         return u, it, ts, cands, s, src
 
     u, it, ts, cands, s, src = run(go())
-    ref = model.score(torch.from_numpy(it)[None], torch.from_numpy(ts)[None], torch.tensor([len(it)]),
-                      torch.from_numpy(cands)[None]).detach().numpy()[0]
+
+    def ref(t):
+        return model.score(torch.from_numpy(it)[None], torch.from_numpy(ts)[None], torch.tensor([len(it)]),
+                           torch.from_numpy(cands)[None], t).detach().numpy()[0]
     assert src == "hbm"
-    np.testing.assert_allclose(s, ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s, ref(torch.tensor([int(ts[-1]) + 7 * 86_400])), rtol=1e-5, atol=1e-5)
+    assert np.abs(s - ref(None)).max() > 1e-4            # the request time crossed the protocol
 
 
 def test_malformed_frame_does_not_kill_instance(cluster):

@@ -138,8 +138,10 @@ class RelayClient:
             self._down(inst)
             return None
 
-    async def rank(self, user: int, items, ts, cands, timeout_s: float = 60.0) -> tuple[np.ndarray, str, str]:
-        """Scores (N,) float32, prefix source, instance. Re-routes once per failed instance.
+    async def rank(self, user: int, items, ts, cands, timeout_s: float = 60.0,
+                   request_ts: int | None = None) -> tuple[np.ndarray, str, str]:
+        """Scores (N,) float32, prefix source, instance, at request time request_ts (int seconds; None:
+        the last history event's time). Re-routes once per failed instance.
         Raises RemoteError for a per-request error (e.g. BAD_REQUEST on unknown ids)."""
         for _ in range(len(self.router.load) + 1):
             inst, _affine = self.router.route_rank(user)
@@ -147,7 +149,8 @@ class RelayClient:
             fut = self.pending[rid] = asyncio.get_running_loop().create_future()
             try:
                 await self.channels[inst].send(Rank(request_id=rid, user_id=int(user), item_ids=[int(i) for i in items],
-                                                    timestamps=[int(t) for t in ts], candidate_ids=[int(c) for c in cands]))
+                                                    timestamps=[int(t) for t in ts], candidate_ids=[int(c) for c in cands],
+                                                    request_ts=None if request_ts is None else int(request_ts)))
                 msg = await asyncio.wait_for(fut, timeout_s)
             except (KeyError, ChannelClosed, OSError):
                 self.pending.pop(rid, None)

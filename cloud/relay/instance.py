@@ -170,9 +170,12 @@ class RankingInstance:
             return job if job is not None and job.state == "running" else None
 
     # ---- rank ------------------------------------------------------------------------------------
-    def rank(self, user: int, items, ts, cands) -> tuple[np.ndarray, str]:
-        """Scores (N,) float32 for the candidates and the prefix source hbm | dram | recompute | none."""
+    def rank(self, user: int, items, ts, cands, request_ts: int | None = None) -> tuple[np.ndarray, str]:
+        """Scores (N,) float32 for the candidates at request time request_ts (int seconds; None: the last
+        history event's time) and the prefix source hbm | dram | recompute | none. The cached prefix
+        does not depend on the request time, so one prefix serves the user's rankings at any time."""
         items, ts, cands = self._tensors(items, ts, cands)
+        rts = None if request_ts is None else torch.tensor([int(request_ts)])
         key = history_key(user, items.numpy(), ts.numpy())
         with self.lock:
             job = self.pending.get(key)
@@ -194,11 +197,11 @@ class RankingInstance:
                 if entry is None:
                     source = "recompute"
         if entry is not None:
-            scores = self.model.rank(entry.kv, cands[None])[0]
+            scores = self.model.rank(entry.kv, cands[None], rts)[0]
             self.expander.demote(key)
         else:
             kv = self.model.prefix_forward(items[None], ts[None], torch.tensor([len(items)]))
-            scores = self.model.rank(kv, cands[None])[0]
+            scores = self.model.rank(kv, cands[None], rts)[0]
             if self.cfg.relay:
                 self.expander.keep(Entry(key, kv, len(items) * self.bpt, 0.0))
         self.counts[f"rank_{source}"] += 1

@@ -89,7 +89,8 @@ def make_handler(inst, worker: Worker):
             if job is not None:   # its prefix is half-way: the worker finishes it first, then we rank on it
                 job.boosted = True
                 await asyncio.to_thread(job.event.wait, 60)
-            fut = worker.submit(0, lambda: inst.rank(msg.user_id, msg.item_ids, msg.timestamps, msg.candidate_ids))
+            fut = worker.submit(0, lambda: inst.rank(msg.user_id, msg.item_ids, msg.timestamps, msg.candidate_ids,
+                                                         msg.request_ts))
             scores, source = await asyncio.wrap_future(fut)
             reply = Scores(request_id=msg.request_id, scores=Tensor.from_numpy(scores), prefix_source=source)
         except ValueError as e:
@@ -132,11 +133,9 @@ async def amain(args) -> None:
     """Load the checkpoint and latency model, serve until stopped (see the module docstring)."""
     from relayinfer.cloud.relay.instance import InstanceConfig, RankingInstance
     from relayinfer.cloud.relay.latency import LatencyModel, measure
-    from relayinfer.cloud.relay.train import checkpoint_path, ensure_checkpoint, load
+    from relayinfer.cloud.relay.train import default_checkpoint, load
     torch.set_num_threads(args.threads)
-    if Path(args.checkpoint) == checkpoint_path():
-        ensure_checkpoint(quick=True, log=lambda s: print(s, file=sys.stderr))   # train one if missing
-    model, _ = load(Path(args.checkpoint))
+    model, _ = load(Path(args.checkpoint) if args.checkpoint else default_checkpoint())
     if not Path(args.latency).exists():   # fit the trigger's latency model on this machine once
         LatencyModel.fit(measure(model, [128, 256, 512, 1024, 2048], [100], repeats=2)).to_json(Path(args.latency))
     latency = LatencyModel.from_json(Path(args.latency))
@@ -146,7 +145,7 @@ async def amain(args) -> None:
         cfg.trigger = TriggerConfig(**cfg.trigger)
     cfg.relay = not args.baseline
     inst, worker = RankingInstance(model, latency, cfg), Worker()
-    fp = fingerprint(Path(args.checkpoint))
+    fp = fingerprint(Path(args.checkpoint) if args.checkpoint else default_checkpoint())
 
     def process_request(connection, request):
         if request.path == "/stats":
@@ -172,7 +171,7 @@ def main(argv=None) -> None:
     from relayinfer.cloud.relay.train import checkpoint_path
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--checkpoint", default=str(checkpoint_path()))
+    p.add_argument("--checkpoint", default="", help="model checkpoint (default: the shipped ML-100K one)")
     p.add_argument("--latency", default=str(checkpoint_path().with_name("latency.json")))
     p.add_argument("--config", default="", help="InstanceConfig as JSON")
     p.add_argument("--baseline", action="store_true", help="disable the relay (full inference always)")

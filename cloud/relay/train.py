@@ -2,7 +2,7 @@
 
 Objective: the serving task itself. Each step samples users, a window of their training history and
 `cuts` cut points t in it; for each cut the model scores [true next item] + K sampled negatives as
-target-aware candidates after history[:t] (one prefix pass per window serves all its cuts, see
+target-aware candidates after history[:t] at request time ts[t] (the target event's time) (one prefix pass per window serves all its cuts, see
 HSTU._rank's cand_lengths), with a softmax cross-entropy over the 1 + K scores.
 Negatives are uniform over items, so the sampled softmax keeps the popularity prior (item bias).
 
@@ -13,6 +13,7 @@ the training events, same exclusions.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -99,8 +100,10 @@ def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=pr
         neg = torch.from_numpy(rng.integers(1, data.num_items + 1, size=(len(idx), K, n)))
         cands = torch.cat([pos, neg], 2)                                                # (B,K,1+n)
         cl = torch.from_numpy(cuts)[..., None].expand_as(cands)
+        rts = torch.from_numpy(np.take_along_axis(ts.numpy(), cuts, 1))[..., None].expand_as(cands)  # target's time
         model.check(items, lengths, cands.flatten(1))
-        logits = model._rank(model._prefix(items, ts, lengths), cands.flatten(1), cl.flatten(1)).view(cands.shape)
+        logits = model._rank(model._prefix(items, ts, lengths), cands.flatten(1), cl.flatten(1),
+                             rts.flatten(1)).view(cands.shape)
         dup = cands == pos
         dup[..., 0] = False                               # sampled copies of the positive are not negatives
         logits = logits.masked_fill(dup, -1e9)
@@ -121,13 +124,15 @@ def evaluate(model: HSTU, data: ML100K, part: str = "test", max_len: int = 100, 
              users: int | None = None, batch: int = 32) -> dict:
     """Full-sort HR@k / NDCG@k of the model and of popularity on the leave-last-out split.
 
-    Uses the cached path (prefix_forward once per user, then rank all items). Returns
+    Uses the cached path (prefix_forward once per user, then rank all items at the request time: the
+    held-out event's timestamp, the time the user was there). Returns
     {"hr": float, "ndcg": float, "pop_hr": float, "pop_ndcg": float, "users": int}.
     """
     model.eval()
     us, hist, hts, ys = data.split(part)
+    when = np.array([data.ts[u][-1 if part == "test" else -2] for u in us], dtype=np.int64)  # request time
     if users:
-        hist, hts, ys = hist[:users], hts[:users], ys[:users]
+        hist, hts, ys, when = hist[:users], hts[:users], ys[:users], when[:users]
     allc = torch.arange(1, data.num_items + 1)
     pop = torch.from_numpy(popularity(data)[1:]).double()
     ranks, pranks = [], []
@@ -136,7 +141,7 @@ def evaluate(model: HSTU, data: ML100K, part: str = "test", max_len: int = 100, 
         items, lengths = pad(h, max_len)
         ts, _ = pad(t, max_len)
         kv = model.prefix_forward(items, ts, lengths)
-        sc = model.rank(kv, allc.expand(len(h), -1).contiguous()).double()
+        sc = model.rank(kv, allc.expand(len(h), -1).contiguous(), torch.from_numpy(when[s:s + batch])).double()
         psc = pop.expand(len(h), -1).clone()
         for i, hh in enumerate(h):           # exclude already-seen items (RecBole full sort)
             seen = torch.from_numpy(np.setdiff1d(hh, [y[i].item()])) - 1
@@ -173,17 +178,34 @@ def load(path: Path | None = None) -> tuple[HSTU, dict]:
     return model.eval(), ck["metrics"]
 
 
+#: The default checkpoint, shipped in the package (d=64, 2 layers, ~0.8 MB) so that serving and the
+#: benchmark never train a weaker model on the fly. Made by `relayinfer relay train --out <this path>`
+#: (TrainConfig() defaults, seed 0); its sha256, metrics and command are in DEFAULT_CHECKPOINT_INFO.
+DEFAULT_CHECKPOINT = Path(__file__).with_name("hstu_ml100k.pt")
+DEFAULT_CHECKPOINT_INFO = Path(__file__).with_name("hstu_ml100k.json")
+
+
+def default_checkpoint() -> Path:
+    """The shipped checkpoint after checking its sha256 against DEFAULT_CHECKPOINT_INFO.
+    Raises FileNotFoundError if it is missing, ValueError if its hash does not match."""
+    from relayinfer.protocol.model_file import file_sha256
+    info = json.loads(DEFAULT_CHECKPOINT_INFO.read_text())
+    got = file_sha256(DEFAULT_CHECKPOINT)
+    if got != info["sha256"]:
+        raise ValueError(f"{DEFAULT_CHECKPOINT} has sha256 {got}, expected {info['sha256']}")
+    return DEFAULT_CHECKPOINT
+
+
 def ensure_checkpoint(quick: bool = True, log=print) -> Path:
-    """Return the checkpoint path, training one first (quick: fewer steps) if there is none."""
-    p = checkpoint_path()
-    if not p.exists():
-        log(f"no checkpoint at {p}; training one ({'quick' if quick else 'full'})")
-        train_and_save(TrainConfig(steps=150) if quick else TrainConfig(), log=log)
-    return p
+    """The checkpoint serving and the benchmark use by default: the shipped one (never trained on the
+    fly; `quick` is kept for callers and ignored). A model you trained with `relayinfer relay train`
+    is used where you pass its path (`--checkpoint`)."""
+    return default_checkpoint()
 
 
-def train_and_save(cfg: TrainConfig | None = None, log=print) -> dict:
-    """Train on ML-100K, evaluate on the test split, save; returns the metrics dict."""
+def train_and_save(cfg: TrainConfig | None = None, log=print, path: Path | None = None) -> dict:
+    """Train on ML-100K, evaluate on the test split, save to `path` (default: the user cache
+    checkpoint_path(), not the shipped default); returns the metrics dict."""
     torch.set_num_threads(1)
     data = load_ml100k()
     cfg = cfg or TrainConfig()
@@ -191,5 +213,17 @@ def train_and_save(cfg: TrainConfig | None = None, log=print) -> dict:
     model = train(data, cfg, log=log)
     metrics = {**evaluate(model, data, "test", cfg.max_len), "train_s": time.perf_counter() - t0,
                "train": asdict(cfg)}
-    metrics["path"] = str(save(model, metrics))
+    out = save(model, metrics, path)
+    metrics["path"] = str(out)
+    if out.resolve() == DEFAULT_CHECKPOINT.resolve():
+        write_default_info(metrics)
     return metrics
+
+
+def write_default_info(metrics: dict) -> None:
+    """Record the shipped checkpoint's sha256, test metrics and the command that made it."""
+    from relayinfer.protocol.model_file import file_sha256
+    info = {"sha256": file_sha256(DEFAULT_CHECKPOINT), "command": "relayinfer relay train --out cloud/relay/hstu_ml100k.pt",
+            "metrics": {k: metrics[k] for k in ("hr", "ndcg", "pop_hr", "pop_ndcg", "users")},
+            "train": metrics.get("train"), "torch": torch.__version__}
+    DEFAULT_CHECKPOINT_INFO.write_text(json.dumps(info, indent=1) + "\n")
