@@ -313,6 +313,96 @@ def bench_split(
     print("\n".join(table))
 
 
+pd_app = typer.Typer(help="P/D serving: disaggregated prefill and decode pools on Ray.", no_args_is_help=True)
+app.add_typer(pd_app, name="pd")
+
+
+@pd_app.command("serve")
+def pd_serve(
+    host: str = typer.Option("127.0.0.1", help="Listen address of the gateway."),
+    port: int = typer.Option(8765, help="Websocket (device stream) port."),
+    http_port: int = typer.Option(8766, help="HTTP port: OpenAI API, /healthz, /metrics, /v1/device-model."),
+    model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
+    scenario: Optional[list[str]] = typer.Option(None, help="A P/D group: NAME:N_PREFILL:N_DECODE:TTFT_MS:TPOT_MS"
+                                                 "[:MAX_PROMPT_TOKENS] (repeatable; default chat:1:1:2000:300)."),
+    ray_address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto' on a cluster node); "
+                                              "default: start a local Ray."),
+    transfer: str = typer.Option("contiguous", help="KV hand-off: contiguous or block-fixed."),
+    forwarding: str = typer.Option("on-demand", help="on-demand (instances accept or reject) or push (stale reports)."),
+    kv_cache_mb: int = typer.Option(128, min=1, help="Paged KV cache per instance (MiB)."),
+    threads: int = typer.Option(1, min=1, help="torch threads per instance."),
+    actor_cpus: float = typer.Option(1.0, min=0, help="Ray CPUs each instance reserves."),
+    spread: bool = typer.Option(False, help="Spread instances across the cluster's nodes."),
+    ratio_control: bool = typer.Option(False, help="Move instances between P and D from measured TTFT/TPOT."),
+    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token (devices and HTTP)."),
+    duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
+    export: bool = typer.Option(True, help="Serve the device model (exported once) on /v1/device-model."),
+):
+    """The split service and the OpenAI API in front of P/D pools of Ray actors (a local Ray by
+    default; --ray-address for a cluster). Same protocol as `relayinfer cloud serve`."""
+    import asyncio
+
+    from relayinfer.cloud.pd.instance import InstanceConfig
+    from relayinfer.cloud.pd.kv import MODES
+    from relayinfer.cloud.pd.service import make_pd_service, parse_scenario
+
+    _check_ports(host, ("--port", port), ("--http-port", http_port))  # a busy port: one line, before any model loads
+    try:
+        if transfer not in MODES:
+            raise ValueError(f"--transfer {transfer!r}: choose contiguous or block-fixed")
+        specs = [parse_scenario(s) for s in (scenario or ["chat:1:1:2000:300"])]
+        from relayinfer.cloud.engine.torch_engine import TorchEngine
+        from relayinfer.cloud.export import ensure_device_model
+
+        engine = TorchEngine(model, device="cpu", threads=threads)
+        model_dir = ensure_device_model(model) if export else None
+        svc = make_pd_service(engine, specs, InstanceConfig(kv_cache_bytes=kv_cache_mb << 20, transfer=transfer),
+                              ray_address=ray_address, forwarding=forwarding, threads=threads, actor_cpus=actor_cpus,
+                              spread=spread, ratio_control=ratio_control, auth_token=token,
+                              device_model_dir=model_dir)
+    except (RelayInferError, ValueError) as e:
+        fail(e)
+
+    async def main():
+        await svc.start(host, port, http_port)
+        groups = ", ".join(f"{g.name} {g.ratio}" for g in svc.llm.gateway.groups)
+        typer.echo(f"P/D service: ws://{host}:{svc.ws_port}  http://{host}:{svc.http_port}  groups {groups}  "
+                   f"forwarding {forwarding}  KV {transfer}", err=True)
+        try:
+            await asyncio.sleep(duration_s if duration_s else 1e9)
+        finally:
+            await svc.stop()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+@bench_app.command("pd")
+def bench_pd(
+    parts: str = typer.Option("transfer,real,sim", help="Comma list: transfer (KV hand-off 1k/4k/8k, real), real "
+                              "(P/D vs aggregated with real engines here), sim (discrete-event, 8-64 instances)."),
+    out_dir: str = typer.Option("bench/results", help="Where pd-*.json and the plots go."),
+    quick: bool = typer.Option(False, help="Smoke run: fewer sizes, requests and simulated instances."),
+    seed: int = typer.Option(0),
+):
+    """P/D serving benchmark (bench/pd.py): transfer modes, real processes, simulation."""
+    import importlib.util
+    import shlex
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "pd.py"
+    if not path.is_file():
+        fail(FileNotFoundError(f"{path} not found: `relayinfer bench pd` runs from a source checkout"))
+    spec = importlib.util.spec_from_file_location("relayinfer_bench_pd", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.run([p.strip() for p in parts.split(",") if p.strip()], out_dir, quick=quick, seed=seed,
+                  command=shlex.join(["relayinfer", *sys.argv[1:]]))
+    print(json.dumps(res, indent=1, default=str))
+
+
 def _relay_app():
     try:
         from relayinfer.cloud.relay.cli import relay_app

@@ -166,7 +166,7 @@ def pd_cloud(torch_engine):
 
     gw = gateway(torch_engine, n_prefill=1, n_decode=1)
     blocks = (16 << 20) // (16 * 46080)
-    llm = PDEngine(gw, torch_engine.cfg, min(torch_engine.context_length, blocks * 16), blocks)
+    llm = PDEngine(gw, torch_engine.cfg, min(torch_engine.context_length, blocks * 16), blocks, model=torch_engine.model)
     with ServiceThread(PDService(torch_engine, torch_engine.fingerprint, llm=llm)) as running:
         yield running
 

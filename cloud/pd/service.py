@@ -25,10 +25,22 @@ from .gateway import Gateway
 class _EngineView:
     """What the service reads of `llm.engine`: limits and the model config."""
 
-    def __init__(self, cfg, max_model_len: int, num_blocks: int, block_size: int):
+    def __init__(self, cfg, max_model_len: int, num_blocks: int, block_size: int, model=None):
         self.cfg, self.max_model_len = cfg, max_model_len
         self.num_blocks, self.block_size = num_blocks, block_size
         self.context_length = cfg.context_length
+        self.model = model  # the gateway's own Llama (prompt logprobs of OpenAI `echo`)
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Raise PromptTooLongError naming the limit when a request cannot fit (ValueError if empty)."""
+        if n_prompt == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        if n_prompt + max_new_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt too long: {n_prompt} prompt tokens + {max_new_tokens} new tokens exceed this server's "
+                f"limit of {self.max_model_len} tokens per request (min of the context length, "
+                f"{self.context_length}, and the smallest instance's KV cache capacity, "
+                f"{self.num_blocks * self.block_size})")
 
     def generate(self, prompts, params):  # the service's warm-up: the instances warmed up themselves
         return [[] for _ in prompts]
@@ -42,9 +54,9 @@ class PDEngine:
         cfg: the model config; max_model_len / num_blocks / block_size: the smallest instance's.
     """
 
-    def __init__(self, gateway: Gateway, cfg, max_model_len: int, num_blocks: int, block_size: int = 16):
+    def __init__(self, gateway: Gateway, cfg, max_model_len: int, num_blocks: int, block_size: int = 16, model=None):
         self.gateway = gateway
-        self.engine = _EngineView(cfg, max_model_len, num_blocks, block_size)
+        self.engine = _EngineView(cfg, max_model_len, num_blocks, block_size, model)
         self.error: BaseException | None = None
 
     @property
@@ -53,14 +65,7 @@ class PDEngine:
 
     async def generate(self, request_id: str, prompt_ids, params: SamplingParams, cloud_budget: int | None = None,
                        tag: str | None = None) -> AsyncIterator:
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        if n + params.max_new_tokens > self.engine.max_model_len:
-            raise PromptTooLongError(
-                f"prompt too long: {n} prompt tokens + {params.max_new_tokens} new tokens exceed this server's limit "
-                f"of {self.engine.max_model_len} tokens per request (min of the context length and the smallest "
-                f"instance's KV cache capacity)")
+        self.engine.check_fits(len(prompt_ids), params.max_new_tokens)
         gen = self.gateway.generate(request_id, list(prompt_ids), params, cloud_budget, tag=tag,
                                     split=cloud_budget is not None)
         try:
@@ -119,3 +124,45 @@ async def wait_idle(gateway: Gateway, timeout_s: float = 30.0) -> dict:
         if not busy or asyncio.get_running_loop().time() > deadline:
             return gateway.reports
         await asyncio.sleep(0.05)
+
+
+def parse_scenario(text: str):
+    """`NAME:N_PREFILL:N_DECODE:TTFT_MS:TPOT_MS[:MAX_PROMPT_TOKENS]` -> GroupSpec (CLI)."""
+    from .gateway import GroupSpec, Scenario
+
+    parts = text.split(":")
+    if len(parts) not in (5, 6):
+        raise ValueError(f"--scenario {text!r}: expected NAME:N_PREFILL:N_DECODE:TTFT_MS:TPOT_MS[:MAX_PROMPT_TOKENS]")
+    try:
+        n_p, n_d, ttft, tpot = int(parts[1]), int(parts[2]), float(parts[3]), float(parts[4])
+        max_prompt = int(parts[5]) if len(parts) == 6 else 1 << 30
+    except ValueError:
+        raise ValueError(f"--scenario {text!r}: counts must be integers and SLOs numbers") from None
+    if n_p < 1 or n_d < 1:
+        raise ValueError(f"--scenario {text!r}: a group needs at least one prefill and one decode instance")
+    return GroupSpec(Scenario(parts[0], ttft, tpot, max_prompt), n_p, n_d)
+
+
+def make_pd_service(engine, specs: list, config=None, ray_address: str | None = None, forwarding: str = "on-demand",
+                    threads: int = 1, actor_cpus: float = 1.0, spread: bool = False, ray_cpus: int | None = None,
+                    ratio_control: bool = False, **service_kw) -> PDService:
+    """`PDService` over Ray actor pools (local Ray unless `ray_address`); `engine` is the gateway's
+    `TorchEngine`, whose weights the actors share through the object store."""
+    from .instance import InstanceConfig
+    from .ray_pool import RayPool, start_ray
+
+    config = config or InstanceConfig()
+    start_ray(ray_address, num_cpus=ray_cpus)
+    pool = RayPool(engine, specs, config, threads=threads, actor_cpus=actor_cpus, spread=spread)
+    gw = Gateway(pool.groups, forwarding=forwarding)
+    gw.pool = pool
+    per_token = 2 * engine.cfg.n_layers * engine.cfg.n_kv_heads * engine.cfg.head_dim * 4
+    blocks = config.kv_cache_bytes // (config.block_size * per_token)
+    llm = PDEngine(gw, engine.cfg, min(engine.context_length, blocks * config.block_size), blocks, config.block_size,
+                   engine.model)
+    ctl = None
+    if ratio_control:
+        from .ratio import RatioController
+
+        ctl = RatioController(gw)
+    return PDService(engine, engine.fingerprint, llm=llm, ratio_controller=ctl, **service_kw)
