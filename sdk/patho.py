@@ -27,7 +27,7 @@ from relayinfer.protocol.errors import RelayInferError, RemoteError
 from relayinfer.protocol.messages import MAX_FRAME_BYTES, Embeddings, Error, Tensor, TileBatch, encode
 from relayinfer.protocol.patho import TILE_MPP, TILE_PX, jpeg_encode, patho_fingerprint
 
-__all__ = ["PathoReport", "screen_slide", "write_heatmap", "PAYLOADS"]
+__all__ = ["PathoReport", "PathoClient", "screen_slide", "write_heatmap", "PAYLOADS"]
 
 PAYLOADS = ("jpeg", "raw", "features", "auto")
 
@@ -265,3 +265,36 @@ def write_heatmap(report: PathoReport, out: str | os.PathLike, max_px: int = 102
     tmp = p.with_name(p.name + f".tmp{os.getpid()}.png")
     img.save(tmp)
     os.replace(tmp, p)
+
+
+class PathoClient:
+    """The SDK entry of pathology screening: a slide service, its token and TLS trust, and the device's
+    coarse-screen model, kept for many slides.
+
+        client = PathoClient("ws://127.0.0.1:8770", token="...", coarse_model="coarse.onnx")
+        report = client.screen("slide.svs", threshold=0.31)
+        write_heatmap(report, "heat.png")
+
+    (Not a method of ``Client``, whose constructor loads the LLM device engine a slide scanner does not need.)
+    ``coarse_model`` None = the cached export (needs torch once to make it). Keyword arguments of
+    ``screen`` are those of :func:`screen_slide`. Raises ValueError for a cloud_url that is not ws(s)://,
+    else as :func:`screen_slide`.
+    """
+
+    def __init__(self, cloud_url: str, token: str | None = None, coarse_model: str | os.PathLike | None = None,
+                 ca: str | None = None, verify: bool = True, threads: int = 1) -> None:
+        if not str(cloud_url).lower().startswith(("ws://", "wss://")):
+            raise ValueError(f"cloud_url must be ws://HOST:PORT or wss://HOST:PORT of `relayinfer patho serve`, got {cloud_url!r}")
+        self.cloud_url, self.token, self.ca, self.verify, self.threads = cloud_url, token, ca, verify, threads
+        if coarse_model is None:
+            try:
+                from relayinfer.cloud.patho.effnet import ensure_coarse_model
+            except ImportError:
+                raise SlideError("no coarse_model given and torch is not installed to export one") from None
+            coarse_model = ensure_coarse_model()
+        self.coarse_model = Path(coarse_model)
+
+    def screen(self, path: str | os.PathLike, **kw) -> PathoReport:
+        """Screen one slide; returns its PathoReport."""
+        return screen_slide(path, self.cloud_url, self.coarse_model, token=self.token, ca=self.ca, verify=self.verify,
+                            threads=self.threads, **kw)

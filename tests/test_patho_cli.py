@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from relayinfer.cloud.patho.effnet import export_coarse_model
+from relayinfer.cloud.patho.effnet import ensure_coarse_model
 from relayinfer.device.slide import bundled_svs
 from relayinfer.sdk.cli import app
 
@@ -18,9 +18,8 @@ BIN = os.path.join(os.path.dirname(sys.executable), "relayinfer")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model = tmp_path_factory.mktemp("cli") / "coarse.onnx"
-    export_coarse_model(model)
+def served():
+    model = ensure_coarse_model()
     proc = subprocess.Popen([BIN, "patho", "serve", "--port", "0", "--arch", "vit-tiny-test", "--token", "tk",
                              "--duration-s", "240"], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

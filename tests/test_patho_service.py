@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from relayinfer.cloud.patho.effnet import export_coarse_model
+from relayinfer.cloud.patho.effnet import ensure_coarse_model
 from relayinfer.cloud.patho.encoder import ViTEncoder
 from relayinfer.cloud.patho.service import PathoService, PathoServiceThread, SlideScreener
 from relayinfer.cloud.patho.vit import VIT_TINY_TEST
-from relayinfer.device.slide import SlideError, bundled_svs
+from relayinfer.device.slide import bundled_svs
 from relayinfer.protocol.errors import RemoteError
 from relayinfer.protocol.messages import Embeddings, Error, Tensor, TileBatch, encode
 from relayinfer.protocol.patho import jpeg_encode, patho_fingerprint
@@ -21,10 +21,8 @@ from relayinfer.sdk.patho import screen_slide, write_heatmap
 
 
 @pytest.fixture(scope="module")
-def coarse(tmp_path_factory):
-    path = tmp_path_factory.mktemp("patho") / "coarse.onnx"
-    export_coarse_model(path, seed=0)
-    return path
+def coarse():
+    return ensure_coarse_model()                                        # exported once into the cache
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +60,15 @@ def test_screen_the_real_svs_end_to_end(cloud, coarse, tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["tiles_sent"] == r.tiles_sent
 
 
-def test_out_of_focus_tiles_are_not_sent(cloud, coarse):
-    with pytest.raises(SlideError, match="every candidate tile .* is blurred"):
-        screen_slide(bundled_svs(), cloud.url, coarse, token="s3cret", blur_var=1e9)
-    r = screen_slide(bundled_svs(), cloud.url, coarse, token="s3cret", blur_var=1500, payload="features")
-    assert r.blurred_tiles > 0 and r.tiles_sent > 0                  # the smoother stroma tiles go
+def test_sdk_client_screens_slides_and_drops_out_of_focus_tiles(cloud, coarse):
+    from relayinfer.sdk.patho import PathoClient
+
+    client = PathoClient(cloud.url, token="s3cret", coarse_model=coarse)
+    r = client.screen(bundled_svs(), payload="features", keep=1.0, blur_var=1500)
+    assert r.candidate_regions == r.regions                             # keep=1: every region is a candidate
+    assert r.blurred_tiles > 0 and r.tiles_sent + r.blurred_tiles == r.tissue_tiles   # smooth stroma tiles dropped
+    with pytest.raises(ValueError, match="ws://HOST:PORT"):
+        PathoClient("http://127.0.0.1:1", coarse_model=coarse)
 
 
 def test_auth_and_tile_geometry_are_checked_at_the_handshake(cloud, coarse):
