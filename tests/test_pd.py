@@ -189,3 +189,52 @@ def test_split_session_through_pd_gateway(pd_cloud, onnx_engine, chat_prompt_ids
         time.sleep(0.05)
     assert p.load()["kv_blocks_used"] == d.load()["kv_blocks_used"] == 0  # after Stop nothing is left
     assert pd_cloud.metrics.active_requests._value.get() == 0
+
+
+def test_ratio_model_and_hysteresis():
+    from relayinfer.cloud.pd.ratio import Hysteresis, PerfModel, Workload, best_ratio, decode_capacity, prefill_capacity
+
+    perf = PerfModel(prefill_tok_s=2000.0, decode_a_ms=20.0, decode_c_ms=2.0, max_batch=64)
+    long_prompts = Workload(mean_prompt_tokens=4000, mean_output_tokens=20, ttft_slo_ms=6000, tpot_slo_ms=100)
+    chat = Workload(mean_prompt_tokens=200, mean_output_tokens=200, ttft_slo_ms=1000, tpot_slo_ms=100)
+    # M/D/1 at the SLO: service 2 s, T 6 s -> rho* = 2 (6 - 2) / (12 - 2) = 0.8 -> 0.4 req/s per instance
+    assert prefill_capacity(1, long_prompts, perf) == pytest.approx(0.4)
+    # b* = (100 - 20) / 2 = 40 sequences, step 100 ms, 199 tokens -> 40 / 19.9 s per instance
+    assert decode_capacity(1, chat, perf) == pytest.approx(40 / 19.9)
+    n_p_long, n_d_long, cap_long = best_ratio(8, long_prompts, perf)
+    n_p_chat, n_d_chat, cap_chat = best_ratio(8, chat, perf)
+    assert n_p_long > n_d_long and n_p_chat < n_d_chat  # prompt-heavy vs answer-heavy scenarios
+    assert cap_long == pytest.approx(min(prefill_capacity(n_p_long, long_prompts, perf),
+                                         decode_capacity(n_d_long, long_prompts, perf)))
+    h = Hysteresis(patience=2, cooldown_s=10.0, slack=0.7)
+    bad_ttft = dict(ttft_p90=1500, tpot_p90=50, ttft_slo=1000, tpot_slo=100, n_p=2, n_d=4)
+    assert h.observe(0.0, **bad_ttft) is None            # one window is not enough
+    assert h.observe(5.0, **bad_ttft) == "to_prefill"    # two in a row: move a decode instance to prefill
+    assert h.observe(10.0, **bad_ttft) is None and h.observe(12.0, **bad_ttft) is None  # patience and cooldown
+    assert h.observe(20.0, **bad_ttft) == "to_prefill"
+    assert h.observe(30.0, **{**bad_ttft, "tpot_p90": 90}) is None  # no slack on the decode side: stay
+    assert h.observe(40.0, **{**bad_ttft, "n_d": 1}) is None        # never below one per role
+
+
+def test_ratio_controller_moves_an_instance_between_roles():
+    from relayinfer.cloud.pd.ratio import RatioController
+
+    class Handle:
+        def __init__(self, name, role):
+            self.name, self.role = name, role
+
+        async def set_role(self, role):
+            self.role = role
+
+    g = Group(Scenario("chat", 1000, 100), [Handle("p0", "prefill")], [Handle("d0", "decode"), Handle("d1", "decode")])
+    gw = Gateway([g])
+    gw.reports = {"d0": {"running": 5}, "d1": {"running": 1}}
+    ctl = RatioController(gw, patience=1, cooldown_s=0.0)
+    g.ttft_ms.extend([2000.0] * 10)  # TTFT p90 2 s > 1 s SLO, TPOT 10 ms: decode has slack
+    g.tpot_ms.extend([10.0] * 10)
+    moves = asyncio.run(ctl.step(now=0.0))
+    assert [(m["instance"], m["to"]) for m in moves] == [("d1", "prefill")]  # the least busy one
+    assert g.ratio == "2P:1D" and g.prefill[1].role == "prefill" and not g.ttft_ms
+    assert gw.metrics.registry.get_sample_value("relayinfer_pd_instances", {"group": "chat", "role": "prefill"}) == 2
+    g.ttft_ms.extend([2000.0] * 10)
+    assert asyncio.run(ctl.step(now=1.0)) == []  # one decode instance left: never below one per role
