@@ -157,7 +157,9 @@ def _mode_summary(rows: list[dict], target: float) -> dict:
                                                    if r["cloud_prefill_ms"] is not None and r["cloud_tokens"]]),
         "result_modes": {m: sum(1 for r in rows if r["mode"] == m) for m in {r["mode"] for r in rows}},
         "faults": {f: sum(1 for r in rows if r["fault"] == f) for f in {r["fault"] for r in rows if r["fault"]}},
-        "fallbacks": sum(1 for r in rows if r["fault"] is not None),  # ended by a network/cloud/device fault
+        # ended by a network/cloud/device fault; a planned cloud-to-the-end answer is not one (its fault is
+        # None, or 'device-too-slow' in results made before GenerationResult.plan existed)
+        "fallbacks": sum(1 for r in rows if r["fault"] not in (None, "device-too-slow")),
     }
 
 
