@@ -11,7 +11,7 @@ from PIL import Image
 from relayinfer.cloud.patho.effnet import ensure_coarse_model, load_effnet_lite0
 from relayinfer.cloud.patho.encoder import ViTEncoder
 from relayinfer.cloud.patho.mil import ABMIL
-from relayinfer.cloud.patho.vit import VIT_LARGE_16, VIT_TINY_TEST, VisionTransformer
+from relayinfer.cloud.patho.vit import VIT_LARGE_16, VIT_TINY_TEST, ViTConfig, VisionTransformer
 from relayinfer.device.screen import CoarseScreen, select_candidates
 from relayinfer.device.slide import SlideError, bundled_svs, open_slide
 
@@ -119,3 +119,15 @@ def test_abmil_attention_properties():
     assert float(s_same) == pytest.approx(float(s_one), abs=1e-6)
     with pytest.raises(ValueError, match="N >= 1"):
         mil(torch.zeros(0, 32))
+
+
+@pytest.mark.parametrize("regs,pos_prefix", [(0, 1), (2, 1), (2, 3), (2, 0)])
+def test_vit_config_is_read_back_from_its_state_dict(regs, pos_prefix):
+    # timm layouts: cls positioned (default), all prefix tokens positioned (reg_tokens), patches only (no_embed_class)
+    cfg = ViTConfig(dim=64, depth=2, heads=4, reg_tokens=regs, pos_prefix=pos_prefix, layerscale=bool(regs))
+    torch.manual_seed(0)
+    vit = VisionTransformer(cfg).eval()
+    assert VisionTransformer.config_from_state_dict(vit.state_dict(), heads=4) == cfg
+    with torch.inference_mode():
+        out = vit(torch.randn(1, 3, 224, 224))
+    assert out.shape == (1, 64) and torch.isfinite(out).all()

@@ -7,7 +7,10 @@ the parameter names of `timm.models.vision_transformer.VisionTransformer` (`patc
 `cls_token`, `pos_embed`, `blocks.i.{norm1,attn.qkv,attn.proj,ls1.gamma,norm2,mlp.fc1,mlp.fc2,ls2.gamma}`,
 `norm`), so a timm ViT state dict loads as is: UNI (Chen et al. 2024, `vit_large_patch16_224`,
 LayerScale init 1e-5), Digepath's ViT-L/16 (DINOv2-style) or any plain timm ViT. LayerScale and
-register tokens are taken from the state dict when present.
+register tokens are taken from the state dict when present. Checked once against timm 1.0.31's
+`VisionTransformer` (torchvision stubbed out; not in the suite, timm cannot import here): identical
+outputs (max abs difference 0.0) for vit_large_patch16_224 with and without LayerScale, and for
+reg_tokens=4 with and without `no_embed_class`.
 
 Output: the class token after the final norm, float (N, embed_dim) (1024 for ViT-L).
 """
@@ -25,7 +28,10 @@ __all__ = ["ViTConfig", "VisionTransformer", "VIT_LARGE_16", "VIT_TINY_TEST"]
 @dataclass(frozen=True)
 class ViTConfig:
     """Shape of a ViT: ``img_size``/``patch`` in pixels, ``dim`` embedding width, ``depth`` blocks, ``heads``,
-    ``mlp_ratio``, ``layerscale`` (LayerScale gammas present), ``reg_tokens`` (register tokens, DINOv2-reg)."""
+    ``mlp_ratio``, ``layerscale`` (LayerScale gammas present), ``reg_tokens`` (register tokens), ``pos_prefix``
+    (how many of the prefix tokens [cls, registers...] have a position in ``pos_embed``: 1 = the class
+    token, timm's default and DINOv2 with registers, Darcet et al. 2024; 1 + reg_tokens = all, timm's
+    default with ``reg_tokens``; 0 = patches only, timm's ``no_embed_class``)."""
 
     img_size: int = 224
     patch: int = 16
@@ -35,6 +41,7 @@ class ViTConfig:
     mlp_ratio: float = 4.0
     layerscale: bool = False
     reg_tokens: int = 0
+    pos_prefix: int = 1
 
 
 VIT_LARGE_16 = ViTConfig()
@@ -111,16 +118,19 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim))
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, cfg.dim)) if cfg.reg_tokens else None
-        self.pos_embed = nn.Parameter(torch.randn(1, n + 1, cfg.dim) * 0.02)   # timm: cls + patches, no regs
+        self.pos_embed = nn.Parameter(torch.randn(1, n + cfg.pos_prefix, cfg.dim) * 0.02)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim, eps=1e-6)
         nn.init.normal_(self.cls_token, std=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        if self.reg_token is not None:                           # timm: registers after cls, unpositioned
-            x = torch.cat([x[:, :1], self.reg_token.expand(x.shape[0], -1, -1), x[:, 1:]], dim=1)
+        b, pp = x.shape[0], self.cfg.pos_prefix
+        prefix = self.cls_token.expand(b, -1, -1)
+        if self.reg_token is not None:
+            prefix = torch.cat([prefix, self.reg_token.expand(b, -1, -1)], dim=1)   # [cls, registers]
+        prefix = torch.cat([prefix[:, :pp] + self.pos_embed[:, :pp], prefix[:, pp:]], dim=1)
+        x = torch.cat([prefix, x + self.pos_embed[:, pp:]], dim=1)
         for blk in self.blocks:
             x = blk(x)
         return self.norm(x)[:, 0]
@@ -133,14 +143,18 @@ class VisionTransformer(nn.Module):
             w = sd["patch_embed.proj.weight"]
             dim, patch = w.shape[0], w.shape[-1]
             depth = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
-            n_pos = sd["pos_embed"].shape[1] - 1
+            regs = sd["reg_token"].shape[1] if "reg_token" in sd else 0
+            n_pos = sd["pos_embed"].shape[1]
             hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
         except (KeyError, ValueError, IndexError, AttributeError) as e:
             raise ValueError(f"not a timm ViT state dict (missing or odd {e})") from None
-        side = int(round(n_pos ** 0.5))
-        if side * side != n_pos:
-            raise ValueError(f"pos_embed has {n_pos} patch positions, not a square grid")
+        for pp in (1, 0, 1 + regs):                               # which prefix tokens have positions
+            side = int(round(max(n_pos - pp, 0) ** 0.5))
+            if side > 0 and side * side == n_pos - pp:
+                break
+        else:
+            raise ValueError(f"pos_embed has {n_pos} positions: not a square patch grid plus 0, 1 or {1 + regs} prefix positions")
         return ViTConfig(img_size=side * patch, patch=patch, dim=dim, depth=depth,
                          heads=heads or {1024: 16, 768: 12, 384: 6}.get(dim, max(1, dim // 64)),
                          mlp_ratio=hidden / dim, layerscale="blocks.0.ls1.gamma" in sd,
-                         reg_tokens=sd["reg_token"].shape[1] if "reg_token" in sd else 0)
+                         reg_tokens=regs, pos_prefix=pp)
