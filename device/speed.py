@@ -8,8 +8,10 @@ arrive at the device's decode speed. The controller releases token k at
 so a buffer of cloud tokens is spread out evenly instead of dumped, and the time it buys covers the
 device's catch-up prefill (P/D-Device, the "speed controller" of the paper; interval chosen by the
 settings algorithm, else the target TPOT). The first token is shown as soon as it is ready (TTFT).
-A *stall* is a gap between two shown tokens longer than `stall_factor` x the pace in use (the
-target TPOT, or the interval when the settings algorithm had to choose a slower one).
+A *stall* is a gap between two shown tokens longer than `stall_factor` x the pace in use when the
+later token was shown (the target TPOT, or the interval when the settings algorithm had to choose a
+slower one; the interval may change during a request, e.g. drop to the device's pace after the
+hand-off, so each gap is judged against the interval in force for it).
 """
 from __future__ import annotations
 
@@ -26,13 +28,15 @@ class SpeedController:
         target_tpot_ms: the TPOT the user should see (ms per token).
         interval_ms: the current release interval (defaults to the target; the settings algorithm
             may set it lower or higher during a request).
-        stall_factor: a gap above stall_factor x max(target_tpot_ms, interval_ms) counts as a stall.
+        stall_factor: a gap above stall_factor x max(target_tpot_ms, interval_ms in force for that
+            gap) counts as a stall.
     """
 
     target_tpot_ms: float = 50.0
     interval_ms: float | None = None
     stall_factor: float = 2.0
     shown_ms: list[float] = field(default_factory=list)
+    pace_ms: list[float] = field(default_factory=list)  # interval in force when each token was shown
 
     def __post_init__(self):
         if self.target_tpot_ms <= 0:
@@ -49,6 +53,7 @@ class SpeedController:
     def shown(self, t_ms: float) -> None:
         """Record that the next token was shown at `t_ms`."""
         self.shown_ms.append(t_ms)
+        self.pace_ms.append(self.interval_ms)
 
     def gaps(self) -> np.ndarray:
         """Inter-token gaps as shown (ms), float64 [n_shown - 1]."""
@@ -61,5 +66,5 @@ class SpeedController:
             "ttft_ms": (self.shown_ms[0] - start_ms) if self.shown_ms else float("nan"),
             "tpot_ms_p50": float(np.median(g)) if g.size else 0.0,
             "tpot_ms_max": float(g.max()) if g.size else 0.0,
-            "stalls": int((g > self.stall_factor * max(self.target_tpot_ms, self.interval_ms)).sum()),
+            "stalls": int((g > self.stall_factor * np.maximum(self.target_tpot_ms, self.pace_ms[1:])).sum()),
         }

@@ -82,3 +82,15 @@ def test_cloud_estimate_fits_base_and_slope():
         est.update(n, 300.0 + 4.0 * n, 25.0)
     assert abs(est.ttft_base_ms - 300.0) < 1e-6 and abs(est.prefill_ms_per_token - 4.0) < 1e-9
     assert abs(est.ttft_ms(1000) - 4300.0) < 1e-6 and 25.0 <= est.tpot_ms < 40.0
+
+
+def test_stalls_judged_against_the_interval_in_force():
+    """A gap is a stall against the pace when it was shown: cloud-paced gaps of 180 ms under a
+    180 ms interval are not stalls after the interval drops to the device's 40 ms."""
+    sc = SpeedController(target_tpot_ms=40.0, interval_ms=180.0)
+    for t in (0.0, 180.0, 360.0):
+        sc.shown(t)
+    sc.interval_ms = 40.0  # the hand-off: device pace from now on
+    for t in (400.0, 440.0, 640.0):  # the last gap (200 ms) is a stall at a 40 ms pace
+        sc.shown(t)
+    assert sc.stats(0.0)["stalls"] == 1
