@@ -77,10 +77,11 @@ class Region:
 
 def coarse_regions(slide: Slide, mask: np.ndarray, scale: float, mpp: float, tile_px: int,
                    region_tiles: int = 4, min_tissue: float = 0.25) -> tuple[list[Region], list[TileSpec]]:
-    """(regions that hold at least one fine tissue tile, all fine tissue tiles). A slide smaller than
-    one region gets one region over its top-left corner at the largest size that fits."""
+    """(regions that hold at least one fine tissue tile, all fine tissue tiles). A region is the square
+    of ``region_tiles`` x ``region_tiles`` fine grid cells; at the slide's right and bottom edges it may
+    extend past the slide, and that part reads as white glass."""
     fine = tile_grid(slide, mask, scale, mpp, tile_px, min_tissue)
-    size = fine[0].size * region_tiles if fine else int(round(tile_px * mpp / slide.mpp)) * region_tiles
+    size = int(round(tile_px * mpp / slide.mpp)) * region_tiles
     by_cell: dict[tuple[int, int], list[TileSpec]] = {}
     for t in fine:
         by_cell.setdefault((t.col // region_tiles, t.row // region_tiles), []).append(t)

@@ -131,3 +131,13 @@ def test_vit_config_is_read_back_from_its_state_dict(regs, pos_prefix):
     with torch.inference_mode():
         out = vit(torch.randn(1, 3, 224, 224))
     assert out.shape == (1, 64) and torch.isfinite(out).all()
+
+
+def test_payload_follows_the_link_speed():
+    from relayinfer.device.screen import payload_mode
+
+    # 100 tiles of 12 kB JPEG = 9.6 Mbit; the cloud encodes them in 50 s at 2 tiles/s
+    assert payload_mode(None, 100) == "jpeg"                     # unknown link: pixels
+    assert payload_mode(1.0, 100) == "jpeg"                      # 9.6 s to send < 50 s to encode
+    assert payload_mode(0.1, 100) == "features"                  # 96 s to send > 50 s
+    assert payload_mode(0.192, 100) == "jpeg"                    # exactly 50 s: the transfer still hides
