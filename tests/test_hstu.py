@@ -222,3 +222,20 @@ def test_cut_point_candidates_equal_shorter_prefix(model, data):
         shared = model._rank(kv2, cands[:, :1], torch.tensor([[30]]), ts2[:, 30:31])[0, 0]
     alone = model.rank(model.prefix_forward(items[:, :30], ts2[:, :30], torch.tensor([30])), cands[:, :1], ts2[:, 30])[0, 0]
     assert (shared - alone).abs() > 1e-4
+
+
+def test_production_shape_split_is_exact(data):
+    """The production-shaped config (random weights, timing study) is sized like published HSTU rankers
+    and its split equals the one-pass forward too."""
+    from relayinfer.cloud.models.hstu import PRODUCTION_SHAPE
+    cfg = HSTUConfig(num_items=data.num_items, **PRODUCTION_SHAPE)
+    assert cfg.layers >= 8 and cfg.dim >= 256 and cfg.max_len - 1 >= 8192
+    assert kv_bytes_per_token(cfg) == 8 * 4 * (64 + 64) * 4 == 16384
+    torch.manual_seed(0)
+    m = HSTU(cfg).eval()
+    items, ts, lengths, cands, last = _batch(data, 300, 20, 9)
+    kv = m.prefix_forward(items, ts, lengths)
+    for rts in (last + 60, last + 90 * DAY):
+        with torch.no_grad():
+            full = m(items, ts, lengths, cands, rts)
+        torch.testing.assert_close(m.rank(kv, cands, rts), full, rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
 """Cascade simulator on ML-100K users: the relay takes the prefix off the critical path."""
 import numpy as np
+import pytest
 
 from relayinfer.cloud.relay.bench import longest_ok, workload
 from relayinfer.cloud.relay.data import load_ml100k
@@ -45,3 +46,13 @@ def test_short_histories_are_not_pre_inferred():
     reqs = poisson_requests(3.0, 500, data.users, lambda u: len(data.items[u]), np.random.default_rng(0))
     r = Simulator(LAT, CFG).run(reqs, "relay")
     assert r["counts"]["trigger_short"] == 500 and r["preinfer_tokens"] == 0
+
+
+def test_live_vs_sim_error_is_relative_to_the_real_measurement():
+    from relayinfer.cloud.relay.bench import live_vs_sim
+    live = {m: {"p50_ms": 100.0, "p99_ms": 400.0, "mean_ms": 150.0} for m in ("baseline", "relay")}
+    sim = {"s": {"baseline": np.full(100, 110.0), "relay": np.r_[np.full(98, 50.0), 300.0, 300.0]}}
+    out = live_vs_sim(live, sim)["s"]
+    assert out["baseline"]["p50_ms"]["error"] == pytest.approx(0.10)
+    assert out["baseline"]["p99_ms"]["error"] == pytest.approx(110 / 400 - 1)
+    assert out["relay"]["p99_ms"]["sim"] == pytest.approx(300.0) and out["relay"]["p50_ms"]["error"] == pytest.approx(-0.5)

@@ -10,10 +10,12 @@ relay_app = typer.Typer(help="RelayGR: HSTU ranking on ML-100K with pre-inferred
 
 @relay_app.command()
 def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut points x 31 negatives)"),
-          quick: bool = typer.Option(False, help="150 steps instead of --steps")) -> None:
+          quick: bool = typer.Option(False, help="150 steps instead of --steps"),
+          out: Path = typer.Option(None, help="checkpoint path (default: the user cache; the shipped default "
+                                              "checkpoint is only replaced if you name it)")) -> None:
     """Train the HSTU ranker on ML-100K, print HR@10 / NDCG@10 vs popularity, save the checkpoint."""
     from relayinfer.cloud.relay.train import TrainConfig, train_and_save
-    m = train_and_save(TrainConfig(steps=150 if quick else steps))
+    m = train_and_save(TrainConfig(steps=150 if quick else steps), path=out)
     typer.echo(f"HSTU        HR@10 {m['hr']:.4f}  NDCG@10 {m['ndcg']:.4f}")
     typer.echo(f"popularity  HR@10 {m['pop_hr']:.4f}  NDCG@10 {m['pop_ndcg']:.4f}")
     typer.echo(f"({m['users']} users, leave-last-out, full sort; trained in {m['train_s']:.0f} s) -> {m['path']}")
@@ -22,10 +24,14 @@ def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut 
 @relay_app.command()
 def bench(out: Path = typer.Option(Path("bench/results/relay.json"), help="results JSON (plot written beside it)"),
           quick: bool = typer.Option(False, help="shorter sweep and fewer requests"),
-          live: bool = typer.Option(True, help="also run the live check through instance processes")) -> None:
+          live: bool = typer.Option(True, help="also run the live check through instance processes"),
+          shape: str = typer.Option("trained", help="trained: the shipped ML-100K checkpoint; production: an 8-layer "
+                                                    "d=256 HSTU with random weights (timing study)")) -> None:
     """Cascade benchmark: baseline vs relay under one ranking P99 budget."""
     from relayinfer.cloud.relay.bench import run
-    run(out, quick=quick, live=live, log=typer.echo)
+    if shape not in ("trained", "production"):
+        raise typer.BadParameter("--shape must be trained or production")
+    run(out, quick=quick, live=live, log=typer.echo, shape=shape)
 
 
 @relay_app.command()

@@ -65,6 +65,11 @@ class LatencyModel:
             coefs[kind] = np.linalg.lstsq(X, np.ones_like(y), rcond=None)[0].tolist()
         return cls(coefs["full"], coefs["prefix"], coefs["cached"], samples)
 
+    def scaled(self, factor: float) -> "LatencyModel":
+        """The same curves times `factor` (e.g. the slowdown of a shared machine)."""
+        return LatencyModel([c * factor for c in self.full], [c * factor for c in self.prefix],
+                            [c * factor for c in self.cached], self.samples)
+
     def to_json(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
 
@@ -77,7 +82,8 @@ class LatencyModel:
 def measure(model: HSTU, lengths: list[int], n_cands: list[int], repeats: int = 3, seed: int = 0,
             repeats_short: int | None = None) -> list[dict]:
     """Time the three paths on random histories of each length (ms). The minimum of `repeats` runs:
-    on a shared machine interference only ever adds time, so the minimum estimates the cost itself.
+    on a shared machine interference only ever adds time, so the minimum estimates the cost itself
+    (the median is kept as `<kind>_ms_median`: what a loaded machine gives).
     repeats_short: repeats for L <= 2048 (cheap lengths), default `repeats`."""
     g = torch.Generator().manual_seed(seed)
     n = model.cfg.num_items
@@ -89,7 +95,7 @@ def measure(model: HSTU, lengths: list[int], n_cands: list[int], repeats: int = 
             t0 = time.perf_counter()
             f()
             ts.append((time.perf_counter() - t0) * 1e3)
-        return float(np.min(ts))
+        return float(np.min(ts)), float(np.median(ts))
 
     model.score(torch.randint(1, n + 1, (1, 32), generator=g), torch.arange(32)[None] * 60, torch.tensor([32]),
                 torch.randint(1, n + 1, (1, 8), generator=g))  # warm-up
@@ -101,6 +107,7 @@ def measure(model: HSTU, lengths: list[int], n_cands: list[int], repeats: int = 
         p = med(lambda: model.prefix_forward(items, ts, lens), L)
         for N in n_cands:
             c = torch.randint(1, n + 1, (1, N), generator=g)
-            out.append({"L": L, "N": N, "prefix_ms": p, "full_ms": med(lambda: model.score(items, ts, lens, c), L),
-                        "cached_ms": med(lambda: model.rank(kv, c), L)})
+            f, r = med(lambda: model.score(items, ts, lens, c), L), med(lambda: model.rank(kv, c), L)
+            out.append({"L": L, "N": N, "prefix_ms": p[0], "full_ms": f[0], "cached_ms": r[0],
+                        "prefix_ms_median": p[1], "full_ms_median": f[1], "cached_ms_median": r[1]})
     return out

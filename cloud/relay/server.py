@@ -49,6 +49,7 @@ class Worker:
     def __init__(self):
         self.q: queue.PriorityQueue = queue.PriorityQueue()
         self.seq = itertools.count()
+        self.busy_s = 0.0   # wall seconds the compute thread spent running jobs (GET /stats: worker_busy_s)
         threading.Thread(target=self._run, daemon=True, name="relay-compute").start()
 
     def submit(self, prio: int, fn, prio_fn=None) -> concurrent.futures.Future:
@@ -61,6 +62,7 @@ class Worker:
     def _run(self):
         while True:
             prio, seq, fn, fut, prio_fn = self.q.get()
+            t0 = time.perf_counter()
             try:
                 out = fn() if callable(fn) else fn
                 if inspect.isgenerator(out):
@@ -77,6 +79,7 @@ class Worker:
                     fut.set_result(out)
             except BaseException as e:  # reported to the awaiting request, never kills the thread
                 fut.set_exception(e)
+            self.busy_s += time.perf_counter() - t0
 
 
 def make_handler(inst, worker: Worker):
@@ -149,7 +152,8 @@ async def amain(args) -> None:
 
     def process_request(connection, request):
         if request.path == "/stats":
-            return connection.respond(200, json.dumps({**inst.stats(), "pid": os.getpid(), "relay": cfg.relay}) + "\n")
+            return connection.respond(200, json.dumps({**inst.stats(), "pid": os.getpid(), "relay": cfg.relay,
+                                                          "worker_busy_s": worker.busy_s}) + "\n")
         return None
 
     stop = asyncio.get_running_loop().create_future()

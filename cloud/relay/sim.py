@@ -91,6 +91,7 @@ class _Instance:
             if job.state == "cancelled":
                 continue
             job.state, self.busy = "running", True
+            self.sim.busy_s += job.dur / job.pieces
             self.sim.at(self.sim.now + job.dur / job.pieces, "done", (self, job))
 
 
@@ -106,11 +107,12 @@ class Simulator:
     def run(self, requests: list[Request], mode: str) -> dict:
         """Simulate `requests` in mode "baseline" or "relay" (ValueError otherwise). Returns
         {"latency_ms": (n,) ranking latencies, "counts": trigger / prefix-source counters,
-        "hbm_peak_bytes": max pool footprint over instances, "preinfer_tokens": admitted tokens}."""
+        "hbm_peak_bytes": max pool footprint over instances, "preinfer_tokens": admitted tokens,
+        "busy_s": compute seconds over all instances}."""
         if mode not in ("baseline", "relay"):
             raise ValueError(f"unknown mode {mode!r}")
         c = self.cfg
-        self.now, self.seq, self.events = 0.0, itertools.count(), []
+        self.now, self.seq, self.events, self.busy_s = 0.0, itertools.count(), [], 0.0
         insts = {f"i{k}": _Instance(f"i{k}", self) for k in range(c.instances)}
         router = Router(list(insts), ttl_s=c.ttl_s, clock=lambda: self.now)
         self.trigger_risk = next(iter(insts.values())).trigger
@@ -203,7 +205,8 @@ class Simulator:
             counts[f"rank_{s}"] = counts.get(f"rank_{s}", 0) + 1
         peak = max(i.pool.peak for i in insts.values())
         tokens = sum(i.trigger.admitted_tokens for i in insts.values())
-        return {"latency_ms": lat_ms, "counts": counts, "hbm_peak_bytes": peak, "preinfer_tokens": tokens}
+        return {"latency_ms": lat_ms, "counts": counts, "hbm_peak_bytes": peak, "preinfer_tokens": tokens,
+                "busy_s": self.busy_s}
 
 
 def poisson_requests(rate: float, n: int, users: list[int], lengths, rng: np.random.Generator,

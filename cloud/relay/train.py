@@ -170,9 +170,14 @@ def save(model: HSTU, metrics: dict, path: Path | None = None) -> Path:
 
 
 def load(path: Path | None = None) -> tuple[HSTU, dict]:
-    """Load the checkpoint -> (model in eval mode, metrics). Raises FileNotFoundError if absent."""
-    ck = torch.load(path or checkpoint_path(), map_location="cpu", weights_only=True)
+    """Load the checkpoint -> (model in eval mode, metrics). Raises FileNotFoundError if absent and
+    ValueError for a checkpoint of the older layer (per-head bucketed biases, before issue 16)."""
+    path = path or checkpoint_path()
+    ck = torch.load(path, map_location="cpu", weights_only=True)
     ck["config"].pop("query_chunk", None)   # an execution setting, not part of the model
+    if "pos_buckets" in ck["config"]:
+        raise ValueError(f"{path} holds the older HSTU layer; retrain it (relayinfer relay train) or use the "
+                         "shipped default checkpoint")
     model = HSTU(HSTUConfig(**ck["config"]))
     model.load_state_dict(ck["state"])
     return model.eval(), ck["metrics"]
