@@ -403,6 +403,43 @@ def bench_pd(
     print(json.dumps(res, indent=1, default=str))
 
 
+@bench_app.command("soak")
+def bench_soak(
+    devices: int = typer.Option(100, help="Virtual devices (each loops: connect, 1-3 requests, close, think)."),
+    duration_s: float = typer.Option(600.0, help="Seconds during which devices start requests."),
+    cloud_url: Optional[str] = typer.Option(None, help="ws:// URL of a running service; default: start "
+                                            "`relayinfer cloud serve` on 127.0.0.1 with a random token."),
+    http_url: Optional[str] = typer.Option(None, help="HTTP side of --cloud-url (/healthz, /metrics)."),
+    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Token of --cloud-url."),
+    server_pid: Optional[int] = typer.Option(None, help="Process id of --cloud-url's server (for its RSS)."),
+    fault_rate: float = typer.Option(0.2, help="Probability per request of an injected fault."),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(1, help="torch threads of the started server."),
+    request_timeout_s: float = typer.Option(120.0, help="A request with no end after this long is a failure (s)."),
+    out: str = typer.Option("bench/results/soak.json", help="Results JSON."),
+):
+    """Soak: virtual devices against one cloud service with disconnects, stalls, oversize frames,
+    garbage, bad requests, cancels and bursts mixed in; tokens lost/duplicated must be 0 and the
+    server's sessions, requests and KV blocks must be back to 0 after the run."""
+    import shlex
+
+    from relayinfer.sdk.bench_soak import run_soak, table
+
+    if not 0 <= fault_rate <= 1 or devices < 1 or duration_s <= 0:
+        fail(ValueError("need --devices >= 1, --duration-s > 0 and 0 <= --fault-rate <= 1"))
+    try:
+        res = run_soak(devices, duration_s, cloud_url=cloud_url, http_url=http_url, token=token,
+                       server_pid=server_pid, fault_rate=fault_rate, seed=seed, out=out, threads=threads,
+                       request_timeout_s=request_timeout_s, command=shlex.join(["relayinfer", *sys.argv[1:]]),
+                       progress=lambda m: typer.echo(m, err=True))
+    except (RelayInferError, ValueError, RuntimeError, TimeoutError) as e:
+        fail(e)
+    print(table(res))
+    print(f"results: {out}")
+    if not res["passed"]["all"]:
+        raise typer.Exit(1)
+
+
 def _relay_app():
     try:
         from relayinfer.cloud.relay.cli import relay_app
