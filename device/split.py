@@ -26,9 +26,14 @@ Faults (every one ends the request in a bounded time; `GenerationResult.fault` r
   'cloud-stalled'). This holds also when the settings had planned the cloud to the end and no
   device work was running. In cloud-only mode (or when the device runtime failed) the answer ends
   with the tokens received and finish_reason 'error';
-* device runtime error -> the cloud streams to the end if it still can ('device-error');
-* device slower than the whole answer -> the cloud streams to the end (mode cloud-only,
-  'device-too-slow').
+* device runtime error -> the cloud streams to the end if it still can ('device-error').
+
+What was *planned* is not a fault: `GenerationResult.plan` / `plan_reason` record what the request
+and the settings chose before it started ('split'; 'cloud-to-the-end' when the device cannot catch
+up within the answer; 'device-only' when asked for or without a cloud URL; 'cloud-only' when asked
+for), and `mode` what happened. A split whose answer ended before the device caught up is
+`mode` 'cloud-only' with `fault` None; one whose device was ready before the first cloud token is
+'device-only' with `fault` None.
 
 The progress timeout is derived per request from the client's cloud estimates (see
 `SplitOptions.progress_timeout`).
@@ -83,9 +88,14 @@ class GenerationResult:
     device_prefill_ms: wall ms from the device's first prefill call to the hand-off (prompt +
     catch-up). device_prompt_tokens: prompt tokens the device prefilled (fewer with refinement).
     cloud_budget / budget_extensions / interval_ms: the settings used (see `device.settings`).
-    fault: None, 'cloud-unreachable', 'cloud-refused', 'cloud-overloaded', 'connection-lost',
-    'cloud-error', 'cloud-stalled', 'device-error' or 'device-too-slow' (see the module docstring);
-    error: the message behind the fault.
+    fault: what went wrong, None when nothing did: 'cloud-unreachable', 'cloud-refused',
+    'cloud-overloaded', 'connection-lost', 'cloud-error', 'cloud-stalled' or 'device-error' (see the
+    module docstring); error: the message behind the fault.
+    plan: what was planned before the request started: 'split', 'cloud-to-the-end' (the settings
+    found the device cannot catch up within the answer), 'device-only' (asked for, or no cloud URL)
+    or 'cloud-only' (asked for); plan_reason: why, in words. `mode` differs from `plan` without a
+    fault when the answer ended before the device caught up ('cloud-only') or the device was ready
+    before the first cloud token ('device-only').
     """
 
     text: str
@@ -108,6 +118,8 @@ class GenerationResult:
     interval_ms: float = 0.0
     fault: str | None = None
     error: str | None = None
+    plan: str = "split"
+    plan_reason: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -233,6 +245,12 @@ class _Run:
     def __init__(self, s: SplitSession, prompt: list[int], params: SamplingParams, on_token):
         self.s, self.prompt, self.params, self.on_token = s, prompt, params, on_token
         self.mode = s.opt.mode if s.cloud_url or s.opt.mode == "device-only" else "device-only"
+        self.planned = self.mode  # 'cloud-to-the-end' once the settings find the device cannot catch up
+        self.plan_reason = (f"asked for (mode {s.opt.mode!r})" if s.opt.mode != "split" else
+                            "no cloud URL" if self.mode == "device-only" else
+                            "the cloud streams until the device takes over" if s.opt.cloud_budget is None else
+                            f"the cloud streams at most {s.opt.cloud_budget} tokens, then the device takes over"
+                            if s.opt.cloud_budget != "auto" else "no device timing: the device takes over when ready")
         self.answer: list[int] = []
         self.source: list[str] = []
         self.ready_ms: list[float] = []
@@ -298,6 +316,17 @@ class _Run:
         self.speed.interval_ms = st.interval_ms
         self.budget = st.cloud_budget
         self.device_idle = st.cloud_budget is None  # cannot catch up: the cloud streams to the end
+        if self.device_idle:
+            self.planned = "cloud-to-the-end"
+            self.plan_reason = (
+                f"the device cannot catch up: its prefill takes {t.prefill_ms_per_token:.0f} ms a token, not less "
+                f"than the {st.interval_ms:.0f} ms display interval" if t.prefill_ms_per_token >= st.interval_ms else
+                f"the device cannot catch up within {self.params.max_new_tokens} tokens (prompt of "
+                f"{self.device_prompt_est} tokens: about {t.prefill_ms_base + t.prefill_ms_per_token * self.device_prompt_est:.0f} ms "
+                f"to prefill on the device)")
+        else:
+            self.plan_reason = (f"the cloud streams at most {st.cloud_budget} tokens, then the device takes over "
+                                f"(settings: display interval {st.interval_ms:.0f} ms)")
 
     async def replan(self, prompt_left: int) -> None:
         """Re-plan from now with `prompt_left` prompt tokens still to prefill and the measured cloud
@@ -548,8 +577,7 @@ class _Run:
         self.learn()
         mode = self.mode
         if mode == "split" and self.handoff is None:
-            mode = "cloud-only"
-            self.fault = self.fault or "device-too-slow"  # the cloud streamed the whole answer
+            mode = "cloud-only"  # the cloud streamed the whole answer (planned, or it ended first): no fault
         if mode == "split" and self.handoff == 0:
             mode = "device-only"  # the device was ready before the first cloud token arrived
         cloud = sum(1 for src in self.source if src == "cloud")
@@ -559,4 +587,5 @@ class _Run:
             handoff_index=self.handoff if cloud and len(self.answer) > cloud else None,
             finish_reason=self.finish_reason, prompt_ids=self.prompt, cloud_streamed=self.cloud_streamed,
             device_prefill_ms=self.device_prefill_ms, device_prompt_tokens=self.device_prompt_tokens,
-            cloud_budget=self.budget, budget_extensions=self.extended, interval_ms=self.speed.interval_ms, fault=self.fault, error=self.error)
+            cloud_budget=self.budget, budget_extensions=self.extended, interval_ms=self.speed.interval_ms, fault=self.fault, error=self.error,
+            plan=self.planned, plan_reason=self.plan_reason)

@@ -29,8 +29,15 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
-            raise ValueError(f"invalid sampling parameters: {self}")
+        """Raises ValueError naming the first field out of range, its value and the allowed range."""
+        if not self.max_new_tokens >= 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be 0 (greedy) or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (off) or more, got {self.top_k}")
 
 
 def sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
@@ -90,10 +97,15 @@ def check_prompt(n_prompt: int, max_new_tokens: int, context_length: int) -> Non
     """Raises PromptTooLongError when prompt + answer cannot fit the context window (tokens)."""
     if n_prompt == 0:
         raise ValueError("empty prompt: at least one token is needed")
+    if n_prompt >= context_length:
+        raise PromptTooLongError(
+            f"prompt too long: {n_prompt} prompt tokens, and the model's context length of {context_length} "
+            f"tokens must hold the prompt and at least one new token")
     if n_prompt + max_new_tokens > context_length:
         raise PromptTooLongError(
-            f"prompt too long: {n_prompt} prompt tokens + {max_new_tokens} new tokens exceed the "
-            f"context length of {context_length} tokens")
+            f"max_new_tokens {max_new_tokens} is too large for this prompt: {n_prompt} prompt tokens + "
+            f"{max_new_tokens} new tokens exceed the context length of {context_length} tokens; at most "
+            f"{context_length - n_prompt} new tokens fit")
 
 
 def is_stop(token_id: int, eos_id: int, params: SamplingParams) -> str | None:

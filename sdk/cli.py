@@ -13,10 +13,96 @@ app = typer.Typer(help="relayinfer: split inference between cloud and devices.",
                   pretty_exceptions_enable=False, add_completion=False)
 
 
-def fail(e: Exception) -> None:
-    """Print a one-line error naming what was wrong and exit 2."""
-    typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+_OPTION_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # errors name them by their option
+
+
+def fail(e: Exception, as_json: bool = False) -> None:
+    """Print a one-line error naming what was wrong, in plain words, and exit 2. The protocol code
+    (`bad_request`, `prompt_too_long`, ...) is shown only with `as_json`, where the error is one JSON
+    object on stdout: {"error": {"message", "code", "type"}}."""
+    message = e.message if isinstance(e, RelayInferError) else str(e)
+    for name in _OPTION_FIELDS:  # 'max_new_tokens must be ...' -> '--max-new-tokens must be ...'
+        if message.startswith(name + " "):
+            message = "--" + name.replace("_", "-") + message[len(name):]
+    if as_json:
+        code = e.code.value if isinstance(e, RelayInferError) else "bad_request"
+        print(json.dumps({"error": {"message": message, "code": code, "type": type(e).__name__}}))
+    else:
+        typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(2)
+
+
+def _log_to_stderr() -> None:
+    """Show relayinfer's warnings (a cloud that is unreachable, a device runtime failure) as one
+    `warning: ...` line on stderr, without logger names or source locations."""
+    import logging
+
+    class StderrHandler(logging.Handler):
+        def emit(self, record):  # the stderr of the moment (a second command in one process, tests)
+            try:
+                sys.stderr.write(self.format(record) + "\n")
+            except (ValueError, OSError):
+                pass
+
+    lg = logging.getLogger("relayinfer")
+    if not any(getattr(h, "_relayinfer_cli", False) for h in lg.handlers):
+        h = StderrHandler(logging.WARNING)
+        h.setFormatter(_PlainFormatter())
+        h._relayinfer_cli = True
+        lg.addHandler(h)  # one handler in the hierarchy: Python's last-resort handler stays silent
+        lg.setLevel(min(lg.level or logging.WARNING, logging.WARNING))
+
+
+class _PlainFormatter:
+    """`warning: message` (level in lower case, no logger name, time or source location)."""
+
+    def format(self, record) -> str:
+        import logging
+
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info and record.levelno >= logging.ERROR:
+            text += f" ({record.exc_info[1]!r})"
+        return text
+
+
+def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
+    """The exported device model's directory; when it must be exported first (once per model file),
+    a rich progress bar on stderr shows the step and the time against the measured estimate
+    (`EXPORT_SECONDS`). Nothing is printed when the model is already in the cache."""
+    import threading
+    import time
+
+    try:
+        from relayinfer.cloud.export import EXPORT_SECONDS, device_model_ready, ensure_device_model
+    except ImportError:  # torch-free install: the device model must already be exported (load_engine says so)
+        from relayinfer.device.onnx_engine import device_model_dir
+
+        return device_model_dir(model)
+    if not show or device_model_ready(model, quantize):
+        return ensure_device_model(model, quantize)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    total = EXPORT_SECONDS * (1.3 if quantize else 1.0)
+    t0, done = time.monotonic(), threading.Event()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  TextColumn(f"(about {total:.0f} s on 2 cores, once per model)"), console=console) as bar:
+        task = bar.add_task("exporting the device model to ONNX", total=total)
+
+        def tick():  # the export reports steps, not fractions: the bar follows the clock, held short of 100 %
+            while not done.wait(0.25):
+                bar.update(task, completed=min(time.monotonic() - t0, 0.97 * total))
+
+        threading.Thread(target=tick, name="export-progress", daemon=True).start()
+        try:
+            d = ensure_device_model(model, quantize, progress=lambda m: bar.update(
+                task, description=m.split(" (")[0] if not m.startswith("device model ready") else "device model ready"))
+        finally:
+            done.set()
+        bar.update(task, completed=total)
+    console.print(f"device model exported in {time.monotonic() - t0:.0f} s, cached in {d} (later runs skip this)")
+    return d
 
 
 @app.command()
@@ -25,27 +111,37 @@ def generate(
     engine: str = typer.Option("torch", help="torch (cloud runtime) or onnx (device runtime)."),
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF file; default SmolLM2-135M-Instruct."),
     quantize: Optional[str] = typer.Option(None, help="int8 weights (onnx engine only)."),
-    max_new_tokens: int = typer.Option(128, help="Generated tokens at most (EOS included)."),
+    max_new_tokens: int = typer.Option(128, help="Generated tokens at most (EOS included), at least 1."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
-    top_p: float = typer.Option(1.0), top_k: int = typer.Option(0), seed: Optional[int] = typer.Option(None),
-    threads: Optional[int] = typer.Option(None, help="Intra-op threads (onnx default 1)."),
+    top_p: float = typer.Option(1.0, help="Nucleus filter, in (0, 1]; 1 = off."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens; 0 = off."),
+    seed: Optional[int] = typer.Option(None),
+    threads: Optional[int] = typer.Option(None, min=1, help="Intra-op threads (onnx default 1)."),
     raw: bool = typer.Option(False, help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Generate an answer on one runtime (no split)."""
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.checks import check_prompt_text
+    from relayinfer.protocol.decoding import SamplingParams, check_prompt
     from relayinfer.protocol.tokenizer import Tokenizer
-    from relayinfer.sdk.engines import load_engine
+    from relayinfer.sdk.engines import ENGINES, load_engine
 
+    _log_to_stderr()
     try:
+        check_prompt_text(prompt)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_new_tokens=max_new_tokens)
-        eng = load_engine(engine, model, quantize, threads)
+        if engine not in ENGINES:
+            load_engine(engine)  # raises UnknownEngineError naming the choices, before any model loads
         tok = Tokenizer.from_gguf(model)
         ids = tok.encode(prompt) if raw else tok.encode_chat(prompt)
+        if engine == "onnx":  # the exported config knows the context: a too-long request fails before the load
+            d = _ensure_device_model(model, quantize, show=not as_json)
+            check_prompt(len(ids), params.max_new_tokens, json.loads((d / "config.json").read_text())["context_length"])
+        eng = load_engine(engine, model, quantize, threads)
         out = eng.generate(ids, params)
     except (RelayInferError, ValueError) as e:
-        fail(e)
+        fail(e, as_json)
     text = tok.decode(out.token_ids, skip_special=True)
     if as_json:
         print(json.dumps({"engine": engine, "quantize": quantize, "prompt_ids": ids, "token_ids": out.token_ids,
@@ -61,14 +157,10 @@ def export_cmd(
     quantize: Optional[str] = typer.Option(None, help="Also write int8 weights."),
 ):
     """Export the device model (ONNX + tokenizer + config) into the user cache, once per model hash."""
-    from rich.console import Console
-
-    from relayinfer.cloud.export import ensure_device_model
-
-    console = Console(stderr=True)
     try:
-        with console.status("exporting") as status:
-            d = ensure_device_model(model, quantize, progress=lambda m: (status.update(m), console.log(m)))
+        if quantize not in (None, "int8"):
+            raise ValueError(f"--quantize {quantize!r} is not supported; choose int8 (or leave it out for fp32)")
+        d = _ensure_device_model(model, quantize)
     except (RelayInferError, ValueError) as e:
         fail(e)
     print(d)
@@ -97,6 +189,17 @@ def _cloud_service(model, device: str, threads: int | None, token: str | None, e
                         metrics_public=metrics_public, **limits)
 
 
+def _check_ports(host: str, *ports: tuple[str, int | None]) -> None:
+    """Exit 2 with one line naming the port when a listening command cannot bind one of `ports`
+    ((option name, port); 0 = any free port, skipped). Called before any model loads."""
+    from relayinfer.protocol.checks import check_ports_free
+
+    try:
+        check_ports_free(host, ports)
+    except ValueError as e:
+        fail(e)
+
+
 def _server_tls(certfile: str | None, keyfile: str | None):
     """The server ssl.SSLContext of --certfile/--keyfile (None without them); exits 2 with one
     line when only one is given or the files do not load."""
@@ -115,15 +218,16 @@ def _server_tls(certfile: str | None, keyfile: str | None):
 @cloud_app.command("serve")
 def cloud_serve(
     host: str = typer.Option("127.0.0.1", help="Listen address."),
-    port: int = typer.Option(8765, help="Websocket (device stream) port."),
-    http_port: int = typer.Option(8766, help="HTTP port: /healthz, /metrics, /v1/device-model."),
+    port: int = typer.Option(8765, help="Websocket (device stream) port; 0 = any free port."),
+    http_port: int = typer.Option(8766,
+                                  help="HTTP port: OpenAI API, /healthz, /metrics, /v1/device-model; 0 = any free port."),
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, npu."),
-    threads: Optional[int] = typer.Option(None, help="torch intra-op threads."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN",
                                         help="Bearer token every client must send (devices and HTTP)."),
-    duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
-    kv_cache_mb: int = typer.Option(256, help="Paged KV cache of the batching engine (MiB); 0 = one request at a time."),
+    duration_s: Optional[float] = typer.Option(None, min=0.0, help="Stop by itself after this many seconds."),
+    kv_cache_mb: int = typer.Option(256, min=0, help="Paged KV cache of the batching engine (MiB); 0 = one request at a time."),
     certfile: Optional[str] = typer.Option(None, help="PEM certificate chain: serve wss:// and https:// (with --keyfile)."),
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
     metrics_public: bool = typer.Option(False, help="Serve /metrics without the token."),
@@ -136,7 +240,11 @@ def cloud_serve(
     import asyncio
 
     tls = _server_tls(certfile, keyfile)  # before loading the model: a bad file fails fast
+    _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
+    _log_to_stderr()
+    typer.echo("loading the model (torch)...", err=True)
     try:
+        _ensure_device_model(model)
         svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
                              metrics_public=metrics_public, max_sessions=max_sessions,
                              max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms)
@@ -144,7 +252,11 @@ def cloud_serve(
         fail(e)
 
     async def main():
-        await svc.start(host, port, http_port, ssl=tls)
+        try:
+            await svc.start(host, port, http_port, ssl=tls)
+        except OSError as e:  # taken between the check and now
+            await svc.stop()
+            fail(ValueError(f"cannot listen on {host} (--port {port}, --http-port {http_port}): {e.strerror or e}"))
         s = "s" if tls else ""
         typer.echo(f"cloud service: ws{s}://{host}:{svc.ws_port}  http{s}://{host}:{svc.http_port}  "
                    f"model {svc.fingerprint[:16]}" + ("" if token else "  (no --token: open to anyone who can connect)"),
@@ -171,13 +283,46 @@ def _print_stream(stream, tty: bool) -> None:
     sys.stdout.write("\n")
 
 
+# SmolLM2's model card recommends sampling at temperature 0.2, top_p 0.9; greedy decoding of a 135M
+# model repeats itself. Seeded, so a demo run can be repeated (and split = device-only token for token).
+DEMO_SAMPLING = dict(temperature=0.2, top_p=0.9, seed=0)
+# The default conversation: chitchat-dataset's conversation 7, first turn (a 114-token prompt about changing
+# the world). Of the first nine conversations it is one whose sampled answer runs to the 64-token limit without
+# repeating itself, so the hand-off shows; the old default (a random six-turn chat) got one sentence eight times.
+DEMO_CONVERSATION = dict(index=7, max_turns=2)
+
+
+def _sampling_line(sampling: dict) -> str:
+    s = sampling
+    seed = "a fresh one per answer" if s["seed"] is None else s["seed"]
+    return (f"sampling: temperature {s['temperature']:g}, top_p {s['top_p']:g}, seed {seed}, at most "
+            f"{s['max_new_tokens']} new tokens" + ("  (greedy)" if s["temperature"] == 0 else
+                                                    "  (--temperature 0 for greedy decoding)"))
+
+
+def _outcome(res) -> str:
+    """What was planned and what happened, in words (the second summary line of demo and chat)."""
+    if res.fault:
+        return f"fault {res.fault}: {res.error}  (planned {res.plan})"
+    if res.plan == "split" and res.mode == "cloud-only":
+        return (f"planned split; the answer ended after {len(res.token_ids)} tokens, before the device had caught "
+                "up, so the cloud streamed all of it (no fault)")
+    if res.plan == "split" and res.mode == "device-only":
+        return "planned split; the device was ready before the cloud's first token, so it answered alone (no fault)"
+    return f"planned {res.plan}: {res.plan_reason}"
+
+
 @app.command()
 def demo(
     prompt: Optional[str] = typer.Argument(None, help="User message; default: a real conversation from chitchat-dataset."),
-    max_new_tokens: int = typer.Option(64), temperature: float = typer.Option(0.0), seed: Optional[int] = typer.Option(None),
-    target_tpot_ms: float = typer.Option(60.0, help="TPOT shown to the user (ms)."),
+    max_new_tokens: int = typer.Option(64, help="Generated tokens at most."),
+    temperature: float = typer.Option(DEMO_SAMPLING["temperature"],
+                                      help="Sampling temperature (SmolLM2's recommended 0.2); 0 = greedy."),
+    top_p: float = typer.Option(DEMO_SAMPLING["top_p"], help="Nucleus filter, in (0, 1]."),
+    seed: Optional[int] = typer.Option(DEMO_SAMPLING["seed"], help="Sampling seed (same seed, same answer)."),
+    target_tpot_ms: float = typer.Option(60.0, min=1.0, help="TPOT shown to the user (ms)."),
     profile: str = typer.Option("phone", help="Device profile pacing the device engine: phone, local, or a JSON path."),
-    cloud_budget: Optional[int] = typer.Option(None, help="Most tokens the cloud streams."),
+    cloud_budget: Optional[int] = typer.Option(None, min=1, help="Most tokens the cloud streams."),
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
     as_json: bool = typer.Option(False, "--json", help="Print the GenerationResult as one JSON object."),
     certfile: Optional[str] = typer.Option(None, help="Embedded cloud over TLS (wss://): PEM certificate chain."),
@@ -186,24 +331,39 @@ def demo(
     insecure: bool = typer.Option(False, "--insecure", help="Do not verify the cloud's TLS certificate."),
 ):
     """The main job: an embedded cloud service on loopback and a device session against it."""
+    from relayinfer.device.profiles import load_profile
+    from relayinfer.protocol.checks import check_prompt_text
+    from relayinfer.protocol.decoding import SamplingParams
+
+    say = (lambda m: typer.echo(m, err=True)) if not as_json else (lambda m: None)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    try:  # bad input fails here, before any model loads
+        if prompt is not None:
+            check_prompt_text(prompt)
+        SamplingParams(**sampling)
+        load_profile(profile)
+    except ValueError as e:
+        fail(e, as_json)
+    tls = _server_tls(certfile, keyfile)
+    _log_to_stderr()
     from relayinfer.cloud.serve.service import ServiceThread
     from relayinfer.sdk.client import Client
     from relayinfer.sdk.datasets import chitchat_prompt
 
-    say = (lambda m: typer.echo(m, err=True)) if not as_json else (lambda m: None)
     try:
-        say("loading the cloud model (torch) and the device model (ONNX; exported once, about 3 minutes)...")
-        tls = _server_tls(certfile, keyfile)
+        say("loading the cloud model (torch) and the device model (ONNX)...")
+        _ensure_device_model(model, show=not as_json)
         svc = _cloud_service(model, "cpu", 1, None)
-        messages = [{"role": "user", "content": prompt}] if prompt else chitchat_prompt()
+        messages = [{"role": "user", "content": prompt}] if prompt else chitchat_prompt(**DEMO_CONVERSATION)
         with ServiceThread(svc, ssl=tls) as running:
             client = Client(cloud_url=running.url, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
                             cloud_budget=cloud_budget, ca=ca, verify=not insecure)
+            client.check_cloud()  # an unreachable cloud (e.g. TLS not trusted) is announced once, up front
             if not prompt:
                 for m in messages:
                     say(f"[{m['role']}] {m['content']}")
             say(f"cloud {running.url}  device profile {profile}  target TPOT {target_tpot_ms:.0f} ms")
-            sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+            say(_sampling_line(sampling))
             stream = client.generate(messages, **sampling)
             if as_json:
                 res = stream.collect()
@@ -215,9 +375,10 @@ def demo(
                 res = stream.result
             device_only = client.complete(messages, **{**sampling, "max_new_tokens": 1}, mode="device-only")
     except (RelayInferError, ValueError) as e:
-        fail(e)
+        fail(e, as_json)
     out = res.to_dict()
     out["device_only_ttft_ms"] = device_only.ttft_ms
+    out["sampling"] = sampling
     if as_json:
         print(json.dumps(out))
         return
@@ -227,28 +388,48 @@ def demo(
     typer.echo(
         f"mode {res.mode}  TTFT {res.ttft_ms:.0f} ms (device-only {device_only.ttft_ms:.0f} ms)  "
         f"TPOT p50 {res.tpot_ms_p50:.0f} ms max {res.tpot_ms_max:.0f} ms  stalls {res.stalls}  "
-        f"cloud tokens {res.cloud_tokens}  device tokens {res.device_tokens}  hand-off at {res.handoff_index}"
-        + (f"  fault {res.fault}" if res.fault else ""), err=True)
+        f"cloud tokens {res.cloud_tokens}  device tokens {res.device_tokens}  hand-off at {res.handoff_index}", err=True)
+    typer.echo(_outcome(res), err=True)
 
 
 @app.command()
 def chat(
-    cloud: str = typer.Option(..., help="ws:// or wss:// URL of a running `relayinfer cloud serve`."),
+    cloud: str = typer.Option("ws://127.0.0.1:8765", help="ws:// or wss:// URL of a running `relayinfer cloud serve` "
+                              "(its --port; the default is `cloud serve`'s own default)."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN"),
     model: Optional[str] = typer.Option(None), profile: Optional[str] = typer.Option(None),
-    target_tpot_ms: float = typer.Option(50.0), max_new_tokens: int = typer.Option(256),
-    temperature: float = typer.Option(0.0),
+    target_tpot_ms: float = typer.Option(50.0, min=1.0),
+    max_new_tokens: int = typer.Option(256),
+    temperature: float = typer.Option(DEMO_SAMPLING["temperature"], help="0 = greedy."),
+    top_p: float = typer.Option(DEMO_SAMPLING["top_p"]),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed; default: a fresh one per answer."),
     ca: Optional[str] = typer.Option(None, help="PEM CA file trusted for a wss:// cloud (a private CA)."),
     insecure: bool = typer.Option(False, "--insecure", help="Do not verify the cloud's TLS certificate."),
 ):
-    """Interactive chat against a running cloud service (empty line or Ctrl-D ends)."""
+    """Interactive chat against a running cloud service (an empty line or Ctrl-D ends the chat)."""
+    from relayinfer.device.profiles import load_profile
+    from relayinfer.protocol.checks import check_cloud_url
+    from relayinfer.protocol.decoding import SamplingParams
+
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    try:  # bad input fails here, before the model loads
+        check_cloud_url(cloud, "--cloud")
+        SamplingParams(**sampling)
+        if profile:
+            load_profile(profile)
+    except ValueError as e:
+        fail(e)
+    _log_to_stderr()
     from relayinfer.sdk.client import Client
 
     try:
+        _ensure_device_model(model)
         client = Client(cloud_url=cloud, token=token, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
                         ca=ca, verify=not insecure)
     except (RelayInferError, ValueError) as e:
         fail(e)
+    client.check_cloud()  # an unreachable cloud is announced once: "warning: cloud unreachable at ..."
+    typer.echo(_sampling_line(sampling) + "; an empty line or Ctrl-D ends the chat", err=True)
     history: list[dict] = []
     while True:
         try:
@@ -258,11 +439,15 @@ def chat(
         if not line:
             break
         history.append({"role": "user", "content": line})
-        stream = client.generate(history, max_new_tokens=max_new_tokens, temperature=temperature)
-        _print_stream(stream, sys.stdout.isatty())
+        try:
+            stream = client.generate(history, **sampling)
+            _print_stream(stream, sys.stdout.isatty())
+        except (RelayInferError, ValueError) as e:  # e.g. the conversation outgrew the context
+            fail(e)
         res = stream.result
         history.append({"role": "assistant", "content": res.text})
-        typer.echo(f"[{res.mode} TTFT {res.ttft_ms:.0f} ms, cloud {res.cloud_tokens} / device {res.device_tokens}]",
+        note = f"; {_outcome(res)}" if res.fault or res.plan != res.mode else ""
+        typer.echo(f"[{res.mode} TTFT {res.ttft_ms:.0f} ms, cloud {res.cloud_tokens} / device {res.device_tokens}{note}]",
                    err=True)
 
 

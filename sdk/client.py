@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import threading
@@ -17,9 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
 from relayinfer.device.split import CloudEstimate, GenerationResult, SplitOptions, SplitSession, TokenEvent
+from relayinfer.protocol.checks import check_cloud_url, check_prompt_text
 from relayinfer.protocol.decoding import SamplingParams
 
 _END = object()
+CLOUD_FAULTS = ("cloud-unreachable", "cloud-refused", "cloud-overloaded")  # the cloud did not take the request
+log = logging.getLogger("relayinfer.sdk")
 
 
 class Stream:
@@ -113,11 +117,16 @@ class Client:
 
     A wss:// cloud whose certificate does not verify is treated like an unreachable one: the
     answer comes from the device (`fault` 'cloud-unreachable', `error` naming the certificate
-    problem), or `cloud-only` raises the `ssl.SSLCertVerificationError`.
+    problem), or `cloud-only` raises the `ssl.SSLCertVerificationError`. A cloud that cannot be
+    reached (or refuses, or is overloaded) is logged once as a warning on the `relayinfer.sdk`
+    logger, `cloud unreachable at URL: falling back to the device (reason)`, and again only after
+    it was reachable in between; `check_cloud()` tries it without generating.
 
     Raises:
+        ValueError: `cloud_url` is not ws://HOST[:PORT] or wss://HOST[:PORT] (checked before the
+            model loads; an http:// URL gets a hint at the websocket port); `ca` is missing or holds
+            no PEM certificate.
         ModelFileError: no model file, or no exported device model and no torch to export it.
-        ValueError: `ca` is missing or holds no PEM certificate.
     """
 
     def __init__(self, cloud_url: str | None = None, model: str | os.PathLike | None = None,
@@ -127,7 +136,10 @@ class Client:
         from relayinfer.protocol.security import context_for_url
         from relayinfer.sdk.engines import load_engine
 
+        if cloud_url is not None:
+            cloud_url = check_cloud_url(cloud_url)
         self.cloud_url, self.token = cloud_url, token
+        self._cloud_down = False  # a cloud fault was logged and the cloud has not answered since
         self.ssl = context_for_url(cloud_url, ca, verify)  # ssl.SSLContext for wss://, None for ws://
         self.options = SplitOptions(mode=mode, target_tpot_ms=target_tpot_ms, cloud_budget=cloud_budget,
                                     connect_timeout_s=connect_timeout_s)
@@ -151,7 +163,39 @@ class Client:
         """Chat-templated prompt ids for a user string or a list of {role, content} messages."""
         return self.tokenizer.encode_chat(prompt)
 
+    def check_cloud(self) -> str | None:
+        """Try the cloud once (connect + handshake, bounded by `connect_timeout_s`) without
+        generating: None when it answers, else the reason in words (also logged once, as for a
+        request). Without a cloud URL: None."""
+        if self.cloud_url is None:
+            return None
+        from relayinfer.protocol import ws as proto_ws
+
+        async def probe():
+            ch = await proto_ws.open_channel(self.cloud_url, self.fingerprint, self.token, client="relayinfer-device",
+                                             open_timeout=self.options.connect_timeout_s,
+                                             **({"ssl": self.ssl} if self.ssl is not None else {}))
+            await asyncio.wait_for(ch.close(), 1.0)
+
+        try:
+            asyncio.run(asyncio.wait_for(probe(), 2 * self.options.connect_timeout_s + 1.0))
+        except Exception as e:  # unreachable, refused, TLS, timeout: the device answers alone
+            reason = cloud_problem(e)
+            self._note_cloud(reason)
+            return reason
+        self._note_cloud(None)
+        return None
+
+    def _note_cloud(self, problem: str | None) -> None:
+        """Log a cloud that did not take a request, once until it answers again."""
+        if problem is None:
+            self._cloud_down = False
+        elif not self._cloud_down:
+            self._cloud_down = True
+            log.warning("cloud unreachable at %s: falling back to the device (%s)", self.cloud_url, problem)
+
     def _runner(self, prompt, sampling: dict):
+        check_prompt_text(prompt)  # one rule for empty input (CLI, Client, HTTP API): raises here, not in the stream
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.prompt_ids(prompt)
         opts = dict(vars(self.options))
         for k in ("mode", "target_tpot_ms", "cloud_budget", "refine"):
@@ -162,7 +206,13 @@ class Client:
         timing = self.device_timing() if options.cloud_budget == "auto" and options.mode == "split" else None
         session = SplitSession(self.engine, self.tokenizer, self.cloud_url, self.fingerprint, self.token,
                                options, self._executor, timing, self.cloud, ssl=self.ssl)
-        return lambda on_token: session.run(ids, params, on_token)
+
+        async def run(on_token):
+            res = await session.run(ids, params, on_token)
+            if self.cloud_url is not None and options.mode != "device-only":
+                self._note_cloud(res.error if res.fault in CLOUD_FAULTS else None)
+            return res
+        return run
 
     def device_timing(self) -> tuple[float, float, float]:
         """(prefill ms base, prefill ms per token, decode ms per token) of this device: the local
@@ -183,6 +233,12 @@ class Client:
         `prompt`: a user string, a list of chat messages, or prompt token ids. `sampling`:
         max_new_tokens, temperature, top_p, top_k, seed, stop_ids; per-request mode,
         target_tpot_ms, cloud_budget, refine (keep ratio of prompt refinement, e.g. 0.5).
+
+        Raises (here, before anything runs):
+            ValueError: an empty prompt (an empty or blank string, no messages or none with text, no
+                token ids: the rule of `protocol.checks.check_prompt_text`), or a sampling value out
+                of range (named with its allowed range).
+            PromptTooLongError: the prompt and `max_new_tokens` do not fit the model's context.
         """
         return Stream(self._runner(prompt, dict(sampling)))
 
@@ -193,3 +249,11 @@ class Client:
     def complete(self, prompt, **sampling) -> GenerationResult:
         """Generate to the end and return the `GenerationResult`."""
         return self.generate(prompt, **sampling).collect()
+
+
+def cloud_problem(e: BaseException) -> str:
+    """A connection failure in words, with a hint when the URL points at the HTTP port."""
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if type(e).__name__ in ("InvalidStatus", "InvalidMessage", "InvalidHandshake", "InvalidUpgrade"):
+        text += " (is this the HTTP port? devices connect to the websocket port, `cloud serve --port`, default 8765)"
+    return text

@@ -146,6 +146,12 @@ def serve(
         _fail(ValueError(f"unknown --norm {norm!r}; choose from {', '.join(NORMS)}"))
     if (certfile is None) != (keyfile is None):
         _fail(ValueError("--certfile and --keyfile go together: give both (TLS) or neither"))
+    from relayinfer.protocol.checks import check_ports_free
+
+    try:  # a busy port fails in one line before the encoder loads
+        check_ports_free(host, [("--port", port)])
+    except ValueError as e:
+        _fail(e)
     tls = None
     try:
         if certfile:

@@ -54,7 +54,8 @@ def test_split_equals_cloud_only_and_device_only(cloud, onnx_engine, chat_prompt
         device_only = c.complete(ids, max_new_tokens=MAX_NEW, mode="device-only")
         assert split.token_ids == cloud_only.token_ids == device_only.token_ids == ref
         assert split.mode == "split" and split.cloud_tokens > 0 and split.device_tokens > 0
-        assert split.handoff_index == split.cloud_tokens <= BUDGET and split.fault is None
+        assert split.handoff_index == split.cloud_tokens <= BUDGET and split.fault is None and split.plan == "split"
+        assert cloud_only.plan == "cloud-only" and device_only.plan == "device-only" and "asked for" in device_only.plan_reason
         assert cloud_only.mode == "cloud-only" and cloud_only.device_tokens == 0
         assert device_only.mode == "device-only" and device_only.cloud_tokens == 0
         assert split.text == c.tokenizer.decode(ref, skip_special=True)
@@ -162,7 +163,8 @@ def test_auto_settings_fall_back_to_cloud_when_device_cannot_catch_up(cloud, onn
     hopeless = DeviceProfile("hopeless", prefill_ms_per_token=500.0)  # per-token prefill > display interval
     c = client(cloud, onnx_engine, profile=hopeless, cloud_budget="auto")
     res = c.complete(chat_prompt_ids[1], max_new_tokens=12)
-    assert res.mode == "cloud-only" and res.fault == "device-too-slow" and res.cloud_budget is None
+    assert res.mode == "cloud-only" and res.fault is None and res.cloud_budget is None  # planned, not a fault
+    assert res.plan == "cloud-to-the-end" and "500 ms a token" in res.plan_reason, res.plan_reason
     assert res.token_ids == reference[1][:12] and res.device_prefill_ms == 0.0
 
 
@@ -170,7 +172,7 @@ def test_device_slower_than_answer_cloud_streams_to_end(cloud, onnx_engine, chat
     glacial = DeviceProfile("glacial", prefill_ms_per_token=2000.0)
     c = client(cloud, onnx_engine, profile=glacial, cloud_budget=None)
     res = c.complete(chat_prompt_ids[0], max_new_tokens=8)
-    assert res.mode == "cloud-only" and res.fault == "device-too-slow"
+    assert res.mode == "cloud-only" and res.fault is None and res.plan == "split"  # ended before the device caught up
     assert res.token_ids == reference[0][:8] and res.device_tokens == 0
 
 
@@ -315,3 +317,6 @@ def test_demo_cli_json():
         assert key in res
     assert res["mode"] == "split" and res["cloud_tokens"] > 0 and res["device_tokens"] > 0
     assert len(res["token_ids"]) == 32 or res["token_ids"][-1] == 2
+    assert res["plan"] == "split" and res["fault"] is None and "then the device takes over" in res["plan_reason"]
+    assert res["sampling"] == {"max_new_tokens": 32, "temperature": 0.0, "top_p": 0.9, "seed": 0}
+    assert out.stderr == "", out.stderr  # --json: nothing but the JSON object

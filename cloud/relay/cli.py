@@ -35,7 +35,15 @@ def bench(out: Path = typer.Option(Path("bench/results/relay.json"), help="resul
 
 
 @relay_app.command()
-def serve(port: int = typer.Option(0), baseline: bool = typer.Option(False)) -> None:
+def serve(port: int = typer.Option(0, min=0, max=65535, help="Listen port on 127.0.0.1; 0 = any free port."),
+          baseline: bool = typer.Option(False)) -> None:
     """Run one ranking instance in the foreground (prints READY <port> <fingerprint>)."""
+    from relayinfer.protocol.checks import check_ports_free
+
+    try:  # a busy port fails in one line before the model loads
+        check_ports_free("127.0.0.1", [("--port", port)])
+    except ValueError as e:
+        typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
     from relayinfer.cloud.relay.server import main
     main(["--port", str(port)] + (["--baseline"] if baseline else []))

@@ -26,11 +26,12 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Collection
 
 from aiohttp import web
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine
+from relayinfer.protocol.checks import check_prompt_text
 from relayinfer.protocol.decoding import SamplingParams
 from relayinfer.protocol.errors import PromptTooLongError
 
@@ -62,15 +63,37 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     return v
 
 
-def _parse_common(body: dict, model_name: str) -> tuple[SamplingParams, list[str], bool, bool]:
-    """SamplingParams, stop strings, stream flag, include_usage from an OpenAI request body."""
+def _require_text(body: dict, chat: bool) -> None:
+    """The one rule for empty input of every entry point (`protocol.checks.check_prompt_text`): a
+    blank prompt string or messages without any text get 400 naming the field. Malformed shapes
+    are left to the field's own checks."""
+    name = "messages" if chat else "prompt"
+    v = body.get(name)
+    if chat or isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, int) for t in v)):
+        items = [v]
+    else:
+        items = v if isinstance(v, list) else []
+    for i, item in enumerate(items):
+        if isinstance(item, (str, list)):
+            try:
+                check_prompt_text(item, name if len(items) == 1 else f"{name}[{i}]")
+            except ValueError as e:
+                raise APIError(400, str(e), name, "invalid_value") from None
+
+
+def _parse_common(body: dict, model_name: str, chat: bool = True,
+                  aliases: Collection[str] = ()) -> tuple[SamplingParams, list[str], bool, bool]:
+    """SamplingParams, stop strings, stream flag, include_usage from an OpenAI request body.
+    `model` may be omitted (the served model, as llama.cpp's server does), `model_name` or one of
+    its `aliases` (the GGUF file's name)."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     model = body.get("model")
-    if model is None:
-        raise APIError(400, "'model' is required", "model", "missing_required_parameter")
-    if model != model_name:
-        raise APIError(404, f"The model '{model}' does not exist", "model", "model_not_found")
+    if model is not None and model != model_name and model not in aliases:
+        known = ", ".join(repr(m) for m in (model_name, *aliases))
+        raise APIError(404, f"The model '{model}' does not exist; this server serves {known} (or leave 'model' out)",
+                       "model", "model_not_found")
+    _require_text(body, chat)
     if _number(body, "n", 1, 1, 1, integer=True) != 1:
         raise APIError(400, "only n=1 is supported", "n")
     temperature = float(_number(body, "temperature", 1.0, 0.0, 2.0))
@@ -135,13 +158,15 @@ class _TextRun:
                 sent = safe
 
 
-def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model_name: str) -> None:
+def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model_name: str,
+                  aliases: Collection[str] = ()) -> None:
     """Add `/v1/chat/completions`, `/v1/completions` and `/v1/models` to `app`.
 
     Args:
         engine: the `AsyncLLMEngine` (started lazily inside the app's event loop).
         tokenizer: `relayinfer.protocol.tokenizer.Tokenizer` of the served model (chat template).
-        model_name: the id clients must send as `model` and that `/v1/models` lists.
+        model_name: the id that `/v1/models` lists and answers carry; requests may send it as
+            `model`, one of `aliases` (e.g. the GGUF file's name), or no `model` at all.
     """
     created = int(time.time())
 
@@ -157,7 +182,7 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
 
     async def serve(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await read_json(request)
-        params, stops, stream, include_usage = _parse_common(body, model_name)
+        params, stops, stream, include_usage = _parse_common(body, model_name, chat, aliases)
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
@@ -284,12 +309,12 @@ async def _first(gen: AsyncIterator[str]):
         return _DONE
 
 
-def make_app(engine: AsyncLLMEngine, tokenizer, model_name: str) -> web.Application:
+def make_app(engine: AsyncLLMEngine, tokenizer, model_name: str, aliases: Collection[str] = ()) -> web.Application:
     """A standalone aiohttp app serving only the OpenAI routes; shuts the engine thread down on cleanup.
     Run it with `web.AppRunner(app, handler_cancellation=True)` so that requests whose client left
     are aborted (see the module docstring)."""
     app = web.Application()
-    openai_routes(app, engine, tokenizer, model_name)
+    openai_routes(app, engine, tokenizer, model_name, aliases)
 
     async def stop(_app):
         engine.shutdown()

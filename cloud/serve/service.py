@@ -387,7 +387,8 @@ class CloudService:
             from relayinfer.cloud.serve.openai_api import openai_routes
             from relayinfer.protocol.tokenizer import Tokenizer
 
-            openai_routes(app, self.llm, Tokenizer.from_gguf(self.engine.model_path), self.model_name)
+            path = Path(self.engine.model_path)  # the GGUF's own name is an alias of the model id
+            openai_routes(app, self.llm, Tokenizer.from_gguf(path), self.model_name, aliases=(path.name, path.stem))
         return app
 
     def health(self) -> str | None:
