@@ -81,6 +81,9 @@ class TokenEvent:
 class GenerationResult:
     """The outcome of one generation.
 
+    text: the joined texts of the `TokenEvent`s shown, byte for byte (control tokens such as EOS
+    add no text but stay in `token_ids`; a character cut by `max_new_tokens` is dropped).
+
     mode: 'split' (cloud then device), 'device-only' or 'cloud-only'. ttft_ms / tpot_ms_*: as shown
     to the user (ms). stalls: gaps > 2x target TPOT. cloud_tokens / device_tokens: shown tokens by
     source. handoff_index: answer index of the first device token (None if no hand-off).
@@ -233,8 +236,12 @@ class SplitSession:
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed the model's context.
             RemoteError: the cloud refused the request itself (e.g. PROMPT_TOO_LONG) in cloud-only mode.
+            ValueError: `params` sets logit_bias or logprobs (the split protocol does not carry them).
         """
         check_prompt(len(prompt_ids), params.max_new_tokens, self.engine.context_length)
+        if params.logit_bias or params.logprobs is not None:  # not carried by the split protocol
+            raise ValueError("logit_bias and logprobs are not supported by SplitSession "
+                             "(use the cloud's OpenAI API for them)")
         run = _Run(self, list(prompt_ids), params, on_token)
         return await run.go()
 
@@ -416,7 +423,10 @@ class _Run:
             p = self.params
             refine = s.opt.refine if self.mode == "split" else None
             await self.channel.send(Generate(self.request_id, self.prompt, p.max_new_tokens, p.temperature, p.top_p,
-                                             p.top_k, p.seed, budget, refine, list(p.stop_ids)))
+                                             p.top_k, p.seed, budget, refine, list(p.stop_ids),
+                                             presence_penalty=p.presence_penalty,
+                                             frequency_penalty=p.frequency_penalty,
+                                             repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens))
             self.refine_wanted = refine is not None
         except Exception as e:  # unreachable (OSError, TimeoutError), refused (RemoteError), ...
             overloaded = isinstance(e, RemoteError) and e.code is ErrorCode.OVERLOADED
@@ -539,7 +549,7 @@ class _Run:
         if self.channel is not None and self.fault is None and self.cloud_done is None:
             await self.send_quietly(Stop(self.request_id, covered))  # connection gone: nothing to stop
         for i in range(covered, self.params.max_new_tokens):
-            tok = sample(logits, self.params, i)
+            tok = sample(logits, self.params, i, self.prompt + self.answer, len(self.prompt), self.s.engine.eos_id)
             self.append(tok, "device")
             if self.complete:
                 return
@@ -582,7 +592,8 @@ class _Run:
             mode = "device-only"  # the device was ready before the first cloud token arrived
         cloud = sum(1 for src in self.source if src == "cloud")
         return GenerationResult(
-            text=self.s.tokenizer.decode(self.answer, skip_special=True), token_ids=list(self.answer), mode=mode,
+            # the shown text, byte for byte: control tokens add none, a cut last character is dropped
+            text="".join(ev.text for ev in self.events), token_ids=list(self.answer), mode=mode,
             **self.speed.stats(0.0), cloud_tokens=cloud, device_tokens=len(self.answer) - cloud,
             handoff_index=self.handoff if cloud and len(self.answer) > cloud else None,
             finish_reason=self.finish_reason, prompt_ids=self.prompt, cloud_streamed=self.cloud_streamed,

@@ -19,7 +19,20 @@ from .errors import PromptTooLongError
 class SamplingParams:
     """Decoding settings. temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable the
     filters; `seed` None draws from fresh entropy. `max_new_tokens` counts generated tokens,
-    EOS included."""
+    EOS included. `stop_ids`: token ids that end the answer (finish reason 'stop').
+
+    Logit adjustments (applied in this order, before temperature and the filters; the neutral
+    defaults change nothing):
+      * `logit_bias`: (token id, bias) pairs added to the logits (OpenAI's `logit_bias`, bias in
+        [-100, 100]);
+      * `min_tokens`: EOS and `stop_ids` are masked (-inf) until `min_tokens` tokens were
+        generated (vLLM's `min_tokens`);
+      * `repetition_penalty` r in (0, 2] over every token of the prompt and the answer so far: a
+        positive logit is divided by r, a negative one multiplied (CTRL, Keskar et al. 2019; HF's
+        `RepetitionPenaltyLogitsProcessor`, vLLM's definition);
+      * `frequency_penalty` f and `presence_penalty` p in [-2, 2] over the answer so far only
+        (OpenAI's definition): logit[t] -= f * count(t) + p * (count(t) > 0).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -27,6 +40,12 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 128
     stop_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k (engine only)
 
     def __post_init__(self):
         """Raises ValueError naming the first field out of range, its value and the allowed range."""
@@ -38,14 +57,86 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (off) or more, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be 0 (off) or more, got {self.min_tokens}")
+        for t, b in self.logit_bias:
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {b}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when `adjust_logits` changes anything (else sampling skips it)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
 
-def sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
+def adjust_logits(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (), n_prompt: int = 0,
+                  eos_id: int | None = None) -> np.ndarray:
+    """`logits` (float [vocab]) after `params`' logit bias, min_tokens mask and penalties (see
+    `SamplingParams`), as a new float64 array. `context` holds the prompt ids (its first
+    `n_prompt`) then the answer ids generated so far; `min_tokens` masks `eos_id` and `stop_ids`."""
+    x = logits.astype(np.float64)
+    if not params.adjusts_logits:
+        return x
+    v = x.size
+    for t, b in params.logit_bias:
+        if 0 <= t < v:
+            x[t] += b
+    out = np.asarray(context[n_prompt:], dtype=np.int64)
+    out = out[(out >= 0) & (out < v)]
+    if params.min_tokens and len(context) - n_prompt < params.min_tokens:
+        for t in ((eos_id,) if eos_id is not None else ()) + tuple(params.stop_ids):
+            if 0 <= t < v:
+                x[t] = -np.inf
+    if params.repetition_penalty != 1.0 and len(context):
+        seen = np.unique(np.asarray(context, dtype=np.int64))
+        seen = seen[(seen >= 0) & (seen < v)]
+        r = params.repetition_penalty
+        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+    if (params.frequency_penalty or params.presence_penalty) and out.size:
+        counts = np.bincount(out, minlength=v)[:v]
+        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return x
+
+
+def token_logprobs(logits: np.ndarray, token_id: int, top: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of `token_id` and the `top` most likely (id, logprob) pairs, best first
+    (ties by id).
+
+    Values are the log-softmax of the model's full-vocabulary `logits` (float [vocab]) as the
+    model gives them: temperature, top-p/top-k, penalties and logit bias do not change them (the
+    same choice as vLLM's default `logprobs_mode="raw_logprobs"`).
+    """
+    x = logits.astype(np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    best: list[tuple[int, float]] = []
+    if top:
+        k = min(top, x.size)
+        idx = np.argpartition(-lp, k - 1)[:k]
+        idx = idx[np.lexsort((idx, -lp[idx]))]
+        best = [(int(i), float(lp[i])) for i in idx]
+    return float(lp[token_id]), best
+
+
+def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequence[int] = (),
+           n_prompt: int = 0, eos_id: int | None = None) -> int:
     """Pick the token at answer position `index` from `logits` (shape [vocab], float32).
 
+    The logits are first adjusted by `adjust_logits` (penalties over `context`: the prompt's
+    `n_prompt` ids then the `index` answer ids so far; `min_tokens` masks `eos_id` and stop ids).
     Greedy when temperature is 0; otherwise softmax(logits / T) filtered by top-k then top-p
-    (nucleus, Holtzman et al. 2020), drawn with `np.random.default_rng((seed, index))`.
+    (nucleus, Holtzman et al. 2020), drawn with `np.random.default_rng((seed, index))`. Every
+    side (cloud engine, split service, device) calls this with the same arguments at the same
+    position, so a seeded answer is the same whichever side draws each token.
     """
+    if params.adjusts_logits:
+        logits = adjust_logits(logits, params, context, n_prompt, eos_id)
     if params.temperature == 0:
         return int(np.argmax(logits))
     x = logits.astype(np.float64) / params.temperature
@@ -129,8 +220,10 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams) 
     logits, kv = engine.prefill(prompt_ids)
     out.prefill_ms = (time.perf_counter() - t0) * 1e3
     t1 = time.perf_counter()
+    prompt = list(prompt_ids)
     for i in range(params.max_new_tokens):
-        tok = sample(logits, params, i)
+        tok = sample(logits, params, i, prompt + out.token_ids if params.adjusts_logits else (), len(prompt),
+                     engine.eos_id)
         out.token_ids.append(tok)
         reason = is_stop(tok, engine.eos_id, params)
         if reason:

@@ -4,14 +4,25 @@ Torch-free (the `tokenizers` library plus jinja2), so the device tokenizes local
 ids travel. Byte-level BPE (`tokenizer.ggml.model == "gpt2"`): the GGUF stores tokens already spelt
 in GPT-2's byte-to-unicode alphabet, so vocabulary and merges load as they are.
 
-Pre-tokenization follows `tokenizer.ggml.pre`. For `smollm` (SmolLM/SmolLM2) it is llama.cpp's
-`LLAMA_VOCAB_PRE_TYPE_SMOLLM` and the original `tokenizer.json` of HuggingFaceTB/SmolLM2: digits
-split one by one, then GPT-2's regex. The tests check ids against `transformers`' GGUF tokenizer.
+Pre-tokenization follows `tokenizer.ggml.pre` (`SUPPORTED_PRE`; any other value is refused at load
+with `UnsupportedModelError` rather than silently split the GPT-2 way). For `smollm` (SmolLM/SmolLM2)
+it is llama.cpp's `LLAMA_VOCAB_PRE_TYPE_SMOLLM` and the original `tokenizer.json` of
+HuggingFaceTB/SmolLM2: digits split one by one, then GPT-2's regex; `llama-bpe` and `qwen2` use
+llama.cpp's regexes (the same as transformers' GGUF loader). The tests check ids against
+`transformers`' GGUF tokenizer.
+
+Control tokens come only from the chat template: `encode_chat` encodes what the template wrote with
+special tokens matched and what the messages hold as plain text (a user writing `<|im_end|>` gets the
+text, never the control id). `tokenizer.ggml.add_bos_token` / `add_eos_token` are honoured by
+`encode_prompt` / `encode_chat` (no second BOS when the template already wrote one), and the
+template sees `bos_token` / `eos_token`.
 """
 from __future__ import annotations
 
+import codecs
 import os
-from dataclasses import dataclass, field
+import re
+import uuid
 from typing import Iterable, Sequence
 
 import json
@@ -26,6 +37,29 @@ _USER_DEFINED = 4
 
 Message = dict  # {"role": "system"|"user"|"assistant", "content": str}
 
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), as transformers' GGUF loader spells them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> how text is split before BPE ("gpt2": GPT-2's regex; "digits": each digit
+# alone, then GPT-2's regex; otherwise a regex applied before byte-level BPE without GPT-2's)
+SUPPORTED_PRE = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starcoder": "digits",
+                 "refact": "digits", "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                 "qwen2": _QWEN2_SPLIT}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode alphabet, inverted: the char a vocabulary entry uses -> its byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
 
 class Tokenizer:
     """Byte-level BPE tokenizer + chat template from a GGUF file.
@@ -36,13 +70,23 @@ class Tokenizer:
         special_ids: ids of CONTROL tokens (chat-template markers such as `<|im_start|>`).
     """
 
-    def __init__(self, backend, chat_template: str | None, bos_id: int, eos_id: int):
+    def __init__(self, backend, chat_template: str | None, bos_id: int, eos_id: int,
+                 add_bos: bool = False, add_eos: bool = False):
         """Wrap a `tokenizers.Tokenizer` (`backend`) whose added special tokens are the GGUF's
-        CONTROL tokens; use `from_gguf` or `load` rather than this."""
+        CONTROL tokens; use `from_gguf` or `load` rather than this. `add_bos` / `add_eos`:
+        `tokenizer.ggml.add_bos_token` / `add_eos_token` (used by `encode_prompt`, `encode_chat`)."""
         self._tok = backend
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id = bos_id, eos_id
-        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self.add_bos, self.add_eos = bool(add_bos), bool(add_eos)
+        added = backend.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.added_ids = frozenset(added)
+        self._plain_backend = None
+        names = sorted((t.content for t in added.values()), key=len, reverse=True)
+        self._added_re = re.compile("|".join(map(re.escape, names))) if names else None
+        self._added_id = {t.content: i for i, t in added.items()}
+        self._bytes: list[bytes] | None = None
         self.chat_template = chat_template
         self._template = None
         if chat_template:
@@ -61,12 +105,23 @@ class Tokenizer:
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
                          fuse_unk=False, byte_fallback=False)
         tok = HFTokenizer(bpe)
+        from tokenizers import Regex
+
+        split = SUPPORTED_PRE.get(pre)
+        if split is None:
+            raise UnsupportedModelError(
+                f"unsupported tokenizer.ggml.pre {pre!r}: supported pre-tokenizers are "
+                f"{', '.join(sorted(SUPPORTED_PRE))}")
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in ("smollm", "starcoder", "refact"):  # llama.cpp: \p{N} isolated before GPT-2's regex
+        if split == "digits":  # llama.cpp: \p{N} isolated before GPT-2's regex
             tok.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
+        elif split == "gpt2":
             tok.pre_tokenizer = byte_level
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
         control = [t for t, ty in zip(tokens, token_types) if ty == _CONTROL]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
@@ -82,7 +137,8 @@ class Tokenizer:
         calls load it from there (`use_cache=False` always rebuilds).
 
         Raises:
-            ModelFileError: missing/corrupt file. UnsupportedModelError: not byte-level BPE.
+            ModelFileError: missing/corrupt file. UnsupportedModelError: not byte-level BPE (e.g. a
+                SentencePiece `llama` vocabulary), or a `tokenizer.ggml.pre` not in `SUPPORTED_PRE`.
         """
         path = resolve_model_path(path)
         saved = model_cache_dir(path)
@@ -92,13 +148,16 @@ class Tokenizer:
         kind = gguf_field(r, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise UnsupportedModelError(
-                f"unsupported tokenizer {kind!r}: only byte-level BPE ('gpt2') is implemented")
+                f"unsupported tokenizer.ggml.model {kind!r}: only byte-level BPE ('gpt2') is implemented"
+                + (" (SentencePiece 'llama' vocabularies are not)" if kind == "llama" else ""))
         backend = cls.build_backend(gguf_field(r, "tokenizer.ggml.tokens"), gguf_field(r, "tokenizer.ggml.merges"),
                                     gguf_field(r, "tokenizer.ggml.token_type") or [],
                                     gguf_field(r, "tokenizer.ggml.pre", "default"))
         tok = cls(backend, gguf_field(r, "tokenizer.chat_template"),
                   int(gguf_field(r, "tokenizer.ggml.bos_token_id", 1)),
-                  int(gguf_field(r, "tokenizer.ggml.eos_token_id", 2)))
+                  int(gguf_field(r, "tokenizer.ggml.eos_token_id", 2)),
+                  bool(gguf_field(r, "tokenizer.ggml.add_bos_token", False)),
+                  bool(gguf_field(r, "tokenizer.ggml.add_eos_token", False)))
         if use_cache:
             tok.save(saved)
         return tok
@@ -111,7 +170,8 @@ class Tokenizer:
         tmp = d / f"tokenizer.json.{os.getpid()}"
         self._tok.save(str(tmp))
         (d / "tokenizer_meta.json").write_text(json.dumps(
-            {"chat_template": self.chat_template, "bos_id": self.bos_id, "eos_id": self.eos_id}))
+            {"chat_template": self.chat_template, "bos_id": self.bos_id, "eos_id": self.eos_id,
+             "add_bos": self.add_bos, "add_eos": self.add_eos}))
         os.replace(tmp, d / "tokenizer.json")
 
     @classmethod
@@ -122,11 +182,63 @@ class Tokenizer:
         d = Path(directory)
         meta = json.loads((d / "tokenizer_meta.json").read_text())
         return cls(HFTokenizer.from_file(str(d / "tokenizer.json")), meta["chat_template"],
-                   meta["bos_id"], meta["eos_id"])
+                   meta["bos_id"], meta["eos_id"], meta.get("add_bos", False), meta.get("add_eos", False))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are matched whole."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`, no BOS/EOS added. `special`: added/control tokens written in the
+        text are matched whole (a raw prompt); False encodes every character as plain text.
+
+        Raises:
+            TypeError: `text` is not a str or holds a lone surrogate (not encodable as UTF-8).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TypeError(f"text is not valid Unicode ({e.reason} at index {e.start})") from None
+        return (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
+
+    @property
+    def _plain(self):
+        """The same model without added tokens (built on first use): user text is encoded with it,
+        so it never matches a control/added token (transformers splits at added tokens, then encodes
+        the pieces the same way)."""
+        if self._plain_backend is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            spec = json.loads(self._tok.to_str())
+            spec["added_tokens"] = []
+            self._plain_backend = HFTokenizer.from_str(json.dumps(spec))
+        return self._plain_backend
+
+    def _with_bos_eos(self, ids: list[int]) -> list[int]:
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        if self.add_eos and (not ids or ids[-1] != self.eos_id):
+            ids = ids + [self.eos_id]
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`encode(text)` plus BOS/EOS as the GGUF's `add_bos_token`/`add_eos_token` ask (a raw
+        completion prompt, as llama.cpp's server tokenizes it)."""
+        return self._with_bos_eos(self.encode(text))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes token `token_id` stands for (b"" for a control token: never shown)."""
+        if self._bytes is None:
+            bd = _byte_decoder()
+            added = self._tok.get_added_tokens_decoder()
+            table = []
+            for i in range(self.vocab_size):
+                t = added.get(i)
+                if t is not None:
+                    table.append(b"" if t.special else t.content.encode("utf-8"))
+                else:
+                    s = self._tok.id_to_token(i) or ""
+                    table.append(bytes(bd[c] for c in s) if all(c in bd for c in s) else s.encode("utf-8"))
+            self._bytes = table
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 byte sequences become U+FFFD)."""
@@ -144,30 +256,93 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"chat message must be a dict with 'role' and 'content', got {m!r}")
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token="", eos_token=self._tok.id_to_token(self.eos_id))
+                                     bos_token=self._tok.id_to_token(self.bos_id) or "",
+                                     eos_token=self._tok.id_to_token(self.eos_id) or "")
 
     def encode_chat(self, prompt: str | Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids for a plain user string (wrapped as one user turn) or a list of messages."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        """Prompt ids for a plain user string (wrapped as one user turn) or a list of messages.
+
+        Only the template's own markup can produce control/added token ids: each message's content
+        is rendered between two random markers, and the rendered text is split into what the
+        template wrote (added tokens matched) and what the messages hold (plain text). The pieces
+        between two matched added tokens are encoded as one string, as transformers does, so ordinary
+        messages get exactly `encode(render_chat(messages))`. BOS/EOS follow `add_bos`/`add_eos`.
+
+        Raises:
+            ValueError: no chat template, a malformed message, or a template that changes the
+                content it is given (the markers would not survive).
+            TypeError: content that is not valid Unicode (a lone surrogate).
+        """
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise ValueError(f"chat message must be a dict with a string 'content', got {m!r}")
+            try:
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TypeError(f"message content is not valid Unicode ({e.reason} at index {e.start})") from None
+        if self._added_re is None:
+            return self._with_bos_eos(self.encode(self.render_chat(messages, add_generation_prompt)))
+        nonce = uuid.uuid4().hex
+        open_, close = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        marked = self.render_chat([{**m, "content": open_ + m["content"] + close} for m in messages],
+                                  add_generation_prompt)
+        plain = self.render_chat(messages, add_generation_prompt)
+        if marked.replace(open_, "").replace(close, "") != plain:
+            raise ValueError("the chat template transforms message contents; cannot keep them apart from its markup")
+        ids: list[int] = []
+        text: list[str] = []  # plain text since the last control/added token
+        pos = 0
+        while pos < len(marked):
+            start = marked.find(open_, pos)
+            template = marked[pos:] if start < 0 else marked[pos:start]
+            last = 0
+            for hit in self._added_re.finditer(template):  # the template's own markup
+                text.append(template[last:hit.start()])
+                if "".join(text):
+                    ids += self._plain.encode("".join(text), add_special_tokens=False).ids
+                text = []
+                ids.append(self._added_id[hit.group()])
+                last = hit.end()
+            text.append(template[last:])
+            if start < 0:
+                break
+            end = marked.index(close, start)
+            text.append(marked[start + len(open_):end])  # message content: never matched
+            pos = end + len(close)
+        if "".join(text):
+            ids += self._plain.encode("".join(text), add_special_tokens=False).ids
+        return self._with_bos_eos(ids)
 
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
 
-@dataclass
 class StreamDecoder:
-    """Incremental detokenizer: `push(id)` returns the new text, holding back bytes of an
-    incomplete UTF-8 character (an emoji split over byte tokens) until it completes."""
+    """Incremental detokenizer, O(1) per token: `push(id)` returns the text the token adds.
 
-    tokenizer: Tokenizer
-    ids: list[int] = field(default_factory=list)
-    _emitted: int = 0
+    Each token's bytes (`Tokenizer.token_bytes`) go through an incremental UTF-8 decoder, which
+    holds back the bytes of an incomplete character (an emoji split over byte tokens) until it
+    completes and turns invalid sequences into U+FFFD. Control tokens (`<|im_end|>`, EOS) add no
+    text: their ids stay in the answer's token ids. A character still incomplete when the answer
+    ends is dropped (never shown), so the joined pushes are the answer's text in every mode;
+    `text` holds that join.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._parts: list[str] = []
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._emitted = text[self._emitted:], len(text)
+        new = self._utf8.decode(self.tokenizer.token_bytes(token_id))
+        if new:
+            self._parts.append(new)
         return new
+
+    @property
+    def text(self) -> str:
+        """Everything `push` returned so far, joined."""
+        return "".join(self._parts)

@@ -137,7 +137,7 @@ def test_cloud_budget_and_metrics_text(torch_engine, prompts, reference):
     cfg = torch_engine.cfg
     assert f"relayinfer_engine_kv_bytes_per_token {float(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4)}" in text
     assert "relayinfer_engine_ttft_seconds_count 1.0" in text
-    assert "relayinfer_engine_kv_blocks_total" in text and "relayinfer_engine_prefix_cache_hit_rate" in text
+    assert "relayinfer_engine_kv_blocks " in text and "relayinfer_engine_prefix_cache_hit_rate" in text
 
 
 def test_async_engine_streams_and_aborts(torch_engine, prompts, reference):

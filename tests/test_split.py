@@ -294,7 +294,7 @@ def test_http_side_health_metrics_and_device_model(cloud, onnx_engine, chat_prom
     metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
     tokens = [line for line in metrics.splitlines() if line.startswith("relayinfer_cloud_tokens_total")]
     assert tokens and float(tokens[0].split()[-1]) > 0
-    assert "relayinfer_active_sessions" in metrics and "relayinfer_prefill_ms_bucket" in metrics
+    assert "relayinfer_active_sessions" in metrics and "relayinfer_prefill_seconds_bucket" in metrics
     d = download_device_model(base, tmp_path / "dl")
     onnx = (d / "model.fp32.onnx").read_bytes()
     assert hashlib.sha256(onnx).hexdigest() == json.loads((device_model_dir / "manifest.json").read_text())[

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, NamedTuple, Sequence as Seq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.models.llama import Llama
-from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
+from relayinfer.protocol.decoding import SamplingParams, is_stop, sample, token_logprobs
 from relayinfer.protocol.errors import PromptTooLongError
 
 from .block_manager import BlockManager
@@ -30,12 +30,15 @@ from .sequence import Sequence, SequenceStatus
 
 class StepOutput(NamedTuple):
     """One generated token: `index` is its answer position (0 = first token); `finish_reason`
-    is None, or 'eos' / 'stop' / 'length' / 'budget' on the request's last token."""
+    is None, or 'eos' / 'stop' / 'length' / 'budget' on the request's last token. `logprobs`:
+    None unless `params.logprobs` is set, then `decoding.token_logprobs` of the step's raw logits
+    (the token's logprob, [(id, logprob)] of the top `params.logprobs`)."""
 
     request_id: str
     token_id: int
     index: int
     finish_reason: str | None
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,11 +68,19 @@ class _Import:
     write: Callable
 
 
-_MS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Latency bucket edges (s), log-spaced from 5 ms to 30 min: past the longest request the limits allow
+# (a whole 8,192-token context at CPU speed is minutes), so no observation lands in +Inf unseen.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                   320.0, 640.0, 1200.0, 1800.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_MS = LATENCY_BUCKETS
 
 
 class EngineMetrics:
-    """Prometheus metrics of one engine (own `CollectorRegistry` unless one is passed)."""
+    """Prometheus metrics of one engine (own `CollectorRegistry` unless one is passed). Names follow
+    Prometheus' rules (`promtool check metrics` passes: base units, `_total` only on counters) and
+    vLLM's where it has one (`e2e_request_latency_seconds`, `request_prompt_tokens`,
+    `request_generation_tokens`, `request_success_total{finished_reason}`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry if registry is not None else CollectorRegistry()
@@ -85,7 +96,17 @@ class EngineMetrics:
         self.blocks_used = Gauge("relayinfer_engine_kv_blocks_used", "KV blocks referenced", registry=r)
         self.blocks_cached = Gauge("relayinfer_engine_kv_blocks_cached", "Free KV blocks holding a cached prefix",
                                    registry=r)
-        self.blocks_total = Gauge("relayinfer_engine_kv_blocks_total", "KV blocks in the cache", registry=r)
+        self.blocks_total = Gauge("relayinfer_engine_kv_blocks", "KV blocks in the cache", registry=r)
+        self.e2e = Histogram("relayinfer_engine_e2e_request_latency_seconds",
+                             "Arrival to the last token (or abort) of a request", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.req_prompt_tokens = Histogram("relayinfer_engine_request_prompt_tokens", "Prompt tokens per request",
+                                           registry=r, buckets=TOKEN_BUCKETS)
+        self.req_gen_tokens = Histogram("relayinfer_engine_request_generation_tokens",
+                                        "Generated tokens per finished request", registry=r, buckets=TOKEN_BUCKETS)
+        self.success = Counter("relayinfer_engine_request_success", "Finished requests by OpenAI finish reason "
+                               "(stop: EOS, stop id or stop string; length: max_tokens or budget; abort)",
+                               ["finished_reason"], registry=r)
         self.kv_bytes_per_token = Gauge("relayinfer_engine_kv_bytes_per_token",
                                         "K+V bytes of one token over all layers", registry=r)
         self.kv_budget_bytes = Gauge("relayinfer_engine_kv_cache_bytes", "KV cache memory (bytes)", registry=r)
@@ -287,7 +308,12 @@ class LLMEngine:
         self.stats[seq.request_id] = self._stats_of(seq)
         if len(self.stats) > 10000:
             self.stats.popitem(last=False)
-        self.metrics.finished.labels(reason).inc()
+        m = self.metrics
+        m.finished.labels(reason).inc()
+        m.success.labels({"eos": "stop", "stop": "stop", "length": "length", "budget": "length"}.get(reason, "abort")).inc()
+        m.e2e.observe(time.perf_counter() - seq.arrival_s)
+        m.req_prompt_tokens.observe(seq.num_prompt_tokens)
+        m.req_gen_tokens.observe(seq.num_output_tokens)
 
     def step(self) -> list[StepOutput]:
         """Run one scheduling + model step; return the tokens generated in it (at most one per
@@ -332,7 +358,8 @@ class LLMEngine:
                 if not s.sample:
                     continue
                 idx = seq.num_output_tokens
-                tok = sample(logits[li], seq.params, idx)
+                tok = sample(logits[li], seq.params, idx, seq.token_ids, seq.num_prompt_tokens, self.eos_id)
+                lp = None if seq.params.logprobs is None else token_logprobs(logits[li], tok, seq.params.logprobs)
                 li += 1
                 seq.token_ids.append(tok)
                 if seq.first_token_s is None:
@@ -345,7 +372,7 @@ class LLMEngine:
                 reason = is_stop(tok, -1 if seq.ignore_eos else self.eos_id, seq.params)
                 if reason is None and seq.num_output_tokens >= seq.max_tokens:
                     reason = "length" if seq.max_tokens >= seq.params.max_new_tokens else "budget"
-                outputs.append(StepOutput(seq.request_id, tok, idx, reason))
+                outputs.append(StepOutput(seq.request_id, tok, idx, reason, lp))
                 if reason:
                     self._finish(seq, reason)
         new_pre = self.scheduler.num_preemptions - self._preemptions_seen

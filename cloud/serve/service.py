@@ -58,8 +58,10 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("relayinfer_requests", "Generate requests by outcome", ["outcome"], registry=r)
         self.cloud_tokens = Counter("relayinfer_cloud_tokens", "Tokens streamed by the cloud", registry=r)
-        self.prefill_ms = Histogram("relayinfer_prefill_ms", "Cloud prefill time (ms)", registry=r,
-                                    buckets=(5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000))
+        from relayinfer.cloud.engine.llm_engine import LATENCY_BUCKETS
+
+        self.prefill = Histogram("relayinfer_prefill_seconds", "Cloud prefill time, Generate to the first "
+                                 "token (s)", registry=r, buckets=LATENCY_BUCKETS)
         self.active_sessions = Gauge("relayinfer_active_sessions", "Open device sessions", registry=r)
         self.active_requests = Gauge("relayinfer_active_requests", "Requests holding a KV cache", registry=r)
         self.errors = Counter("relayinfer_protocol_errors", "Errors sent to clients by code", ["code"], registry=r)
@@ -259,7 +261,7 @@ class CloudService:
             async for out in self.llm.generate(msg.request_id, msg.prompt_ids, self._params(msg), req.budget):
                 if sent == 0:
                     prefill_ms = (time.perf_counter() - t0) * 1e3
-                    self.metrics.prefill_ms.observe(prefill_ms)
+                    self.metrics.prefill.observe(prefill_ms / 1e3)
                 await channel.send(Token(msg.request_id, out.token_id, out.index, (time.perf_counter() - t0) * 1e3))
                 sent += 1
                 self.metrics.cloud_tokens.inc()
@@ -304,7 +306,9 @@ class CloudService:
     @staticmethod
     def _params(msg: Generate) -> SamplingParams:
         return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
-                              max_new_tokens=msg.max_new_tokens, stop_ids=tuple(msg.stop_ids))
+                              max_new_tokens=msg.max_new_tokens, stop_ids=tuple(msg.stop_ids),
+                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                              repetition_penalty=msg.repetition_penalty, min_tokens=msg.min_tokens)
 
     async def _run(self, channel, req: _Request, requests: dict) -> None:
         """Prefill, stream tokens until Stop/Cancel/budget/EOS/length, send Done, free the KV cache."""
@@ -313,6 +317,7 @@ class CloudService:
         ms = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
         self.metrics.active_requests.inc()
         kv, sent, reason, prefill_ms, outcome = None, 0, "length", 0.0, "error"
+        out_ids: list[int] = []
         try:
             logits, kv, kept = await loop.run_in_executor(self.worker, self._prefill, msg)
             prefill_ms = ms()
@@ -324,7 +329,9 @@ class CloudService:
                 if req.budget is not None and sent >= req.budget:
                     reason = "budget"
                     break
-                tok = sample(logits, params, i)
+                tok = sample(logits, params, i, msg.prompt_ids + out_ids if params.adjusts_logits else (),
+                             len(msg.prompt_ids), self.engine.eos_id)
+                out_ids.append(tok)
                 await channel.send(Token(msg.request_id, tok, i, ms()))
                 if kept is not None and i == 0:  # right after the first token
                     await channel.send(RefinedPrompt(msg.request_id, kept))
