@@ -234,6 +234,7 @@ def cloud_serve(
     max_sessions: int = typer.Option(256, min=1, help="Open device sessions at most; more get OVERLOADED + retry-after."),
     max_requests_per_session: int = typer.Option(4, min=1, help="Concurrent Generates per device session at most."),
     retry_after_ms: float = typer.Option(5000.0, min=0, help="Back-off hint sent with OVERLOADED (ms)."),
+    max_queued_tokens: int = typer.Option(4096, min=1, help="Prompt tokens waiting for prefill at most; more get OVERLOADED."),
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
@@ -247,7 +248,8 @@ def cloud_serve(
         _ensure_device_model(model)
         svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
                              metrics_public=metrics_public, max_sessions=max_sessions,
-                             max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms)
+                             max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms,
+                             max_queued_tokens=max_queued_tokens)
     except (RelayInferError, ValueError) as e:
         fail(e)
 

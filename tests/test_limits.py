@@ -191,3 +191,50 @@ def test_dead_engine_healthz_503_and_named_refusals(torch_engine):
         got = run(one_request(svc.url, fp, Generate("b", list(range(10, 40)), 8)))
         assert got[-1].code == ErrorCode.INTERNAL.value and "engine failed" in got[-1].message
         assert "scripted accelerator fault" in got[-1].message
+
+
+def test_queue_bound_answers_overloaded(torch_engine):
+    """Prompt tokens waiting for their first token are bounded: beyond `max_queued_tokens` a new
+    request gets OVERLOADED with the retry hint instead of queueing (a device runs on its own)."""
+    s = CloudService(torch_engine, torch_engine.fingerprint, llm=small_llm(torch_engine), max_queued_tokens=100,
+                     retry_after_ms=777.0, step_delay_ms=0.0)
+    with ServiceThread(s, http_port=None) as svc:
+        async def scenario():
+            async with await proto_ws.open_channel(svc.url, torch_engine.fingerprint) as ch:
+                await ch.send(Generate("first", list(range(10, 90)), 4))  # 80 tokens: admitted
+                await ch.send(Generate("second", list(range(10, 90)), 4))  # 80 + 80 > 100 while the first waits
+                got = {}
+                async for m in ch:
+                    if isinstance(m, (Done, Error)):
+                        got[m.request_id] = m
+                    if len(got) == 2:
+                        return got
+        got = run(scenario())
+        assert isinstance(got["first"], Done) and got["first"].cloud_tokens == 4
+        err = got["second"]
+        assert err.code == ErrorCode.OVERLOADED.value and err.retry_after_ms == 777.0
+        assert "80 prompt tokens are waiting" in err.message and "limit 100" in err.message
+        assert svc.pending_tokens == 0
+        # once the queue drained, the same request is admitted
+        got = run(one_request(svc.url, torch_engine.fingerprint, Generate("again", list(range(10, 90)), 4)))
+        assert isinstance(got[-1], Done)
+
+
+def test_zero_budget_streams_nothing_and_unexpected_messages(svc, torch_engine):
+    from relayinfer.protocol.messages import PreInfer
+
+    got = run(one_request(svc.url, torch_engine.fingerprint, Generate("zero", list(range(10, 40)), 8, cloud_budget=0)))
+    assert len(got) == 1 and isinstance(got[0], Done) and got[0].reason == "budget" and got[0].cloud_tokens == 0
+
+    async def scenario():
+        async with await proto_ws.open_channel(svc.url, torch_engine.fingerprint) as ch:
+            await ch.send(PreInfer("p", 1, [1], [1]))  # names a request: a request-level error, session lives
+            err = await ch.recv()
+            await ch.send(Generate("after", list(range(10, 30)), 2))
+            while not isinstance(m := await ch.recv(), Done):
+                pass
+            return err, m
+
+    err, done = run(scenario())
+    assert err.request_id == "p" and err.code == ErrorCode.BAD_REQUEST.value and "unexpected PreInfer" in err.message
+    assert done.request_id == "after" and done.cloud_tokens == 2

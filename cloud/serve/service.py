@@ -74,6 +74,7 @@ class _Request:
     budget: int | None = None
     stop_reason: str = "stop"
     batched: bool = False
+    pending: int = 0  # prompt tokens counted in CloudService.pending_tokens until the first token
 
 
 class CloudService:
@@ -95,6 +96,10 @@ class CloudService:
         max_sessions: open device sessions at most; a device beyond it is refused at the handshake
             with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
         max_requests_per_session: concurrent Generates per session at most (OVERLOADED beyond).
+        max_queued_tokens: prompt tokens of admitted requests still waiting for their first token, at
+            most (a request arriving when the queue is not empty and would pass this gets
+            OVERLOADED: a device then runs on its own instead of waiting behind the queue; the
+            queue's wait grows with these tokens at the engine's prefill rate).
         retry_after_ms: the back-off hint sent with OVERLOADED (ms).
         history: Done messages kept in `completed` (the most recent ones; for tests and benches).
         special_ids: chat-template token ids that prompt refinement always keeps (default: the
@@ -120,6 +125,7 @@ class CloudService:
                  max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
                  llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False,
                  max_sessions: int = 256, max_requests_per_session: int = 4, retry_after_ms: float = 5000.0,
+                 max_queued_tokens: int = 4096,
                  history: int = 1000):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.metrics_public = metrics_public
@@ -130,6 +136,8 @@ class CloudService:
         self.max_frame_bytes = max_frame_bytes or split_frame_limit(engine.context_length, engine.cfg.vocab_size)
         self.max_sessions, self.max_requests_per_session = max_sessions, max_requests_per_session
         self.retry_after_ms = retry_after_ms
+        self.max_queued_tokens = max_queued_tokens
+        self.pending_tokens = 0  # prompt tokens of requests waiting for their first token
         self.num_sessions = 0  # open device sessions (after the handshake)
         self._special_ids = special_ids
         self.llm, self.model_name = llm, model_name
@@ -157,6 +165,8 @@ class CloudService:
                         continue
                     req = requests[msg.request_id] = _Request(msg, budget=msg.cloud_budget)
                     req.batched = self.llm is not None and msg.refine is None
+                    req.pending = len(msg.prompt_ids)
+                    self.pending_tokens += req.pending
                     run = self._run_batched if req.batched else self._run
                     task = asyncio.create_task(run(channel, req, requests))
                     tasks.add(task)
@@ -175,9 +185,12 @@ class CloudService:
                         req.budget = min(msg.cloud_budget, req.msg.max_new_tokens)
                         if req.batched:
                             self.llm.set_budget(msg.request_id, req.budget)
-                else:
-                    await channel.send(Error(ErrorCode.BAD_REQUEST.value,
-                                             f"unexpected {type(msg).__name__} from a device", None))
+                else:  # a request-level error when the message names a request, else the connection ends
+                    rid = getattr(msg, "request_id", None)
+                    err = Error(ErrorCode.BAD_REQUEST.value, f"unexpected {type(msg).__name__} from a device", rid)
+                    await channel.send(err)
+                    if rid is None:  # a connection-level Error: the protocol says the sender closes
+                        break
         except RelayInferError as e:  # protocol violation already answered, or peer gone
             if not isinstance(e, ChannelClosed):
                 self.metrics.errors.labels(e.code.value).inc()
@@ -216,6 +229,11 @@ class CloudService:
         dead = self.health()
         if dead is not None:
             return Error(ErrorCode.INTERNAL.value, dead, rid)
+        if self.pending_tokens and self.pending_tokens + n > self.max_queued_tokens:
+            self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
+            return Error(ErrorCode.OVERLOADED.value, f"{self.pending_tokens} prompt tokens are waiting for prefill "
+                         f"(limit {self.max_queued_tokens}); retry after {self.retry_after_ms:.0f} ms", rid,
+                         self.retry_after_ms)
         if n == 0:
             return Error(ErrorCode.BAD_REQUEST.value, "empty prompt", rid)
         if msg.max_new_tokens < 1:
@@ -243,6 +261,11 @@ class CloudService:
             return Error(ErrorCode.BAD_REQUEST.value, f"refine keep ratio must be in (0, 1], got {msg.refine}", rid)
         return None
 
+    def _dequeue(self, req: _Request) -> None:
+        """The request got its first token (or ended): its prompt no longer waits for prefill."""
+        self.pending_tokens -= req.pending
+        req.pending = 0
+
     def _stop(self, req: _Request, reason: str) -> None:
         """Stop/Cancel: the request ends at its next step and its KV cache is freed."""
         if req.stop.is_set():
@@ -258,7 +281,12 @@ class CloudService:
         self.metrics.active_requests.inc()
         sent, reason, prefill_ms, outcome = 0, "length", 0.0, "error"
         try:
-            async for out in self.llm.generate(msg.request_id, msg.prompt_ids, self._params(msg), req.budget):
+            gen = self.llm.generate(msg.request_id, msg.prompt_ids, self._params(msg), req.budget) \
+                if req.budget != 0 else _nothing()  # a zero budget streams nothing (as on the per-request path)
+            if req.budget == 0:
+                reason = "budget"
+            async for out in gen:
+                self._dequeue(req)
                 if sent == 0:
                     prefill_ms = (time.perf_counter() - t0) * 1e3
                     self.metrics.prefill.observe(prefill_ms / 1e3)
@@ -282,6 +310,7 @@ class CloudService:
             except RelayInferError:
                 pass
         finally:
+            self._dequeue(req)
             self.llm.abort(msg.request_id)  # no-op when finished; frees the KV blocks otherwise
             requests.pop(msg.request_id, None)
             self.metrics.requests.labels(outcome).inc()
@@ -320,6 +349,7 @@ class CloudService:
         out_ids: list[int] = []
         try:
             logits, kv, kept = await loop.run_in_executor(self.worker, self._prefill, msg)
+            self._dequeue(req)
             prefill_ms = ms()
             self.metrics.prefill_ms.observe(prefill_ms)
             for i in range(params.max_new_tokens):
@@ -360,6 +390,7 @@ class CloudService:
             except RelayInferError:
                 pass
         finally:
+            self._dequeue(req)
             del kv  # the request's KV cache is freed here
             requests.pop(msg.request_id, None)
             self.metrics.requests.labels(outcome).inc()
@@ -523,6 +554,12 @@ class CloudService:
         if self.http_port is None:
             return None
         return f"{'https' if self._ssl is not None else 'http'}://{self._netloc(self.http_port)}"
+
+
+async def _nothing():
+    """An empty async iterator (a request with a zero cloud budget)."""
+    return
+    yield
 
 
 class ServiceThread:
