@@ -219,8 +219,10 @@ async def _exchange(channel, slide_id, batches, n_tiles, progress) -> tuple[Embe
     try:
         for i, kw in enumerate(batches):
             msg = TileBatch(request_id=rid, slide_id=slide_id, last=i == len(batches) - 1, **kw)
-            await window.acquire()
-            if task.done():
+            acquire = asyncio.ensure_future(window.acquire())
+            await asyncio.wait({acquire, task}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():               # the cloud refused the slide (or closed): stop sending at once
+                acquire.cancel()
                 break
             nbytes += len(encode(msg))
             await channel.send(msg)

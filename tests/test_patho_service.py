@@ -3,6 +3,7 @@ shared websocket protocol (token, fingerprint, limits) -> cloud encoder + ABMIL 
 heatmap and report. The cloud encoder here is a 2-block random-init ViT (same code path as ViT-L/16)."""
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +97,16 @@ def _exchange(url, msgs):
 
 def _empty():
     return Tensor.from_numpy(np.zeros((0, 224, 224, 3), np.uint8))
+
+
+def test_a_slide_refused_mid_way_ends_the_screen_at_once(coarse):
+    svc = PathoService(SlideScreener(ViTEncoder(cfg=VIT_TINY_TEST)), max_tiles_per_slide=3)
+    with PathoServiceThread(svc) as small:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError, match="max_tiles_per_slide 3") as e:
+            screen_slide(bundled_svs(), small.url, coarse, batch_tiles=1, payload="features", timeout_s=120)
+        assert e.value.code.value == "bad_request" and time.monotonic() - t0 < 60
+        assert svc.stats["tiles"] == 3                                   # nothing after the refusal was encoded
 
 
 def test_bad_batches_get_named_errors_and_limits_hold(cloud):

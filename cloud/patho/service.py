@@ -13,7 +13,8 @@ Limits: ``max_tiles_per_slide`` tiles per request and ``max_slides_per_session``
 connection (more: Error BAD_REQUEST / OVERLOADED with the request id); a request's state is freed
 at its last batch, on a per-request Error, or when the connection ends. One compute thread runs the
 models (``torch.set_num_threads(threads)``), so batches of different devices queue in arrival order.
-Malformed tiles (not JPEG, wrong size, mixed modes) get Error(BAD_REQUEST) naming what was wrong.
+Malformed tiles (not JPEG, wrong size, mixed modes) get Error(BAD_REQUEST) naming what was wrong;
+a refused request stays refused: its batches still in flight get Error(UNKNOWN_REQUEST), unencoded.
 """
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ class PathoService:
     async def handle(self, channel: ServerChannel) -> None:
         """One device connection: TileBatch in, Embeddings (and errors) out."""
         slides: dict[str, _Slide] = {}
+        refused: dict[str, None] = {}    # request ids refused on this connection (the last 256), in order
         async for msg in channel:
             if not isinstance(msg, TileBatch):
                 rid = getattr(msg, "request_id", None)
@@ -137,10 +139,17 @@ class PathoService:
                                              message=f"the slide service does not handle {type(msg).__name__}"))
                 continue
             self.stats["bytes_in"] += msg.tiles.nbytes + sum(map(len, msg.jpeg)) + (msg.features.nbytes if msg.features else 0)
+            if msg.request_id in refused:    # batches already in flight when the slide was refused
+                await channel.send(Error(code=ErrorCode.UNKNOWN_REQUEST.value, request_id=msg.request_id,
+                                         message=f"slide request {msg.request_id!r} was refused already"))
+                continue
             try:
                 reply = await self._batch(slides, msg)
             except _Refused as e:
                 slides.pop(msg.request_id, None)
+                refused[msg.request_id] = None
+                if len(refused) > 256:
+                    refused.pop(next(iter(refused)))
                 reply = Error(code=e.code.value, message=e.message, request_id=msg.request_id)
             await channel.send(reply)
 
