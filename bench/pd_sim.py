@@ -18,7 +18,8 @@ Systems with the same number of instances N:
   load, each group starting at the analytic best ratio, the ratio controller (`Hysteresis`, the same
   rule as `cloud/pd/ratio.py`) moving instances between P and D every 5 s of simulated time.
 Forwarding: `on-demand` (a prefill instance accepts only if its own queue lets it start within the
-remaining TTFT budget, else rejects; the gateway tries the next, backs off 10 ms after a full round,
+remaining TTFT budget, else rejects; the gateway tries the next, backs off after a full round (10 ms,
+doubling up to 200 ms),
 and forces the shortest wait when the budget is spent) vs `push` (the shortest queue as reported
 every `report_s`, stale in between).
 
@@ -182,7 +183,7 @@ class Sim:
             return self.enqueue(t, inst, r)
         self.offer_round(t, r, t)
 
-    def offer_round(self, t: float, r: Req, t0: float) -> None:
+    def offer_round(self, t: float, r: Req, t0: float, backoff: float = 0.01) -> None:
         pool = self.pool(self.group_of(r), "prefill")
         slo = self.slos[r.scen]["ttft_s"]
         if self.forwarding == "push":
@@ -199,10 +200,10 @@ class Sim:
             if self.est_wait_s(inst, r.prompt) <= slo - (tt - r.arrival):
                 return self.enqueue(tt, inst, r)
             self.rejections += 1
-        if tt + 0.01 - r.arrival >= slo:
+        if tt + backoff - r.arrival >= slo:
             self.forced += 1
             return self.enqueue(tt, min(pool, key=lambda i: i.queued_tokens), r)
-        self.at(tt + 0.01, "retry", r, t0)
+        self.at(tt + backoff, "retry", r, t0, min(2 * backoff, 0.2))  # exponential back-off, as the gateway
 
     def enqueue(self, t: float, inst: Inst, r: Req) -> None:
         r.left_prefill = r.prompt
@@ -411,7 +412,7 @@ def run_all(out: Path, quick: bool = False, seed: int = 0) -> dict:
                 "tpot_s": round(2.0 * step8 / 1e3, 3)} for s in ("chat", "long")}
     share_long = 0.2
     sizes = (8, 16) if quick else (8, 16, 32, 64)
-    duration = 60.0 if quick else 90.0
+    duration = 60.0
     res = {"what": "SIMULATED (discrete-event) with timings measured here: pd-perf.json (engine), pd-transfer.json "
                    "(KV hand-off); request lengths from real chitchat-dataset conversations",
            "perf": perf, "slos": slos, "share_long": share_long, "duration_s": duration,
@@ -423,7 +424,7 @@ def run_all(out: Path, quick: bool = False, seed: int = 0) -> dict:
         # rates around the analytic capacity of n instances
         cap = min(prefill_capacity(n // 2, Workload(chat_p, 40, slos["chat"]["ttft_s"] * 1e3, slos["chat"]["tpot_s"] * 1e3), pm),
                   decode_capacity(n // 2, Workload(chat_p, 40, slos["chat"]["ttft_s"] * 1e3, slos["chat"]["tpot_s"] * 1e3), pm))
-        rates = list(np.linspace(0.1, 1.6, 7 if quick else 9) * max(cap, 0.5))
+        rates = list(np.linspace(0.1, 1.6, 7) * max(cap, 0.5))
         for cv in (1.0, 4.0):
             key = f"n{n}-cv{cv:g}"
             res["goodput"][key] = {}
@@ -437,13 +438,15 @@ def run_all(out: Path, quick: bool = False, seed: int = 0) -> dict:
             base = g["aggregated"]["max_rate_at_90pct"]
             summary["goodput_ratio_grouped_over_aggregated"][key] = round(g["pd-grouped"]["max_rate_at_90pct"] / base, 3) if base else None
             summary["goodput_ratio_static_over_aggregated"][key] = round(g["pd-static"]["max_rate_at_90pct"] / base, 3) if base else None
+            res["summary"] = summary
+            (out / "pd-sim.partial.json").write_text(json.dumps(res, indent=1))  # survives an interrupted run
     # forwarding: on-demand vs push on the chat group alone, bursty arrivals, stale reports
     fw_summary = {}
-    for n in sizes:
+    for n in (sizes if quick else (8, 32, 64)):
         key = f"n{n}"
         w = Workload(chat_p, 40, slos["chat"]["ttft_s"] * 1e3, slos["chat"]["tpot_s"] * 1e3)
         n_p, n_d, cap = best_ratio(n, w, pm)
-        rates = list(np.linspace(0.2, 1.4, 7 if quick else 10) * max(cap, 0.5))
+        rates = list(np.linspace(0.2, 1.4, 7) * max(cap, 0.5))
         curves = {}
         for fw in ("push", "on-demand"):
             rows = []
@@ -464,6 +467,7 @@ def run_all(out: Path, quick: bool = False, seed: int = 0) -> dict:
             print(f"forwarding {key}: at {p['rate']:.2f} req/s push {p['ttft_attainment']:.3f} on-demand "
                   f"{o['ttft_attainment']:.3f} -> {entry['ratio']:.2f}x", flush=True)
         res["forwarding"][key] = entry
+        (out / "pd-sim.partial.json").write_text(json.dumps(res, indent=1))
     summary["forwarding_ttft_attainment_ratio"] = fw_summary
     res["summary"] = summary
     plot(res, out)

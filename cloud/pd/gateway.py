@@ -10,7 +10,8 @@ arXiv 2408.08147, sec. 3.2).
 * `on-demand`: the gateway offers the request to the group's prefill instances in turn; each accepts
   only if its own local queue lets it start within the remaining TTFT budget, else rejects at once,
   and the gateway tries the next. When all reject it backs off briefly and retries until the budget
-  is spent, then sends it to the instance that reported the shortest wait (forced).
+  is spent (back-off 10 ms doubling up to 200 ms), then sends it to the instance that reported the
+  shortest wait (forced).
 * `push`: the gateway picks the prefill instance with the shortest queue **as last reported**
   (every `report_interval_s`, so stale in between) and pushes the request; the instance always
   accepts. This is the baseline P/D-Serve compares against.
@@ -313,6 +314,7 @@ class Gateway:
         reported queue, always accepted."""
         m, gname = self.metrics, group.name
         slo = group.scenario.ttft_slo_ms
+        backoff = self.retry_backoff_s
         while True:
             pool = await self._live_pool(group, "prefill")
             k = next(self._rr[gname])
@@ -332,10 +334,11 @@ class Gateway:
                 m.rejections.labels(gname).inc()
                 if best is None or r.est_wait_ms < best[1]:
                     best = (h, r.est_wait_ms)
-            if (time.perf_counter() - t0) * 1e3 + self.retry_backoff_s * 1e3 >= slo:
+            if (time.perf_counter() - t0) * 1e3 + backoff * 1e3 >= slo:
                 m.forced.labels(gname).inc()  # every instance keeps rejecting: the shortest wait takes it
                 return best[0], await offer(best[0], None)
-            await asyncio.sleep(self.retry_backoff_s)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, 0.2)  # exponential back-off: 10 ms, 20 ms, ... 200 ms
 
     def _dead_text(self, handles) -> str:
         return "; ".join(f"{h.name}: {self.dead.get(h.name, 'not reporting')}" for h in handles) or "none configured"
