@@ -229,11 +229,6 @@ class CloudService:
         dead = self.health()
         if dead is not None:
             return Error(ErrorCode.INTERNAL.value, dead, rid)
-        if self.pending_tokens and self.pending_tokens + n > self.max_queued_tokens:
-            self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
-            return Error(ErrorCode.OVERLOADED.value, f"{self.pending_tokens} prompt tokens are waiting for prefill "
-                         f"(limit {self.max_queued_tokens}); retry after {self.retry_after_ms:.0f} ms", rid,
-                         self.retry_after_ms)
         if n == 0:
             return Error(ErrorCode.BAD_REQUEST.value, "empty prompt", rid)
         if msg.max_new_tokens < 1:
@@ -259,6 +254,11 @@ class CloudService:
             return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
         if msg.refine is not None and not 0 < msg.refine <= 1:
             return Error(ErrorCode.BAD_REQUEST.value, f"refine keep ratio must be in (0, 1], got {msg.refine}", rid)
+        if self.pending_tokens and self.pending_tokens + n > self.max_queued_tokens:  # last: a request that is
+            self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()        # wrong gets its own error first
+            return Error(ErrorCode.OVERLOADED.value, f"{self.pending_tokens} prompt tokens are waiting for prefill "
+                         f"(limit {self.max_queued_tokens}); retry after {self.retry_after_ms:.0f} ms", rid,
+                         self.retry_after_ms)
         return None
 
     def _dequeue(self, req: _Request) -> None:
