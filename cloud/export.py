@@ -119,6 +119,29 @@ def ensure_device_model(model_path: str | os.PathLike | None = None, quantize: s
     say = progress or (lambda msg: None)
     path = resolve_model_path(model_path)
     d = model_cache_dir(path)
+    with _export_lock(d):  # one exporter at a time (parallel test workers, two commands at once)
+        return _ensure_locked(path, d, quantize, say)
+
+
+@contextlib.contextmanager
+def _export_lock(d: Path):
+    """An exclusive inter-process lock on the cache directory `d` (fcntl; a no-op where absent)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover  (not POSIX)
+        yield
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".export.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _ensure_locked(path: Path, d: Path, quantize: str | None, say: Callable[[str], None]) -> Path:
+    """`ensure_device_model` under the cache lock: check the manifest, export what is missing."""
     manifest_path = d / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"files": {}}
     fp32, target = d / "model.fp32.onnx", d / f"model.{quantize or 'fp32'}.onnx"
