@@ -223,6 +223,14 @@ def test_n_choices_streamed_seeded(base, service, tokenizer):
             got[ch["index"]] += ch["delta"].get("content") or ""
     assert [got[0], got[1]] == texts
     assert chunks[-1]["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
+    # one prefill forked: choice 1 starts once choice 0 has prefilled, on its cached full blocks
+    msgs = [{"role": "user", "content": "A prompt seen by no other test: " + "sea " * 40}]
+    r = chat(base, messages=msgs, **body).json()
+    n_prompt = len(tokenizer.encode_chat(msgs))
+    eng = service.llm.engine
+    first = eng.request_stats(f"{r['id']}-0").prefix_hit_tokens  # the default system turn's block, at most
+    assert first <= 16
+    assert eng.request_stats(f"{r['id']}-1").prefix_hit_tokens == (n_prompt - 1) // eng.block_size * eng.block_size > first
     assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"] == len(tokenizer.encode_chat(HI))
     assert service.llm.engine.block_manager.num_used_blocks == 0
 

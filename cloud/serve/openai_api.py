@@ -528,7 +528,7 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
 
         gens = [r.deltas() for r in runs]
         try:  # request errors raise here, before any header; the choices start together
-            firsts = await _firsts(gens)
+            firsts = await _firsts(gens, req.n)
         except PromptTooLongError as e:
             await _close_all(gens)
             raise APIError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded") from None
@@ -694,15 +694,28 @@ async def _first(gen: AsyncIterator):
         return _DONE
 
 
-async def _firsts(gens: list) -> list:
-    """`_first` of every generator, run concurrently (so n choices are admitted together); on any
+async def _firsts(gens: list, n: int) -> list:
+    """`_first` of every generator (`n` choices per prompt, choice-major per prompt): the first
+    choice of every prompt runs first; once it has its first token its prompt's full KV blocks are
+    in the prefix cache, so the other n - 1 choices, started then, share those blocks (ref counts)
+    and compute only the prompt's last partial block: one prefill forked into n answers. On any
     error or cancellation the others are cancelled and awaited before it propagates, so that the
     generators are idle when the caller closes them."""
     if len(gens) == 1:
         return [await _first(gens[0])]
-    tasks = [asyncio.ensure_future(_first(g)) for g in gens]
+    out: list = [None] * len(gens)
+    tasks: list[asyncio.Task] = []
+
+    async def run(idx: list[int]) -> None:
+        batch = [asyncio.ensure_future(_first(gens[i])) for i in idx]
+        tasks.extend(batch)
+        for i, v in zip(idx, await asyncio.gather(*batch)):
+            out[i] = v
+
     try:
-        return await asyncio.gather(*tasks)
+        await run(list(range(0, len(gens), n)))  # the first choice of each prompt
+        await run([i for i in range(len(gens)) if i % n])  # the forks, on the cached prompt blocks
+        return out
     except BaseException:
         for t in tasks:
             t.cancel()
