@@ -81,6 +81,7 @@ class InstanceActor:
         self.model = build_model(cfg, weights)
         self.inst = Instance(self.model, name, role, InstanceConfig(**config), in_process=False)
         self.inst.engine.generate([list(range(16, 48))], _warm_params())  # first steps allocate
+        self.inst.engine.prefill_tok_s = None  # the warm-up's speed (allocation) is no estimate: back to the prior
         self.started = time.time()
         self.die_after_handoff = 0
 
