@@ -86,13 +86,16 @@ def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
     console = Console(stderr=True)
     total = EXPORT_SECONDS * (1.3 if quantize else 1.0)
     t0, done = time.monotonic(), threading.Event()
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  TextColumn(f"(about {total:.0f} s on 2 cores, once per model)"), console=console) as bar:
-        task = bar.add_task("exporting the device model to ONNX", total=total)
+    usual = f"(about {total:.0f} s on 2 cores, once per model)"
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
+                  console=console) as bar:
+        task = bar.add_task("exporting the device model to ONNX", total=total, note=usual)
 
         def tick():  # the export reports steps, not fractions: the bar follows the clock, held short of 100 %
             while not done.wait(0.25):
-                bar.update(task, completed=min(time.monotonic() - t0, 0.97 * total))
+                elapsed = time.monotonic() - t0
+                bar.update(task, completed=min(elapsed, 0.97 * total),
+                           note=usual if elapsed < total else f"(usually {total:.0f} s; a busy CPU is slower: still working)")
 
         threading.Thread(target=tick, name="export-progress", daemon=True).start()
         try:
@@ -101,7 +104,8 @@ def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
         finally:
             done.set()
         bar.update(task, completed=total)
-    console.print(f"device model exported in {time.monotonic() - t0:.0f} s, cached in {d} (later runs skip this)")
+    console.print(f"device model exported in {time.monotonic() - t0:.0f} s, cached in {d} (later runs skip this)",
+                  soft_wrap=True, highlight=False)  # one line: a long path is not folded onto the next
     return d
 
 
