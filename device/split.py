@@ -54,7 +54,7 @@ from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop, Token
-from relayinfer.protocol.refine import system_prefix_len
+from relayinfer.protocol.refine import TemplateMarkers, refine_pays, system_prefix_len
 
 from .settings import Timing, choose_settings
 from .speed import SpeedController
@@ -315,9 +315,10 @@ class _Run:
         if not self.auto:
             return
         n = len(self.prompt)
-        self.device_prompt_est = max(1, int(n * opt.refine)) if opt.refine else n
+        refine = opt.refine if refine_pays(n, opt.refine) else None  # off where it does not pay
+        self.device_prompt_est = max(1, int(n * refine)) if refine else n
         t = self.timing()
-        if opt.refine:  # the refined prompt comes right after the first cloud token
+        if refine:  # the refined prompt comes right after the first cloud token
             t = self.timing(start_ms=t.cloud_ttft_ms)
         st = choose_settings(t, self.device_prompt_est, self.params.max_new_tokens, opt.target_tpot_ms)
         self.speed.interval_ms = st.interval_ms
@@ -421,7 +422,7 @@ class _Run:
                                                        **({"ssl": s.ssl} if s.ssl is not None else {}))
             budget = self.budget if self.mode == "split" else None
             p = self.params
-            refine = s.opt.refine if self.mode == "split" else None
+            refine = s.opt.refine if self.mode == "split" and refine_pays(len(self.prompt), s.opt.refine) else None
             await self.channel.send(Generate(self.request_id, self.prompt, p.max_new_tokens, p.temperature, p.top_p,
                                              p.top_k, p.seed, budget, refine, list(p.stop_ids),
                                              presence_penalty=p.presence_penalty,
@@ -519,7 +520,7 @@ class _Run:
         t = time.perf_counter()
         prompt = self.prompt
         if self.refine_wanted:  # the system turn is always kept: prefill it while the cloud scores
-            head = system_prefix_len(prompt)
+            head = system_prefix_len(prompt, TemplateMarkers.from_tokenizer(self.s.tokenizer))
             if head:
                 logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[:head], kv)
             await self.got_refined.wait()

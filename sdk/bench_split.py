@@ -327,7 +327,7 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     for r in (x for x in rows if x["bench_mode"] == "split+refine" and not link):
         ids, ref = plist[r["prompt_idx"]][1], ref_by[r["prompt_idx"]]
         _, _, scores = cloud_engine.prefill_scored(ids, WINDOW)
-        kept = [ids[i] for i in refine_indices(scores, ids, refine, svc.special_ids)]
+        kept = [ids[i] for i in refine_indices(scores, ids, refine, svc.markers)]
         n32 = min(32, len(ref))
         fid.append({"prompt_tokens": len(ids), "kept_tokens": len(kept),
                     "first32_agreement": sum(a == b for a, b in zip(r["token_ids"][:n32], ref[:n32])) / n32,

@@ -3,7 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from relayinfer.cloud.relay.train import TrainConfig, checkpoint_path, evaluate, load, popularity, save, train
+import json
+
+from relayinfer.cloud.relay.train import (DEFAULT_CHECKPOINT_INFO, TrainConfig, checkpoint_path, default_checkpoint,
+                                          ensure_checkpoint, evaluate, load, popularity, save, train)
 
 
 def test_leave_last_out_split(data):
@@ -40,6 +43,32 @@ def test_checkpoint_roundtrip_under_cache_dir(data, tmp_path, monkeypatch):
     it = torch.from_numpy(data.items[1][None, :30])
     ts = torch.from_numpy(data.ts[1][None, :30])
     torch.testing.assert_close(m2.score(it, ts, torch.tensor([30]), c), model.score(it, ts, torch.tensor([30]), c))
+
+
+def test_shipped_default_checkpoint(data):
+    """The checkpoint serving and the benchmark use by default: its hash is the recorded one, it loads
+    (the current layer), it ranks, and its recorded HR@10 is above popularity's (NDCG@10 is not: see the
+    README's GR relay section). Nothing is trained on the fly."""
+    info = json.loads(DEFAULT_CHECKPOINT_INFO.read_text())
+    assert ensure_checkpoint() == default_checkpoint()
+    model, metrics = load(default_checkpoint())
+    assert {k: metrics[k] for k in info["metrics"]} == info["metrics"] and info["metrics"]["users"] == 943
+    assert info["metrics"]["hr"] > info["metrics"]["pop_hr"]
+    u = data.users[0]
+    it, ts = torch.from_numpy(data.items[u][None]), torch.from_numpy(data.ts[u][None])
+    s = model.score(it, ts, torch.tensor([it.shape[1]]), torch.arange(1, 1683)[None])
+    assert torch.isfinite(s).all() and s.std() > 0.1
+
+
+@pytest.mark.slow
+def test_shipped_default_checkpoint_metrics_reproduce(data):
+    """Re-evaluating the shipped checkpoint (full sort, 943 users, request time = the held-out event's
+    time) gives exactly the recorded HR@10 / NDCG@10."""
+    torch.set_num_threads(1)
+    info = json.loads(DEFAULT_CHECKPOINT_INFO.read_text())
+    res = evaluate(load(default_checkpoint())[0], data, "test", max_len=info["train"]["max_len"])
+    for k in ("hr", "ndcg", "pop_hr", "pop_ndcg"):
+        assert res[k] == pytest.approx(info["metrics"][k], abs=1e-9)
 
 
 @pytest.mark.slow

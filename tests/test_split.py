@@ -14,6 +14,7 @@ import pytest
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.profiles import DeviceProfile
+from relayinfer.protocol import refine as refine_mod
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode, RemoteError
@@ -145,16 +146,20 @@ def test_connection_lost_mid_stream_device_completes(torch_engine, onnx_engine, 
     assert 1 <= res.cloud_tokens <= 3 and res.device_tokens == len(res.token_ids) - res.cloud_tokens
 
 
-def test_auto_settings_hand_off_and_refinement(cloud, onnx_engine, chat_prompt_ids, reference):
-    """The settings algorithm picks the budget; refinement makes the device prefill fewer tokens."""
+def test_auto_settings_hand_off_and_refinement(cloud, onnx_engine, chat_prompt_ids, reference, monkeypatch):
+    """The settings algorithm picks the budget; refinement makes the device prefill fewer tokens,
+    but only on prompts long enough for it to pay (`refine_pays`)."""
     c = client(cloud, onnx_engine, cloud_budget="auto", target_tpot_ms=60.0,
                profile=DeviceProfile("test", prefill_ms_per_token=20.0))
     res = c.complete(chat_prompt_ids[0], max_new_tokens=64)
     assert res.token_ids[: len(reference[0])] == reference[0]
     assert res.mode == "split" and res.cloud_budget is not None and res.interval_ms >= 60.0
     assert res.cloud_tokens <= res.cloud_budget
-    refined = c.complete(chat_prompt_ids[0], max_new_tokens=MAX_NEW, refine=0.5, cloud_budget=BUDGET)
     n = len(chat_prompt_ids[0])
+    short = c.complete(chat_prompt_ids[0], max_new_tokens=MAX_NEW, refine=0.5, cloud_budget=BUDGET)
+    assert n < refine_mod.MIN_REFINE_TOKENS and short.device_prompt_tokens == n  # refinement off: too short
+    monkeypatch.setattr(refine_mod, "MIN_REFINE_TOKENS", 0)
+    refined = c.complete(chat_prompt_ids[0], max_new_tokens=MAX_NEW, refine=0.5, cloud_budget=BUDGET)
     assert refined.mode == "split" and refined.device_prompt_tokens < n
     assert refined.token_ids[: refined.handoff_index] == reference[0][: refined.handoff_index]
 

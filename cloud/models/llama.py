@@ -110,8 +110,9 @@ class RMSNorm(nn.Module):
 
 
 def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, head_dim] for integer `positions` [S] (RoFormer, Su et al. 2021)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos, sin [S, head_dim] for integer `positions` [S] ([B, S] gives [B, S, head_dim])
+    (RoFormer, Su et al. 2021)."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -178,14 +179,23 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, start: torch.Tensor | int,
-                last_only: bool = True, obs: "ObservationScores | None" = None) -> torch.Tensor:
+                last_only: bool = True, obs: "ObservationScores | None" = None,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run `input_ids` [B, S] (int64) at positions start..start+S-1 after the `start` cached
         tokens. Returns logits float32 [B, V] for the last position (`last_only`) or [B, S, V].
-        `obs` collects the attention that the last prompt positions pay to every key (refinement)."""
+        `obs` collects the attention that the last prompt positions pay to every key (refinement).
+        `positions`: int64 [S] or [B, S] RoPE positions instead of start..start+S-1 (the cache slots
+        stay start..: a refined prompt keeps its original positions, `bench refine`). `mask`: bool
+        [S, start+S] or [B, 1, S, start+S] keys each query sees instead of the causal mask (left
+        padding in a batch)."""
         b, s = input_ids.shape
         pos = start + torch.arange(s, device=input_ids.device)
-        cos, sin = rope(pos, self.inv_freq)
-        if isinstance(start, int) and s == 1:
+        cos, sin = rope(pos if positions is None else positions, self.inv_freq)
+        if cos.dim() == 3:  # per-row positions: broadcast over heads
+            cos, sin = cos[:, None], sin[:, None]
+        if mask is not None:
+            pass
+        elif isinstance(start, int) and s == 1:
             mask = None  # one query sees every cached key
         else:  # causal over cached + new keys: key j visible to query i iff j <= start + i
             mask = torch.arange(start + s, device=input_ids.device)[None, :] <= pos[:, None]

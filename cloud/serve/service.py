@@ -32,7 +32,7 @@ from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop,
                                           Token, encode)
-from relayinfer.protocol.refine import WINDOW, refine_indices
+from relayinfer.protocol.refine import WINDOW, TemplateMarkers, refine_indices
 from relayinfer.protocol.security import bearer_token, server_context, token_matches
 
 log = logging.getLogger("relayinfer.cloud")
@@ -324,13 +324,26 @@ class CloudService:
             self._special_ids = Tokenizer.from_gguf(self.engine.model_path).special_ids
         return self._special_ids
 
+    @property
+    def markers(self) -> TemplateMarkers:
+        """The chat template's scaffold that refinement keeps whole (read from the model's tokenizer;
+        `special_ids`, when given to the constructor, replaces its control ids)."""
+        if getattr(self, "_markers", None) is None:
+            from dataclasses import replace
+
+            from relayinfer.protocol.tokenizer import Tokenizer
+
+            m = TemplateMarkers.from_tokenizer(Tokenizer.from_gguf(self.engine.model_path))
+            self._markers = m if self._special_ids is None else replace(m, special_ids=frozenset(self._special_ids))
+        return self._markers
+
     def _prefill(self, msg: Generate):
         """Prefill; with refinement also the kept prompt indices (SnapKV-style scores)."""
         if msg.refine is None:
             logits, kv = self.engine.prefill(msg.prompt_ids)
             return logits, kv, None
         logits, kv, scores = self.engine.prefill_scored(msg.prompt_ids, WINDOW)
-        return logits, kv, refine_indices(scores, msg.prompt_ids, msg.refine, self.special_ids)
+        return logits, kv, refine_indices(scores, msg.prompt_ids, msg.refine, self.markers)
 
     @staticmethod
     def _params(msg: Generate) -> SamplingParams:
