@@ -178,12 +178,16 @@ def test_penalties_split_answer_identical_across_hand_off(service, torch_engine,
     prompt = tokenizer.encode_chat("Repeat the word 'sea' ten times.")
     sampling = dict(max_new_tokens=12, temperature=0.7, seed=5, **PENALTIES)
     ref = torch_engine.generate(prompt, SamplingParams(**sampling)).token_ids
-    c = Client(cloud_url=service.url, engine=onnx_engine, profile=DeviceProfile("test-slow", prefill_ms_per_token=40.0),
-               target_tpot_ms=30.0, cloud_budget=6)
-    split = c.complete(prompt, **sampling)
-    device = c.complete(prompt, **sampling, mode="device-only")
-    assert split.mode == "split" and 0 < split.handoff_index < len(split.token_ids)
-    assert split.token_ids == device.token_ids == ref
+    slow = DeviceProfile("test-slow", prefill_ms_per_token=100.0)  # the cloud's first tokens come first
+    device = Client(engine=onnx_engine, mode="device-only", profile=slow).complete(prompt, **sampling)
+    assert device.token_ids == ref
+    # the batched engine (module service) and the per-request service path (no llm) on the cloud side
+    with ServiceThread(CloudService(torch_engine, torch_engine.fingerprint)) as per_request:
+        for svc in (service, per_request):
+            c = Client(cloud_url=svc.url, engine=onnx_engine, profile=slow, target_tpot_ms=30.0, cloud_budget=6)
+            split = c.complete(prompt, **sampling)
+            assert split.mode == "split" and 0 < split.handoff_index < len(split.token_ids), (svc.llm, split)
+            assert split.token_ids == ref, svc.llm
 
 
 # --- 4: stop_token_ids ---------------------------------------------------------------------------

@@ -364,7 +364,7 @@ class CloudService:
             logits, kv, kept = await loop.run_in_executor(self.worker, self._prefill, msg)
             self._dequeue(req)
             prefill_ms = ms()
-            self.metrics.prefill_ms.observe(prefill_ms)
+            self.metrics.prefill.observe(prefill_ms / 1e3)
             for i in range(params.max_new_tokens):
                 if req.stop.is_set():
                     reason = req.stop_reason
