@@ -181,6 +181,8 @@ def test_split_session_through_pd_gateway(pd_cloud, onnx_engine, chat_prompt_ids
     c = client(pd_cloud, onnx_engine)
     split = c.complete(chat_prompt_ids[2], max_new_tokens=MAX_NEW)
     assert split.token_ids == ref and split.cloud_tokens <= BUDGET
+    assert gw.metrics.registry.get_sample_value("relayinfer_pd_requests_total", {"group": "chat", "outcome": "error"}) \
+        is None
     # (on a loaded machine the paced device may still win the race to the first token: device-only)
     assert split.mode == "device-only" or (split.mode == "split" and split.cloud_tokens > 0), (split.mode, split.fault)
     assert d.counters["decodes"] == 0 and p.counters["generates"] == 1  # the device never used a decode instance

@@ -376,6 +376,7 @@ class Gateway:
         outcome, outs, retries = "error", [], 0
         t0 = time.perf_counter()
         last = [t0]
+        ended = [None]  # finish reason of the last token handed out
 
         def emit(o: StepOutput) -> StepOutput:
             now = time.perf_counter()
@@ -387,6 +388,7 @@ class Gateway:
                 self.metrics.tpot.labels(group.name).observe(now - last[0])
             last[0] = now
             outs.append(o.token_id)
+            ended[0] = o.finish_reason
             return StepOutput(request_id, o.token_id, len(outs) - 1, o.finish_reason)
 
         try:
@@ -414,6 +416,9 @@ class Gateway:
                         raise PDError(f"request {request_id!r} failed after {retries - 1} retries: {e}") from e
                     log.warning("request %s: %s; resuming after %d tokens (retry %d)", request_id, e, len(outs),
                                 retries)
+        except (GeneratorExit, asyncio.CancelledError):  # the consumer left: after the last token, or early
+            outcome = "ok" if ended[0] else "aborted"
+            raise
         finally:
             for h, irid in live.where:  # whatever still runs somewhere stops and frees its KV
                 await self._quiet(h.abort(irid))
