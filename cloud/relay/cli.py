@@ -22,7 +22,8 @@ def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut 
 
 
 @relay_app.command()
-def bench(out: Path = typer.Option(Path("bench/results/relay.json"), help="results JSON (plot written beside it)"),
+def bench(out: Path = typer.Option(None, help="results JSON (plot written beside it); default "
+                                              "bench/results/relay.json, or relay_production.json for --shape production"),
           quick: bool = typer.Option(False, help="shorter sweep and fewer requests"),
           live: bool = typer.Option(True, help="also run the live check through instance processes"),
           shape: str = typer.Option("trained", help="trained: the shipped ML-100K checkpoint; production: an 8-layer "
@@ -31,6 +32,7 @@ def bench(out: Path = typer.Option(Path("bench/results/relay.json"), help="resul
     from relayinfer.cloud.relay.bench import run
     if shape not in ("trained", "production"):
         raise typer.BadParameter("--shape must be trained or production")
+    out = out or Path("bench/results") / ("relay.json" if shape == "trained" else "relay_production.json")
     run(out, quick=quick, live=live, log=typer.echo, shape=shape)
 
 
