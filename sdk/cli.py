@@ -594,6 +594,32 @@ def bench_pd(
     print(json.dumps(res, indent=1, default=str))
 
 
+@bench_app.command("refine")
+def bench_refine(
+    lengths: str = typer.Option("128,192,256,384,512,768,1024,1536,2048", help="Comma list of prompt lengths (tokens)."),
+    per_length: int = typer.Option(1, help="Chitchat prompts per length."),
+    out: str = typer.Option("bench/results/refine.json", help="Results JSON (a PNG plot goes next to it)."),
+    workers: int = typer.Option(1, help="Processes (one torch thread each)."),
+    seed: int = typer.Option(0),
+):
+    """Prompt refinement scored on the refined prompt alone: attention vs recency vs random (bench/refine.py)."""
+    import importlib.util
+    import shlex
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "refine.py"
+    if not path.is_file():
+        fail(FileNotFoundError(f"{path} not found: `relayinfer bench refine` runs from a source checkout"))
+    spec = importlib.util.spec_from_file_location("relayinfer_bench_refine", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # worker processes find its functions by name
+    spec.loader.exec_module(mod)
+    res = mod.bench_refine([int(x) for x in lengths.split(",") if x.strip()], per_length, out=out,
+                           plot=str(Path(out).with_suffix(".png")), workers=workers, seed=seed,
+                           command=shlex.join(["relayinfer", *sys.argv[1:]]))
+    print(json.dumps(res["summary"], indent=1))
+
+
 @bench_app.command("soak")
 def bench_soak(
     devices: int = typer.Option(100, help="Virtual devices (each loops: connect, 1-3 requests, close, think)."),
