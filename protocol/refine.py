@@ -14,9 +14,11 @@ template (`TemplateMarkers.from_tokenizer`), so any template works, not only Cha
 
 The device prefills the kept tokens as a shorter prompt (contiguous positions), like
 selective-context compression (Li et al. 2023, "Compressing Context to Enhance Inference Efficiency
-of LLMs"). Below `MIN_REFINE_TOKENS` prompt tokens refinement is not worth it (`refine_pays`): like
-SnapKV, which compresses nothing below its capacity, the cloud then keeps the whole prompt (rule and
-measured table: README "Settings, refinement, profiles", `bench/results/refine.json`).
+of LLMs"). The device asks for refinement only where it paid in `bench refine` (`refine_pays`:
+prompts of at least `MIN_REFINE_TOKENS` tokens at keep ratios near 0.5; elsewhere the attention
+selection did not beat keeping the newest tokens, so the device prefills the whole prompt, as SnapKV
+compresses nothing below its capacity). Table: README "Settings, refinement, profiles",
+`bench/results/refine.json`.
 """
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ WINDOW = 16
 # Below this many prompt tokens the whole prompt is kept (bench refine: the attention method does
 # not beat the recency baseline beyond its standard error there; see `refine_pays`).
 MIN_REFINE_TOKENS = 512
+# `relayinfer bench refine --lengths 128,192,256,384,512,640,768,1024 --workers 3`
+# (bench/results/refine.json, SmolLM2-135M, 8 chitchat prompts of 118-929 tokens): log-likelihood of
+# the full-prompt greedy answer under the attention selection minus under the recency selection,
+# nats/token, mean and standard error over the prompts of each bucket (paired per prompt), by
+# (prompt-length bucket: 0 = below MIN_REFINE_TOKENS, else MIN_REFINE_TOKENS and longer; keep ratio).
+ATTENTION_MINUS_RECENCY = {(0, 0.25): (-0.166, 0.234), (0, 0.5): (-0.101, 0.124), (0, 0.75): (-0.084, 0.038),
+                           (1, 0.25): (-0.012, 0.046), (1, 0.5): (0.027, 0.010), (1, 0.75): (-0.012, 0.008)}
 
 
 @dataclass(frozen=True)
@@ -178,10 +187,17 @@ def system_prefix_len(ids: Sequence[int], markers: TemplateMarkers) -> int:
 
 
 def refine_pays(n: int, keep_ratio: float | None) -> bool:
-    """Whether refining an `n`-token prompt at `keep_ratio` is worth it (the measured rule: prompts
-    of at least `MIN_REFINE_TOKENS` tokens; below, the attention method did not beat keeping the
-    newest tokens beyond its standard error)."""
-    return keep_ratio is not None and keep_ratio < 1 and n >= MIN_REFINE_TOKENS
+    """Whether refining an `n`-token prompt at `keep_ratio` is worth it: only where the attention
+    selection beat the recency baseline by more than its standard error in `ATTENTION_MINUS_RECENCY`
+    (the nearest measured keep ratio, the prompt's length bucket). Measured: prompts of at least
+    `MIN_REFINE_TOKENS` tokens at keep 0.5 (+0.027 ± 0.010 nats/token); everywhere else attention did
+    not beat recency, so the device prefills the whole prompt (as SnapKV compresses nothing below its
+    capacity, Li et al. 2024, arXiv 2404.14469, sec. 4)."""
+    if keep_ratio is None or not 0 < keep_ratio < 1:
+        return False
+    ratio = min((r for _, r in ATTENTION_MINUS_RECENCY), key=lambda r: abs(r - keep_ratio))
+    mean, se = ATTENTION_MINUS_RECENCY[(int(n >= MIN_REFINE_TOKENS), ratio)]
+    return mean > se
 
 
 def refine_indices(scores: np.ndarray, ids: Sequence[int], keep_ratio: float, markers: TemplateMarkers,

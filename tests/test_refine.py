@@ -102,6 +102,9 @@ def test_llama3_template_markers_system_role_and_scaffold(tokenizer, llama3):
     assert len(heads) >= 2 and heads == [s[0] for s in spans][-len(heads):] and not set(range(*spans[0][:2])) & set(kept)
 
 
-def test_refinement_pays_only_on_long_prompts():
+def test_refinement_pays_only_where_attention_beat_recency():
+    """bench refine: attention beat recency beyond its standard error only on prompts of at least
+    MIN_REFINE_TOKENS tokens at keep 0.5; elsewhere the device keeps the whole prompt."""
     assert not refine_pays(MIN_REFINE_TOKENS - 1, 0.5) and refine_pays(MIN_REFINE_TOKENS, 0.5)
+    assert refine_pays(4096, 0.45) and not refine_pays(4096, 0.25) and not refine_pays(4096, 0.75)
     assert not refine_pays(4096, None) and not refine_pays(4096, 1.0)
