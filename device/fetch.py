@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 from relayinfer.protocol.errors import ErrorCode, ModelFileError, RemoteError
+from relayinfer.protocol.model_file import cache_dir, file_sha256
 from relayinfer.protocol.security import context_for_url
 
 DEVICE_FILES = ("model.fp32.onnx", "config.json", "tokenizer.json", "tokenizer_meta.json")
@@ -18,9 +19,15 @@ DEVICE_FILES = ("model.fp32.onnx", "config.json", "tokenizer.json", "tokenizer_m
 def download_device_model(http_url: str, dest: str | os.PathLike, timeout_s: float = 120.0,
                           files: tuple[str, ...] = DEVICE_FILES, token: str | None = None,
                           ca: str | os.PathLike | None = None, verify: bool = True,
-                          ssl: _ssl.SSLContext | None = None) -> Path:
+                          ssl: _ssl.SSLContext | None = None, progress=None,
+                          manifest: dict | None = None) -> Path:
     """Download `files` listed in `{http_url}/v1/device-model/manifest` into `dest` and check each
     against its sha256; writes the manifest too, so `OnnxEngine(dest)` loads the result.
+
+    An interrupted download resumes: the bytes already in `dest/.NAME.part` are kept and the rest
+    is asked for with an HTTP `Range` request (the service's file responses answer 206); a server
+    that ignores the range (200) sends the whole file again. A file already in `dest` with the
+    manifest's sha256 is not downloaded again.
 
     Args:
         http_url: base URL of the service's HTTP side (`http://` or `https://`).
@@ -29,6 +36,9 @@ def download_device_model(http_url: str, dest: str | os.PathLike, timeout_s: flo
         ca: PEM CA file trusted for an `https://` service (a private CA); None = system CAs.
         verify: False turns certificate verification off (a warning is logged).
         ssl: a ready client `ssl.SSLContext` (overrides `ca`/`verify`).
+        progress: called as `progress(name, done_bytes, total_bytes)` after each chunk (bytes;
+            `done_bytes` starts at the resumed size), None for none.
+        manifest: the manifest when the caller already fetched it (`fetch_manifest`).
 
     Raises:
         ModelFileError: a file is missing from the manifest or its sha256 does not match (the bad
@@ -43,31 +53,97 @@ def download_device_model(http_url: str, dest: str | os.PathLike, timeout_s: flo
     ctx = ssl if ssl is not None else context_for_url(http_url, ca, verify)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    def get(path: str):
-        req = urllib.request.Request(f"{http_url}{path}", headers=headers)
-        try:
-            return urllib.request.urlopen(req, timeout=timeout_s, context=ctx)
-        except urllib.error.HTTPError as e:
-            if e.code in (401, 403):
-                e.close()
-                raise RemoteError(ErrorCode.UNAUTHORIZED, f"{http_url}{path} refused the "
-                                  f"{'token' if token else 'request without a token'} (HTTP {e.code})") from None
-            raise
+    def get(path: str, extra: dict | None = None):
+        return _get(http_url, path, {**headers, **(extra or {})}, timeout_s, ctx, token)
 
-    with get("/v1/device-model/manifest") as r:
-        manifest = json.loads(r.read())
+    if manifest is None:
+        with get("/v1/device-model/manifest") as r:
+            manifest = json.loads(r.read())
     for name in files:
         want = manifest["files"].get(name)
         if want is None:
             raise ModelFileError(f"the service's manifest lists no {name!r}")
+        if (d / name).is_file() and file_sha256(d / name) == want:
+            continue
         h, tmp = hashlib.sha256(), d / f".{name}.part"
-        with get(f"/v1/device-model/{name}") as r, open(tmp, "wb") as f:
-            for chunk in iter(lambda: r.read(1 << 20), b""):
-                h.update(chunk)
-                f.write(chunk)
+        have = tmp.stat().st_size if tmp.is_file() else 0
+        try:
+            r = get(f"/v1/device-model/{name}", {"Range": f"bytes={have}-"} if have else None)
+        except urllib.error.HTTPError as e:
+            if e.code != 416:  # 416: the part is as long as the file or longer: start over
+                raise
+            e.close()
+            have = 0
+            r = get(f"/v1/device-model/{name}")
+        with r:
+            if have and r.status != 206:  # the server sent the whole file: start over
+                have = 0
+            total = have + int(r.headers.get("Content-Length") or 0)
+            if have:
+                with open(tmp, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+            with open(tmp, "ab" if have else "wb") as f:
+                done = have
+                for chunk in iter(lambda: r.read(1 << 20), b""):
+                    h.update(chunk)
+                    f.write(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(name, done, total)
         if h.hexdigest() != want:
             tmp.unlink()
             raise ModelFileError(f"sha256 mismatch for {name}: got {h.hexdigest()[:16]}..., manifest says {want[:16]}...")
         os.replace(tmp, d / name)
     (d / "manifest.json").write_text(json.dumps(manifest))
     return d
+
+
+def _get(http_url: str, path: str, headers: dict, timeout_s: float, ctx, token: str | None):
+    """GET `http_url + path`; 401/403 become `RemoteError(UNAUTHORIZED)`."""
+    req = urllib.request.Request(f"{http_url}{path}", headers=headers)
+    try:
+        return urllib.request.urlopen(req, timeout=timeout_s, context=ctx)
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            e.close()
+            raise RemoteError(ErrorCode.UNAUTHORIZED, f"{http_url}{path} refused the "
+                              f"{'token' if token else 'request without a token'} (HTTP {e.code})") from None
+        raise
+
+
+def fetch_manifest(http_url: str, token: str | None = None, timeout_s: float = 30.0,
+                   ssl: _ssl.SSLContext | None = None) -> dict:
+    """The service's device-model manifest: {"files": {name: sha256}, "model_fingerprint": hex, ...}.
+
+    Raises:
+        ModelFileError: the manifest names no `model_fingerprint` or no `files`.
+        RemoteError: UNAUTHORIZED (HTTP 401/403).
+        urllib.error.URLError / HTTPError: unreachable, or the service has no device model (404).
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    ctx = ssl if ssl is not None else context_for_url(http_url, None, True)
+    with _get(http_url, "/v1/device-model/manifest", headers, timeout_s, ctx, token) as r:
+        m = json.loads(r.read())
+    if not isinstance(m, dict) or not m.get("model_fingerprint") or not isinstance(m.get("files"), dict):
+        raise ModelFileError(f"{http_url}/v1/device-model/manifest names no model_fingerprint or files")
+    return m
+
+
+def cached_device_model(http_url: str, token: str | None = None, ssl: _ssl.SSLContext | None = None,
+                        timeout_s: float = 120.0, progress=None) -> Path:
+    """The cloud's device model in the local cache, downloaded (or resumed) when missing:
+    `cache_dir()/models/<first 16 hex of the fingerprint>`, the directory `relayinfer export` uses
+    for the same model file, so a device that also has the GGUF shares it.
+
+    Raises: as `fetch_manifest` and `download_device_model`.
+    """
+    m = fetch_manifest(http_url, token, min(timeout_s, 30.0), ssl)
+    fp = m["model_fingerprint"]
+    if not all(c in "0123456789abcdef" for c in fp) or len(fp) < 16:
+        raise ModelFileError(f"bad model_fingerprint {fp[:40]!r} in {http_url}/v1/device-model/manifest")
+    d = cache_dir() / "models" / fp[:16]
+    have = d / "manifest.json"
+    if have.is_file() and json.loads(have.read_text()) == m and all((d / n).is_file() for n in DEVICE_FILES):
+        return d
+    return download_device_model(http_url, d, timeout_s, token=token, ssl=ssl, progress=progress, manifest=m)

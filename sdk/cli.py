@@ -32,6 +32,41 @@ def fail(e: Exception, as_json: bool = False) -> None:
     raise typer.Exit(2)
 
 
+CLOUD_EXTRA_HINT = "pip install torch==2.13.0, then pip install 'relayinfer[cloud]'"
+
+
+def _need_cloud(what: str, module: str = "relayinfer.cloud.export"):
+    """Import and return the cloud `module` (torch) for the sub-command `what`; on a device-only
+    install (no torch or no [cloud] extra) exit 2 with one line naming what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        fail(ValueError(f"{what} needs the cloud side (torch), which this install lacks ({e}); "
+                        f"install it with: {CLOUD_EXTRA_HINT}"))
+
+
+def _download_progress():
+    """A rich progress bar on stderr for a device-model download from the cloud: returns
+    (callback(name, done_bytes, total_bytes), stop). Nothing is shown when nothing is downloaded."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   console=Console(stderr=True))
+    tasks: dict = {}
+
+    def on(name: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()
+        if name not in tasks:
+            tasks[name] = bar.add_task(f"fetching {name}", total=total or None)
+        bar.update(tasks[name], completed=done)
+
+    return on, bar.stop
+
+
 def _log_to_stderr() -> None:
     """Show relayinfer's warnings (a cloud that is unreachable, a device runtime failure) as one
     `warning: ...` line on stderr, without logger names or source locations."""
@@ -137,6 +172,8 @@ def generate(
                                 max_new_tokens=max_new_tokens)
         if engine not in ENGINES:
             load_engine(engine)  # raises UnknownEngineError naming the choices, before any model loads
+        if engine == "torch":
+            _need_cloud("--engine torch", "relayinfer.cloud.engine.torch_engine")
         tok = Tokenizer.from_gguf(model)
         ids = tok.encode(prompt) if raw else tok.encode_chat(prompt)
         if engine == "onnx":  # the exported config knows the context: a too-long request fails before the load
@@ -161,6 +198,7 @@ def export_cmd(
     quantize: Optional[str] = typer.Option(None, help="Also write int8 weights."),
 ):
     """Export the device model (ONNX + tokenizer + config) into the user cache, once per model hash."""
+    _need_cloud("`relayinfer export`")
     try:
         if quantize not in (None, "int8"):
             raise ValueError(f"--quantize {quantize!r} is not supported; choose int8 (or leave it out for fp32)")
@@ -244,6 +282,7 @@ def cloud_serve(
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
     import asyncio
 
+    _need_cloud("`relayinfer cloud serve`", "relayinfer.cloud.serve.service")
     tls = _server_tls(certfile, keyfile)  # before loading the model: a bad file fails fast
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
     _log_to_stderr()
@@ -350,6 +389,7 @@ def demo(
         load_profile(profile)
     except ValueError as e:
         fail(e, as_json)
+    _need_cloud("`relayinfer demo` (it runs the cloud too)", "relayinfer.cloud.serve.service")
     tls = _server_tls(certfile, keyfile)
     _log_to_stderr()
     from relayinfer.cloud.serve.service import ServiceThread
@@ -411,6 +451,9 @@ def chat(
     seed: Optional[int] = typer.Option(None, help="Sampling seed; default: a fresh one per answer."),
     ca: Optional[str] = typer.Option(None, help="PEM CA file trusted for a wss:// cloud (a private CA)."),
     insecure: bool = typer.Option(False, "--insecure", help="Do not verify the cloud's TLS certificate."),
+    cloud_http: Optional[str] = typer.Option(None, "--cloud-http", help="http(s):// URL of the cloud's HTTP side "
+                                             "(`cloud serve --http-port`): without --model, fetch the device model "
+                                             "from there (cached by fingerprint, resumed when interrupted)."),
 ):
     """Interactive chat against a running cloud service (an empty line or Ctrl-D ends the chat)."""
     from relayinfer.device.profiles import load_profile
@@ -428,12 +471,22 @@ def chat(
     _log_to_stderr()
     from relayinfer.sdk.client import Client
 
+    import urllib.error
+
+    fetch = cloud_http is not None and model is None
+    progress, stop = _download_progress() if fetch else (None, lambda: None)
     try:
-        _ensure_device_model(model)
+        if not fetch:
+            _ensure_device_model(model)
         client = Client(cloud_url=cloud, token=token, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
-                        ca=ca, verify=not insecure)
+                        ca=ca, verify=not insecure, cloud_http_url=cloud_http, progress=progress)
     except (RelayInferError, ValueError) as e:
+        stop()
         fail(e)
+    except urllib.error.URLError as e:
+        stop()
+        fail(ValueError(f"cannot fetch the device model from --cloud-http {cloud_http}: {getattr(e, 'reason', e)}"))
+    stop()
     client.check_cloud()  # an unreachable cloud is announced once: "warning: cloud unreachable at ..."
     typer.echo(_sampling_line(sampling) + "; an empty line or Ctrl-D ends the chat", err=True)
     history: list[dict] = []
@@ -531,6 +584,7 @@ def pd_serve(
 ):
     """The split service and the OpenAI API in front of P/D pools of Ray actors (a local Ray by
     default; --ray-address for a cluster). Same protocol as `relayinfer cloud serve`."""
+    _need_cloud("`relayinfer pd serve`", "relayinfer.cloud.pd.service")
     import asyncio
 
     from relayinfer.cloud.pd.instance import InstanceConfig
@@ -657,21 +711,26 @@ def bench_soak(
         raise typer.Exit(1)
 
 
-def _relay_app():
-    try:
-        from relayinfer.cloud.relay.cli import relay_app
-    except ImportError:  # torch-free install: the relay needs the [cloud] extra
-        return None
-    return relay_app
+_FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-_relay = _relay_app()
-if _relay is not None:
-    app.add_typer(_relay, name="relay", help="GR relay: HSTU ranking with pre-inferred user prefixes.")
+def _run_relay(args: list[str]) -> None:
+    """Run `relayinfer relay ARGS` (cloud/relay/cli.py), imported only now: it needs torch."""
+    mod = _need_cloud("`relayinfer relay`", "relayinfer.cloud.relay.cli")
+    typer.main.get_command(mod.relay_app).main(args=args, prog_name="relayinfer relay")
 
-    from relayinfer.cloud.relay.cli import bench as _relay_bench
 
-    bench_app.command("relay", help="The GR relay cascade benchmark (same as `relayinfer relay bench`).")(_relay_bench)
+@app.command("relay", context_settings=_FORWARD, add_help_option=False,
+             help="GR relay: HSTU ranking with pre-inferred user prefixes (train, bench, serve; needs torch).")
+def relay(ctx: typer.Context):
+    _run_relay(list(ctx.args))
+
+
+@bench_app.command("relay", context_settings=_FORWARD, add_help_option=False,
+                   help="The GR relay cascade benchmark (same as `relayinfer relay bench`).")
+def bench_relay(ctx: typer.Context):
+    _run_relay(["bench", *ctx.args])
+
 
 from relayinfer.sdk.patho_cli import bench_patho as _bench_patho, patho_app as _patho_app  # noqa: E402
 

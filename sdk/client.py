@@ -114,6 +114,12 @@ class Client:
             for a wss:// cloud; None = the system CAs.
         verify: False turns certificate and host-name verification off for wss:// (a warning is
             logged; the token can then be intercepted).
+        cloud_http_url: http:// or https:// URL of the cloud's HTTP side (`cloud serve --http-port`).
+            With it and no `model`, the device model (ONNX, tokenizer, config) comes from the cloud's
+            `/v1/device-model`: cached by the model fingerprint in `cache_dir()/models/`, every
+            file's sha256 checked, an interrupted download resumed (`device.fetch`). Without it the
+            model must already be exported locally (`relayinfer export`). Neither path imports torch.
+        progress: `progress(file_name, done_bytes, total_bytes)` during a download (the CLI's bar).
 
     A wss:// cloud whose certificate does not verify is treated like an unreachable one: the
     answer comes from the device (`fault` 'cloud-unreachable', `error` naming the certificate
@@ -126,15 +132,18 @@ class Client:
         ValueError: `cloud_url` is not ws://HOST[:PORT] or wss://HOST[:PORT] (checked before the
             model loads; an http:// URL gets a hint at the websocket port); `ca` is missing or holds
             no PEM certificate.
-        ModelFileError: no model file, or no exported device model and no torch to export it.
+        ModelFileError: no model file and no `cloud_http_url`, no exported device model, or a
+            downloaded file whose sha256 does not match the cloud's manifest.
+        RemoteError: UNAUTHORIZED when the cloud's HTTP side refuses `token`.
+        urllib.error.URLError: `cloud_http_url` cannot be reached (or has no device model: 404).
     """
 
     def __init__(self, cloud_url: str | None = None, model: str | os.PathLike | None = None,
                  target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int = 1,
                  quantize: str | None = None, cloud_budget: int | None | str = "auto", connect_timeout_s: float = 5.0,
-                 profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True):
+                 profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True,
+                 cloud_http_url: str | None = None, progress=None):
         from relayinfer.protocol.security import context_for_url
-        from relayinfer.sdk.engines import load_engine
 
         if cloud_url is not None:
             cloud_url = check_cloud_url(cloud_url)
@@ -143,8 +152,21 @@ class Client:
         self.ssl = context_for_url(cloud_url, ca, verify)  # ssl.SSLContext for wss://, None for ws://
         self.options = SplitOptions(mode=mode, target_tpot_ms=target_tpot_ms, cloud_budget=cloud_budget,
                                     connect_timeout_s=connect_timeout_s)
+        if cloud_http_url is not None and not cloud_http_url.startswith(("http://", "https://")):
+            raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
         if engine is None:
-            engine = load_engine("onnx", model, quantize, threads)
+            from relayinfer.device.onnx_engine import OnnxEngine, device_model_dir
+
+            if cloud_http_url is not None and model is None:
+                if quantize:
+                    raise ValueError("quantize applies to a locally exported model; the cloud serves fp32")
+                from relayinfer.device.fetch import cached_device_model
+
+                d = cached_device_model(cloud_http_url, token, context_for_url(cloud_http_url, ca, verify),
+                                        progress=progress)
+            else:  # a local export (`relayinfer export`); the Client never exports (that needs torch)
+                d = device_model_dir(model)
+            engine = OnnxEngine(d, quantize=quantize, threads=threads or 1)
             engine.warmup()
         self.engine = engine
         self.tokenizer = engine.tokenizer()
