@@ -277,6 +277,7 @@ def cloud_serve(
     max_requests_per_session: int = typer.Option(4, min=1, help="Concurrent Generates per device session at most."),
     retry_after_ms: float = typer.Option(5000.0, min=0, help="Back-off hint sent with OVERLOADED (ms)."),
     max_queued_tokens: int = typer.Option(4096, min=1, help="Prompt tokens waiting for prefill at most; more get OVERLOADED."),
+    max_queue_wait_ms: float = typer.Option(2000.0, min=0, help="Expected wait for a first token at most (ms, from the measured prefill rate); more get OVERLOADED."),
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
@@ -292,7 +293,7 @@ def cloud_serve(
         svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
                              metrics_public=metrics_public, max_sessions=max_sessions,
                              max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms,
-                             max_queued_tokens=max_queued_tokens)
+                             max_queued_tokens=max_queued_tokens, max_queue_wait_ms=max_queue_wait_ms)
     except (RelayInferError, ValueError) as e:
         fail(e)
 
@@ -557,6 +558,43 @@ def bench_split(
     print("\n".join(table))
 
 
+@bench_app.command("soak")
+def bench_soak(
+    devices: int = typer.Option(100, help="Virtual devices (each loops: connect, 1-3 requests, close, think)."),
+    duration_s: float = typer.Option(600.0, help="Seconds during which devices start requests."),
+    cloud_url: Optional[str] = typer.Option(None, help="ws:// URL of a running service; default: start "
+                                            "`relayinfer cloud serve` on 127.0.0.1 with a random token."),
+    http_url: Optional[str] = typer.Option(None, help="HTTP side of --cloud-url (/healthz, /metrics)."),
+    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Token of --cloud-url."),
+    server_pid: Optional[int] = typer.Option(None, help="Process id of --cloud-url's server (for its RSS)."),
+    fault_rate: float = typer.Option(0.2, help="Probability per request of an injected fault."),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(1, help="torch threads of the started server."),
+    request_timeout_s: float = typer.Option(120.0, help="A request with no end after this long is a failure (s)."),
+    out: str = typer.Option("bench/results/soak.json", help="Results JSON."),
+):
+    """Soak: virtual devices against one cloud service with disconnects, stalls, oversize frames,
+    garbage, bad requests, cancels and bursts mixed in; tokens lost/duplicated must be 0 and the
+    server's sessions, requests and KV blocks must be back to 0 after the run."""
+    import shlex
+
+    from relayinfer.sdk.bench_soak import run_soak, table
+
+    if not 0 <= fault_rate <= 1 or devices < 1 or duration_s <= 0:
+        fail(ValueError("need --devices >= 1, --duration-s > 0 and 0 <= --fault-rate <= 1"))
+    try:
+        res = run_soak(devices, duration_s, cloud_url=cloud_url, http_url=http_url, token=token,
+                       server_pid=server_pid, fault_rate=fault_rate, seed=seed, out=out, threads=threads,
+                       request_timeout_s=request_timeout_s, command=shlex.join(["relayinfer", *sys.argv[1:]]),
+                       progress=lambda m: typer.echo(m, err=True))
+    except (RelayInferError, ValueError, RuntimeError, TimeoutError) as e:
+        fail(e)
+    print(table(res))
+    print(f"results: {out}")
+    if not res["passed"]["all"]:
+        raise typer.Exit(1)
+
+
 pd_app = typer.Typer(help="P/D serving: disaggregated prefill and decode pools on Ray.", no_args_is_help=True)
 app.add_typer(pd_app, name="pd")
 
@@ -672,43 +710,6 @@ def bench_refine(
                            plot=str(Path(out).with_suffix(".png")), workers=workers, seed=seed,
                            command=shlex.join(["relayinfer", *sys.argv[1:]]))
     print(json.dumps(res["summary"], indent=1))
-
-
-@bench_app.command("soak")
-def bench_soak(
-    devices: int = typer.Option(100, help="Virtual devices (each loops: connect, 1-3 requests, close, think)."),
-    duration_s: float = typer.Option(600.0, help="Seconds during which devices start requests."),
-    cloud_url: Optional[str] = typer.Option(None, help="ws:// URL of a running service; default: start "
-                                            "`relayinfer cloud serve` on 127.0.0.1 with a random token."),
-    http_url: Optional[str] = typer.Option(None, help="HTTP side of --cloud-url (/healthz, /metrics)."),
-    token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Token of --cloud-url."),
-    server_pid: Optional[int] = typer.Option(None, help="Process id of --cloud-url's server (for its RSS)."),
-    fault_rate: float = typer.Option(0.2, help="Probability per request of an injected fault."),
-    seed: int = typer.Option(0),
-    threads: int = typer.Option(1, help="torch threads of the started server."),
-    request_timeout_s: float = typer.Option(120.0, help="A request with no end after this long is a failure (s)."),
-    out: str = typer.Option("bench/results/soak.json", help="Results JSON."),
-):
-    """Soak: virtual devices against one cloud service with disconnects, stalls, oversize frames,
-    garbage, bad requests, cancels and bursts mixed in; tokens lost/duplicated must be 0 and the
-    server's sessions, requests and KV blocks must be back to 0 after the run."""
-    import shlex
-
-    from relayinfer.sdk.bench_soak import run_soak, table
-
-    if not 0 <= fault_rate <= 1 or devices < 1 or duration_s <= 0:
-        fail(ValueError("need --devices >= 1, --duration-s > 0 and 0 <= --fault-rate <= 1"))
-    try:
-        res = run_soak(devices, duration_s, cloud_url=cloud_url, http_url=http_url, token=token,
-                       server_pid=server_pid, fault_rate=fault_rate, seed=seed, out=out, threads=threads,
-                       request_timeout_s=request_timeout_s, command=shlex.join(["relayinfer", *sys.argv[1:]]),
-                       progress=lambda m: typer.echo(m, err=True))
-    except (RelayInferError, ValueError, RuntimeError, TimeoutError) as e:
-        fail(e)
-    print(table(res))
-    print(f"results: {out}")
-    if not res["passed"]["all"]:
-        raise typer.Exit(1)
 
 
 _FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True}

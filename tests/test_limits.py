@@ -238,3 +238,25 @@ def test_zero_budget_streams_nothing_and_unexpected_messages(svc, torch_engine):
     err, done = run(scenario())
     assert err.request_id == "p" and err.code == ErrorCode.BAD_REQUEST.value and "unexpected PreInfer" in err.message
     assert done.request_id == "after" and done.cloud_tokens == 2
+
+
+def test_expected_wait_bound_answers_overloaded(torch_engine):
+    """The expected wait for a first token (waiting prompt tokens over the engine's measured prefill
+    rate) is bounded too: a request that would wait longer gets OVERLOADED naming the wait."""
+    s = CloudService(torch_engine, torch_engine.fingerprint, llm=small_llm(torch_engine), max_queue_wait_ms=1.0)
+    with ServiceThread(s, http_port=None) as svc:
+        assert svc.llm.engine.prefill_tok_s > 0  # measured by the warm-up at start
+
+        async def scenario():
+            async with await proto_ws.open_channel(svc.url, torch_engine.fingerprint) as ch:
+                await ch.send(Generate("first", list(range(10, 90)), 4))
+                await ch.send(Generate("second", list(range(10, 90)), 4))
+                got = {}
+                async for m in ch:
+                    if isinstance(m, (Done, Error)):
+                        got[m.request_id] = m
+                    if len(got) == 2:
+                        return got
+        got = run(scenario())
+        assert isinstance(got["first"], Done)
+        assert got["second"].code == ErrorCode.OVERLOADED.value and "expected wait" in got["second"].message

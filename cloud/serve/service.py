@@ -30,7 +30,7 @@ from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
-from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop,
+from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, Pong, RefinedPrompt, Stop,
                                           Token, encode)
 from relayinfer.protocol.refine import WINDOW, TemplateMarkers, refine_indices
 from relayinfer.protocol.security import bearer_token, server_context, token_matches
@@ -91,7 +91,7 @@ class CloudService:
             tests and benchmarks; 0 in production).
         max_frame_bytes: largest frame accepted from a device after the handshake (bytes); larger
             ones get FRAME_TOO_LARGE. Default: the largest real message, a Generate of a whole
-            context (`split_frame_limit`, ~50 KiB for an 8k context); before the handshake the
+            context (`split_frame_limit`, 25 KiB for an 8k context); before the handshake the
             limit is `HANDSHAKE_MAX_BYTES` (4 KiB).
         max_sessions: open device sessions at most; a device beyond it is refused at the handshake
             with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
@@ -100,6 +100,12 @@ class CloudService:
             most (a request arriving when the queue is not empty and would pass this gets
             OVERLOADED: a device then runs on its own instead of waiting behind the queue; the
             queue's wait grows with these tokens at the engine's prefill rate).
+        max_queue_wait_ms: the expected wait before a new request's first token, at most (ms): the
+            waiting prompt tokens plus its own, over the batching engine's measured prefill rate
+            (`LLMEngine.prefill_tok_s`, an EWMA of prefill tokens per second of step time). Beyond
+            it the request gets OVERLOADED at once (the on-demand admission of P/D-Serve, arXiv
+            2408.08147, applied to one instance): a device answers sooner on its own than behind
+            the queue. Not applied before the rate is known, nor on the per-request path.
         retry_after_ms: the back-off hint sent with OVERLOADED (ms).
         history: Done messages kept in `completed` (the most recent ones; for tests and benches).
         special_ids: chat-template token ids that prompt refinement always keeps (default: the
@@ -125,7 +131,7 @@ class CloudService:
                  max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
                  llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False,
                  max_sessions: int = 256, max_requests_per_session: int = 4, retry_after_ms: float = 5000.0,
-                 max_queued_tokens: int = 4096,
+                 max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
                  history: int = 1000):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.metrics_public = metrics_public
@@ -136,7 +142,7 @@ class CloudService:
         self.max_frame_bytes = max_frame_bytes or split_frame_limit(engine.context_length, engine.cfg.vocab_size)
         self.max_sessions, self.max_requests_per_session = max_sessions, max_requests_per_session
         self.retry_after_ms = retry_after_ms
-        self.max_queued_tokens = max_queued_tokens
+        self.max_queued_tokens, self.max_queue_wait_ms = max_queued_tokens, max_queue_wait_ms
         self.pending_tokens = 0  # prompt tokens of requests waiting for their first token
         self.num_sessions = 0  # open device sessions (after the handshake)
         self._special_ids = special_ids
@@ -171,6 +177,8 @@ class CloudService:
                     task = asyncio.create_task(run(channel, req, requests))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                elif isinstance(msg, Pong):
+                    continue  # a liveness answer: nothing to do
                 elif isinstance(msg, (Stop, Cancel)):
                     req = requests.get(msg.request_id)
                     if req is None:
@@ -254,11 +262,18 @@ class CloudService:
             return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
         if msg.refine is not None and not 0 < msg.refine <= 1:
             return Error(ErrorCode.BAD_REQUEST.value, f"refine keep ratio must be in (0, 1], got {msg.refine}", rid)
-        if self.pending_tokens and self.pending_tokens + n > self.max_queued_tokens:  # last: a request that is
-            self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()        # wrong gets its own error first
-            return Error(ErrorCode.OVERLOADED.value, f"{self.pending_tokens} prompt tokens are waiting for prefill "
-                         f"(limit {self.max_queued_tokens}); retry after {self.retry_after_ms:.0f} ms", rid,
-                         self.retry_after_ms)
+        if self.pending_tokens:  # last: a request that is wrong gets its own error first
+            rate = getattr(self.llm.engine, "prefill_tok_s", None) if batched else None
+            wait_ms = (self.pending_tokens + n) / rate * 1e3 if rate else 0.0
+            why = (f"{self.pending_tokens} prompt tokens are waiting for prefill (limit {self.max_queued_tokens})"
+                   if self.pending_tokens + n > self.max_queued_tokens else
+                   f"the expected wait for a first token is {wait_ms:.0f} ms ({self.pending_tokens} prompt tokens "
+                   f"waiting at {rate:.0f} tokens/s; limit {self.max_queue_wait_ms:.0f} ms)"
+                   if wait_ms > self.max_queue_wait_ms else None)
+            if why:
+                self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
+                return Error(ErrorCode.OVERLOADED.value, f"{why}; retry after {self.retry_after_ms:.0f} ms", rid,
+                             self.retry_after_ms)
         return None
 
     def _dequeue(self, req: _Request) -> None:
