@@ -40,7 +40,10 @@ demo: setup
 
 # The test suite (what CI runs). pytest's exit 5 (no tests collected) is a failure, not a pass.
 # Cases marked slow (minutes of training) run with `make test-slow`.
-PYTEST = $(BIN)/python -m pytest -q --durations=10
+# Two workers (pytest-xdist), one test file each at a time: the suite's model tests use one thread
+# each, so on CI's 2 cores this halves the wall time. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: setup
 	$(PYTEST) -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 

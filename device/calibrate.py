@@ -8,6 +8,7 @@ start at once. `relayinfer calibrate` runs it and prints the result.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -55,5 +56,7 @@ def calibrated(engine, refresh: bool = False, max_age_s: float = MAX_AGE_S) -> D
         return DeviceProfile(**json.loads(path.read_text()))
     prof = measure(engine)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prof.__dict__))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")  # atomic: a parallel reader never sees half a file
+    tmp.write_text(json.dumps(prof.__dict__))
+    os.replace(tmp, path)
     return prof
