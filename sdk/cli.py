@@ -111,8 +111,13 @@ def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
         from relayinfer.cloud.export import EXPORT_SECONDS, device_model_ready, ensure_device_model
     except ImportError:  # torch-free install: the device model must already be exported (load_engine says so)
         from relayinfer.device.onnx_engine import device_model_dir
+        from relayinfer.protocol.errors import ModelFileError
 
-        return device_model_dir(model)
+        try:
+            return device_model_dir(model)
+        except ModelFileError as e:
+            raise ModelFileError(f"{e.message}; on a device-only install, fetch the device model from the "
+                                 "cloud instead: --cloud-http URL (the cloud's HTTP port)") from None
     if not show or device_model_ready(model, quantize):
         return ensure_device_model(model, quantize)
     from rich.console import Console

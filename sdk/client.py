@@ -156,6 +156,7 @@ class Client:
             raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
         if engine is None:
             from relayinfer.device.onnx_engine import OnnxEngine, device_model_dir
+            from relayinfer.protocol.errors import ModelFileError
 
             if cloud_http_url is not None and model is None:
                 if quantize:
@@ -165,7 +166,13 @@ class Client:
                 d = cached_device_model(cloud_http_url, token, context_for_url(cloud_http_url, ca, verify),
                                         progress=progress)
             else:  # a local export (`relayinfer export`); the Client never exports (that needs torch)
-                d = device_model_dir(model)
+                try:
+                    d = device_model_dir(model)
+                except ModelFileError as e:
+                    if model is not None:
+                        raise
+                    raise ModelFileError(f"{e.message}; or fetch the device model from the cloud: "
+                                         "Client(cloud_http_url=...), `relayinfer chat --cloud-http URL`") from None
             engine = OnnxEngine(d, quantize=quantize, threads=threads or 1)
             engine.warmup()
         self.engine = engine
