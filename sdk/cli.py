@@ -32,6 +32,40 @@ def fail(e: Exception, as_json: bool = False) -> None:
     raise typer.Exit(2)
 
 
+def serve_for(svc, duration_s: float | None, up) -> None:
+    """Run a service until Ctrl-C or `duration_s` seconds: `up()` (a coroutine function) starts
+    `svc` and announces it; `svc.stop()` runs on the way out, whatever ended the wait."""
+    import asyncio
+
+    async def main():
+        await up()
+        try:
+            await asyncio.sleep(duration_s if duration_s else 1e9)
+        finally:
+            await svc.stop()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+def bench_module(name: str):
+    """Load `bench/<name>.py` of this source checkout as a module (benchmark drivers live in
+    `bench/`, not in the library); exit 2 naming the file when it is not there."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    if not path.is_file():
+        fail(FileNotFoundError(f"{path} not found: `relayinfer bench {name}` runs from a source checkout"))
+    spec = importlib.util.spec_from_file_location(f"relayinfer_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # worker processes find its functions by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
 CLOUD_EXTRA_HINT = "pip install torch==2.13.0, then pip install 'relayinfer[cloud]'"
 
 
@@ -286,8 +320,6 @@ def cloud_serve(
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
-    import asyncio
-
     _need_cloud("`relayinfer cloud serve`", "relayinfer.cloud.serve.service")
     tls = _server_tls(certfile, keyfile)  # before loading the model: a bad file fails fast
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
@@ -302,7 +334,7 @@ def cloud_serve(
     except (RelayInferError, ValueError) as e:
         fail(e)
 
-    async def main():
+    async def up():
         try:
             await svc.start(host, port, http_port, ssl=tls)
         except OSError as e:  # taken between the check and now
@@ -312,15 +344,8 @@ def cloud_serve(
         typer.echo(f"cloud service: ws{s}://{host}:{svc.ws_port}  http{s}://{host}:{svc.http_port}  "
                    f"model {svc.fingerprint[:16]}" + ("" if token else "  (no --token: open to anyone who can connect)"),
                    err=True)
-        try:
-            await asyncio.sleep(duration_s if duration_s else 1e9)
-        finally:
-            await svc.stop()
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    serve_for(svc, duration_s, up)
 
 
 def _print_stream(stream, tty: bool) -> None:
@@ -628,8 +653,6 @@ def pd_serve(
     """The split service and the OpenAI API in front of P/D pools of Ray actors (a local Ray by
     default; --ray-address for a cluster). Same protocol as `relayinfer cloud serve`."""
     _need_cloud("`relayinfer pd serve`", "relayinfer.cloud.pd.service")
-    import asyncio
-
     from relayinfer.cloud.pd.instance import InstanceConfig
     from relayinfer.cloud.pd.kv import MODES
     from relayinfer.cloud.pd.service import make_pd_service, parse_scenario
@@ -651,20 +674,13 @@ def pd_serve(
     except (RelayInferError, ValueError) as e:
         fail(e)
 
-    async def main():
+    async def up():
         await svc.start(host, port, http_port)
         groups = ", ".join(f"{g.name} {g.ratio}" for g in svc.llm.gateway.groups)
         typer.echo(f"P/D service: ws://{host}:{svc.ws_port}  http://{host}:{svc.http_port}  groups {groups}  "
                    f"forwarding {forwarding}  KV {transfer}", err=True)
-        try:
-            await asyncio.sleep(duration_s if duration_s else 1e9)
-        finally:
-            await svc.stop()
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    serve_for(svc, duration_s, up)
 
 
 @bench_app.command("pd")
@@ -676,16 +692,9 @@ def bench_pd(
     seed: int = typer.Option(0),
 ):
     """P/D serving benchmark (bench/pd.py): transfer modes, real processes, simulation."""
-    import importlib.util
     import shlex
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "pd.py"
-    if not path.is_file():
-        fail(FileNotFoundError(f"{path} not found: `relayinfer bench pd` runs from a source checkout"))
-    spec = importlib.util.spec_from_file_location("relayinfer_bench_pd", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module("pd")
     res = mod.run([p.strip() for p in parts.split(",") if p.strip()], out_dir, quick=quick, seed=seed,
                   command=shlex.join(["relayinfer", *sys.argv[1:]]))
     print(json.dumps(res, indent=1, default=str))
@@ -700,17 +709,10 @@ def bench_refine(
     seed: int = typer.Option(0),
 ):
     """Prompt refinement scored on the refined prompt alone: attention vs recency vs random (bench/refine.py)."""
-    import importlib.util
     import shlex
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "refine.py"
-    if not path.is_file():
-        fail(FileNotFoundError(f"{path} not found: `relayinfer bench refine` runs from a source checkout"))
-    spec = importlib.util.spec_from_file_location("relayinfer_bench_refine", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # worker processes find its functions by name
-    spec.loader.exec_module(mod)
+    mod = bench_module("refine")
     res = mod.bench_refine([int(x) for x in lengths.split(",") if x.strip()], per_length, out=out,
                            plot=str(Path(out).with_suffix(".png")), workers=workers, seed=seed,
                            command=shlex.join(["relayinfer", *sys.argv[1:]]))

@@ -134,7 +134,7 @@ def serve(
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
 ):
     """Run the cloud fine screen (tile encoder + ABMIL) until Ctrl-C or --duration-s."""
-    import asyncio
+    from relayinfer.sdk.cli import serve_for
 
     from relayinfer.cloud.patho.encoder import NORMS, ViTEncoder
     from relayinfer.cloud.patho.service import PathoService, SlideScreener
@@ -166,21 +166,14 @@ def serve(
     except (RelayInferError, ValueError, OSError) as e:
         _fail(e)
 
-    async def main():
+    async def up():
         await svc.start(host, port, ssl=tls)
         rnd = svc.screener.weights(False) == "random-init"
         typer.echo(f"patho service: {svc.url}  encoder {enc.name}  weights {svc.screener.weights(False)}"
                    + ("  (RANDOM WEIGHTS: scores are not diagnoses)" if rnd else "")
                    + ("" if token else "  (no --token: open to anyone who can connect)"), err=True)
-        try:
-            await asyncio.sleep(duration_s if duration_s else 1e9)
-        finally:
-            await svc.stop()
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    serve_for(svc, duration_s, up)
 
 
 @patho_app.command("export")
