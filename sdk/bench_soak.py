@@ -257,6 +257,7 @@ class _Tally:
     outcomes: Counter = field(default_factory=Counter)  # completed / by_design / unexpected
     kinds: Counter = field(default_factory=Counter)  # requests by kind (normal or the fault)
     faults_injected: Counter = field(default_factory=Counter)
+    faults_refused: Counter = field(default_factory=Counter)  # drawn, but the request got OVERLOADED first
     faults_answered: Counter = field(default_factory=Counter)  # answered as specified
     done_reasons: Counter = field(default_factory=Counter)
     error_codes: Counter = field(default_factory=Counter)  # Error codes the devices received
@@ -435,11 +436,16 @@ class _Device:
                     run.tally.faults_injected[kind] += 1
                 self.req_deadline = time.monotonic() + self.cfg.request_timeout_s
                 try:
+                    answered_before = run.tally.faults_answered[kind]
                     keep, wait = await self._request(ch, f)
                 except (_Exhausted, asyncio.CancelledError):
                     raise
                 except Overloaded as e:  # the queue bound: honour the hint like a refused handshake
                     self._record(kind, "overloaded")
+                    if f and run.tally.faults_answered[kind] == answered_before:  # refused before the
+                        # fault could happen (a follow-up normal request may be refused after it): not injected
+                        run.tally.faults_injected[kind] -= 1
+                        run.tally.faults_refused[kind] += 1
                     run.tally.backoff_s += e.wait_s
                     wait = e.wait_s
                     break
@@ -928,7 +934,8 @@ def run_soak(devices: int = 100, duration_s: float = 600.0, *, cloud_url: str | 
         "connections": {"handshakes": tl.connections, "handshake_overloaded": tl.handshake_overloaded,
                         "connect_failures": dict(tl.connect_failures), "backoff_s_total": round(tl.backoff_s, 1),
                         "retry_after_ms": sorted(set(tl.retry_after_ms))},
-        "faults": {"injected": dict(tl.faults_injected), "answered_as_specified": dict(tl.faults_answered)},
+        "faults": {"injected": dict(tl.faults_injected), "answered_as_specified": dict(tl.faults_answered),
+                   "refused_overloaded_before_injection": dict(tl.faults_refused)},
         "tokens": {"received": tl.tokens_received, "shown": tl.tokens_shown, "lost": tl.tokens_lost,
                    "duplicated": tl.tokens_duplicated, "problems": tl.stream_problems},
         "errors_by_code": dict(tl.error_codes),

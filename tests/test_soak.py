@@ -45,13 +45,14 @@ def test_soak_60s(soak_cloud):
     assert wall < DURATION_S + 45
     # load was real: many requests, tokens streamed, every kind of fault injected
     assert q["started"] >= 50 and q["completed"] >= 30 and tok["received"] >= 500
-    assert set(f["injected"]) == set(FAULTS), f["injected"]
+    refused = f["refused_overloaded_before_injection"]  # drawn, but the request got OVERLOADED first
+    assert all(f["injected"].get(k, 0) >= 1 for k in FAULTS), (f["injected"], refused)
     # nothing lost or duplicated, nothing failed that was not meant to
     assert tok["lost"] == 0 and tok["duplicated"] == 0, tok["problems"]
     assert q["failed_unexpectedly"] == 0, q["unexpected_errors"]
     assert r["driver"]["device_task_errors"] == [] and r["driver"]["devices_cancelled_at_deadline"] == 0
     # every injected fault was answered as specified, with the named errors
-    assert f["answered_as_specified"] == f["injected"]
+    assert all(f["answered_as_specified"].get(k, 0) == n for k, n in f["injected"].items()), f
     codes = r["errors_by_code"]
     for code in (ErrorCode.FRAME_TOO_LARGE, ErrorCode.OVERLOADED, ErrorCode.PROMPT_TOO_LONG, ErrorCode.BAD_REQUEST):
         assert codes.get(code.value, 0) >= 1, (code, codes)
