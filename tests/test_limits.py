@@ -53,6 +53,21 @@ async def one_request(url, fp, gen: Generate, until=(Done, Error)):
     return got
 
 
+async def two_requests(url, fp) -> dict:
+    """Send Generates "first" and "second" (80 prompt tokens, 4 new each) back to back on one
+    session; their Done or Error by request id."""
+    async with await proto_ws.open_channel(url, fp) as ch:
+        await ch.send(Generate("first", list(range(10, 90)), 4))
+        await ch.send(Generate("second", list(range(10, 90)), 4))
+        got = {}
+        async for m in ch:
+            if isinstance(m, (Done, Error)):
+                got[m.request_id] = m
+            if len(got) == 2:
+                return got
+    return got
+
+
 def test_engine_refuses_above_kv_capacity_naming_the_limit(torch_engine):
     llm = small_llm(torch_engine)
     with pytest.raises(PromptTooLongError, match=r"limit of 512 tokens .*KV cache capacity, 512"):
@@ -199,17 +214,8 @@ def test_queue_bound_answers_overloaded(torch_engine):
     s = CloudService(torch_engine, torch_engine.fingerprint, llm=small_llm(torch_engine), max_queued_tokens=100,
                      retry_after_ms=777.0, step_delay_ms=0.0)
     with ServiceThread(s, http_port=None) as svc:
-        async def scenario():
-            async with await proto_ws.open_channel(svc.url, torch_engine.fingerprint) as ch:
-                await ch.send(Generate("first", list(range(10, 90)), 4))  # 80 tokens: admitted
-                await ch.send(Generate("second", list(range(10, 90)), 4))  # 80 + 80 > 100 while the first waits
-                got = {}
-                async for m in ch:
-                    if isinstance(m, (Done, Error)):
-                        got[m.request_id] = m
-                    if len(got) == 2:
-                        return got
-        got = run(scenario())
+        # 80 prompt tokens admitted; 80 + 80 > 100 while the first waits
+        got = run(two_requests(svc.url, torch_engine.fingerprint))
         assert isinstance(got["first"], Done) and got["first"].cloud_tokens == 4
         err = got["second"]
         assert err.code == ErrorCode.OVERLOADED.value and err.retry_after_ms == 777.0
@@ -247,16 +253,6 @@ def test_expected_wait_bound_answers_overloaded(torch_engine):
     with ServiceThread(s, http_port=None) as svc:
         assert svc.llm.engine.prefill_tok_s > 0  # measured by the warm-up at start
 
-        async def scenario():
-            async with await proto_ws.open_channel(svc.url, torch_engine.fingerprint) as ch:
-                await ch.send(Generate("first", list(range(10, 90)), 4))
-                await ch.send(Generate("second", list(range(10, 90)), 4))
-                got = {}
-                async for m in ch:
-                    if isinstance(m, (Done, Error)):
-                        got[m.request_id] = m
-                    if len(got) == 2:
-                        return got
-        got = run(scenario())
+        got = run(two_requests(svc.url, torch_engine.fingerprint))
         assert isinstance(got["first"], Done)
         assert got["second"].code == ErrorCode.OVERLOADED.value and "expected wait" in got["second"].message

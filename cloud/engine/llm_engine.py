@@ -28,6 +28,20 @@ from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus
 
 
+def check_fits(n_prompt: int, max_new_tokens: int, context_length: int, kv_capacity: int,
+               kv_what: str = "the KV cache capacity") -> None:
+    """Admission of one request (tokens): prompt + max_new_tokens must fit min(context_length,
+    kv_capacity). Raises PromptTooLongError naming both limits, ValueError for an empty prompt."""
+    if n_prompt == 0:
+        raise ValueError("empty prompt: at least one token is needed")
+    limit = min(context_length, kv_capacity)
+    if n_prompt + max_new_tokens > limit:
+        raise PromptTooLongError(
+            f"prompt too long: {n_prompt} prompt tokens + {max_new_tokens} new tokens exceed this server's "
+            f"limit of {limit} tokens per request (min of the context length, {context_length}, and "
+            f"{kv_what}, {kv_capacity})")
+
+
 class StepOutput(NamedTuple):
     """One generated token: `index` is its answer position (0 = first token); `finish_reason`
     is None, or 'eos' / 'stop' / 'length' / 'budget' on the request's last token. `logprobs`:
@@ -180,13 +194,7 @@ class LLMEngine:
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """Raise PromptTooLongError naming the effective limit if the request cannot fit
         (`max_model_len` tokens: min(context length, KV cache capacity)); ValueError if empty."""
-        if n_prompt == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        if n_prompt + max_new_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt too long: {n_prompt} prompt tokens + {max_new_tokens} new tokens exceed this "
-                f"server's limit of {self.max_model_len} tokens per request (min of the context length, "
-                f"{self.context_length}, and the KV cache capacity, {self.num_blocks * self.block_size})")
+        check_fits(n_prompt, max_new_tokens, self.context_length, self.num_blocks * self.block_size)
 
     # --- thread-safe request API ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,

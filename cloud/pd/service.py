@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from relayinfer.cloud.serve.service import CloudService
 from relayinfer.protocol.decoding import SamplingParams
-from relayinfer.protocol.errors import PromptTooLongError
+from relayinfer.cloud.engine.llm_engine import check_fits
 
 from .gateway import Gateway
 
@@ -33,14 +33,8 @@ class _EngineView:
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """Raise PromptTooLongError naming the limit when a request cannot fit (ValueError if empty)."""
-        if n_prompt == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        if n_prompt + max_new_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt too long: {n_prompt} prompt tokens + {max_new_tokens} new tokens exceed this server's "
-                f"limit of {self.max_model_len} tokens per request (min of the context length, "
-                f"{self.context_length}, and the smallest instance's KV cache capacity, "
-                f"{self.num_blocks * self.block_size})")
+        check_fits(n_prompt, max_new_tokens, self.context_length, self.num_blocks * self.block_size,
+                   "the smallest instance's KV cache capacity")
 
     def generate(self, prompts, params):  # the service's warm-up: the instances warmed up themselves
         return [[] for _ in prompts]
