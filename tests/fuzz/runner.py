@@ -11,6 +11,7 @@ budget rather than only the first.
 from __future__ import annotations
 
 import os
+import resource
 import re
 import shutil
 import subprocess
@@ -133,6 +134,10 @@ def run_target(target: str, workdir: str, *, seconds: float, runs: int | None = 
     shutil.copytree(os.path.join(FUZZ_DIR, "corpus", target), corpus)
     script = os.path.join(FUZZ_DIR, f"fuzz_{target}.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    # Linux keeps a process's peak RSS across fork + exec, and libFuzzer's RSS limit reads that peak:
+    # a child of a test worker that holds models starts "at" the worker's peak. Limit the child's own.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    rss_limit_mb += inherited_mb
     start = time.monotonic()
     segments: list[SegmentStats] = []
     command: list[str] = []
