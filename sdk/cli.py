@@ -608,7 +608,8 @@ def bench_soak(
     server's sessions, requests and KV blocks must be back to 0 after the run."""
     import shlex
 
-    from relayinfer.sdk.bench_soak import run_soak, table
+    soak = bench_module("soak")
+    run_soak, table = soak.run_soak, soak.table
 
     if not 0 <= fault_rate <= 1 or devices < 1 or duration_s <= 0:
         fail(ValueError("need --devices >= 1, --duration-s > 0 and 0 <= --fault-rate <= 1"))

@@ -455,7 +455,7 @@ def test_metrics_names_buckets_and_promtool(base, service):
                  "relayinfer_engine_request_generation_tokens_bucket", "relayinfer_prefill_seconds_bucket",
                  'relayinfer_engine_ttft_seconds_bucket{le="1800.0"}', 'relayinfer_engine_queue_seconds_bucket{le="1800.0"}',
                  'relayinfer_engine_request_success_total{finished_reason="length"}', "relayinfer_engine_kv_blocks ",
-                 # names other tools read (sdk/bench_soak.py, the security tests) stay
+                 # names other tools read (bench/soak.py, the security tests) stay
                  "relayinfer_active_sessions", "relayinfer_active_requests", "relayinfer_engine_kv_blocks_used",
                  "relayinfer_engine_running", "relayinfer_engine_waiting", "relayinfer_engine_requests_total"):
         assert name in text, name

@@ -15,7 +15,10 @@ import pytest
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.protocol.errors import ErrorCode
-from relayinfer.sdk.bench_soak import FAULTS, run_soak, table
+from relayinfer.sdk.cli import bench_module
+
+_soak = bench_module("soak")  # the driver lives in bench/, importing the library
+FAULTS, run_soak, table = _soak.FAULTS, _soak.run_soak, _soak.table
 
 TOKEN = "soak-test-token"
 DEVICES, DURATION_S = 20, 60.0
