@@ -561,7 +561,6 @@ def bench_split(
     """Split vs device-only vs cloud-only (and split+refine) on real conversations."""
     import shlex
 
-    from relayinfer.sdk.bench_split import run_split_bench
     from relayinfer.sdk.linkem import PROFILES
 
     command = shlex.join(["relayinfer", *sys.argv[1:]])
@@ -571,6 +570,7 @@ def bench_split(
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
     if out and len(links) > 1:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
+    run_split_bench = bench_module("split").run_split_bench
     if not links:
         res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed,
                               pin_cores=bool(pin_cores), command=command)

@@ -346,7 +346,10 @@ def test_unreachable_upstream_closes_the_client():
 
 
 def test_bench_link_summary_counts_fallbacks_and_ratios():
-    from relayinfer.sdk.bench_split import _link_summary, _mode_summary
+    from relayinfer.sdk.cli import bench_module
+
+    split = bench_module("split")  # the driver lives in bench/
+    _link_summary, _mode_summary = split._link_summary, split._mode_summary
 
     def row(mode, fault, ttft):
         return {"mode": mode, "fault": fault, "ttft_ms": ttft, "shown_ms": [ttft, ttft + 100.0, ttft + 250.0],

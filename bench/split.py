@@ -1,4 +1,4 @@
-"""`relayinfer bench split`: split vs device-only vs cloud-only (and split+refine) on real prompts.
+"""`relayinfer bench split` (loaded by `sdk.cli.bench_module`): split vs device-only vs cloud-only (and split+refine) on real prompts.
 
 Set-up (one process): the cloud is `CloudService` + `TorchEngine` (CPU, 1 thread) in a
 `ServiceThread`; the device is the real `OnnxEngine` (1 thread) behind `Client`, paced by a device
