@@ -111,3 +111,42 @@ class OnnxEngine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
         return generate(self, prompt_ids, params)
+
+    # --- KV cache hand-over (multi-turn reuse, KV hand-off from the cloud) ---------------------------
+
+    def truncate(self, kv: OnnxKV, n: int) -> OnnxKV:
+        """The cache of the first `n` tokens of `kv` (0 <= n <= kv.length; copies the kept part).
+
+        Raises:
+            ValueError: `n` outside [0, kv.length].
+        """
+        if not 0 <= n <= kv.length:
+            raise ValueError(f"truncate to {n} tokens: the cache holds {kv.length}")
+        if n == kv.length:
+            return kv
+        return self.kv_import([(k[:, :, :n], v[:, :, :n]) for k, v in self.kv_export(kv)], n)
+
+    def kv_export(self, kv: OnnxKV) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer (key, value) float32 numpy [1, kv_heads, length, head_dim] (keys after RoPE)."""
+        vals = [v.numpy() for v in kv.values]
+        return [(vals[2 * i][:, :, :kv.length], vals[2 * i + 1][:, :, :kv.length]) for i in range(self.cfg.n_layers)]
+
+    def kv_import(self, layers: Sequence[tuple[np.ndarray, np.ndarray]], length: int) -> OnnxKV:
+        """A cache from per-layer (key, value) arrays [1, kv_heads, length, head_dim] (any float
+        dtype; converted to float32), as `kv_export` returns them.
+
+        Raises:
+            ValueError: the number of layers or an array's shape does not match the model.
+        """
+        c = self.cfg
+        if len(layers) != c.n_layers:
+            raise ValueError(f"KV of {len(layers)} layers; the model has {c.n_layers}")
+        want, out = (1, c.n_kv_heads, length, c.head_dim), []
+        for i, (k, v) in enumerate(layers):
+            for name, a in (("key", k), ("value", v)):
+                if tuple(a.shape) != want:
+                    raise ValueError(f"layer {i} {name}: shape {tuple(a.shape)}, expected {want}")
+                ov = self._ort.OrtValue.ortvalue_from_shape_and_type(want, np.float32, "cpu", 0)
+                ov.update_inplace(np.ascontiguousarray(a, dtype=np.float32))  # copied: ORT owns the memory
+                out.append(ov)
+        return OnnxKV(out, length)
