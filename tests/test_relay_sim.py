@@ -2,11 +2,14 @@
 import numpy as np
 import pytest
 
-from relayinfer.cloud.relay.bench import longest_ok, workload
 from relayinfer.cloud.relay.data import load_ml100k
 from relayinfer.cloud.relay.latency import LatencyModel
-from relayinfer.cloud.relay.sim import SimConfig, Simulator, p99, poisson_requests
 from relayinfer.cloud.relay.trigger import TriggerConfig
+from relayinfer.sdk.cli import bench_module
+
+_bench = bench_module("relay")   # the drivers live in bench/ (relay.py, relay_sim.py), importing the library
+longest_ok, workload, live_vs_sim = _bench.longest_ok, _bench.workload, _bench.live_vs_sim
+SimConfig, Simulator, p99, poisson_requests = _bench.SimConfig, _bench.Simulator, _bench.p99, _bench.poisson_requests
 
 # quadratic full / prefix cost, linear cached rank (the shape measured on the real HSTU)
 LAT = LatencyModel(full=[5, 0.02, 1e-4, 1e-4], prefix=[3, 0.02, 1e-4], cached=[2, 0.01, 6e-5])
@@ -49,7 +52,6 @@ def test_short_histories_are_not_pre_inferred():
 
 
 def test_live_vs_sim_error_is_relative_to_the_real_measurement():
-    from relayinfer.cloud.relay.bench import live_vs_sim
     live = {m: {"p50_ms": 100.0, "p99_ms": 400.0, "mean_ms": 150.0} for m in ("baseline", "relay")}
     sim = {"s": {"baseline": np.full(100, 110.0), "relay": np.r_[np.full(98, 50.0), 300.0, 300.0]}}
     out = live_vs_sim(live, sim)["s"]

@@ -1,4 +1,5 @@
-"""CLI of the GR relay: `relayinfer relay train` and `relayinfer bench relay` (mounted by sdk/cli.py)."""
+"""CLI of the GR relay: `relayinfer relay train|bench|serve` and `relayinfer bench relay` (mounted by
+sdk/cli.py). The benchmark driver is bench/relay.py, loaded with sdk.cli.bench_module()."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ relay_app = typer.Typer(help="RelayGR: HSTU ranking on ML-100K with pre-inferred
 
 
 @relay_app.command()
-def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut points x 31 negatives)"),
+def train(steps: int = typer.Option(800, help="training steps (64 users x 8 cut points x 31 negatives)"),
           quick: bool = typer.Option(False, help="150 steps instead of --steps"),
           out: Path = typer.Option(None, help="checkpoint path (default: the user cache; the shipped default "
                                               "checkpoint is only replaced if you name it)")) -> None:
@@ -28,8 +29,10 @@ def bench(out: Path = typer.Option(None, help="results JSON (plot written beside
           live: bool = typer.Option(True, help="also run the live check through instance processes"),
           shape: str = typer.Option("trained", help="trained: the shipped ML-100K checkpoint; production: an 8-layer "
                                                     "d=256 HSTU with random weights (timing study)")) -> None:
-    """Cascade benchmark: baseline vs relay under one ranking P99 budget."""
-    from relayinfer.cloud.relay.bench import run
+    """Cascade benchmark: baseline vs relay under one ranking P99 budget (the driver is bench/relay.py
+    of a source checkout; exit 2 naming it when it is not there)."""
+    from relayinfer.sdk.cli import bench_module
+    run = bench_module("relay").run
     if shape not in ("trained", "production"):
         raise typer.BadParameter("--shape must be trained or production")
     out = out or Path("bench/results") / ("relay.json" if shape == "trained" else "relay_production.json")
