@@ -1,31 +1,33 @@
 """Runs one engine step on the `Llama` weights over a paged KV cache.
 
 All tokens scheduled in a step (prefill chunks of some sequences, one decode token of others) are
-flattened into one [N, dim] activation so every linear layer (Q/K/V/O projections, SwiGLU,
-norms) is one matmul over the whole batch: that is where continuous batching gains on a CPU (the
-weights are read once per step instead of once per sequence). Attention runs per sequence on its
-own keys, gathered from the paged cache through its block table (PagedAttention, Kwon et al.
-SOSP 2023, done here by `index_select` instead of a fused kernel). The per-sequence attention call
-has the same shapes and mask as `Llama.forward` on that sequence alone, so the only numeric
-difference from one-request-at-a-time is the row count of the matmuls.
+flattened into one [1, N, dim] activation and run through `Llama.decoder`, the same blocks the
+single-request engine runs, so every linear layer (Q/K/V/O projections, SwiGLU, norms) is one
+matmul over the whole batch: that is where continuous batching gains on a CPU (the weights are read
+once per step instead of once per sequence). Only the attention core differs, and it lives in the
+cache object handed to the model: `PagedKV.attend` writes the step's K/V to their slots and attends
+each query over its own sequence's keys, gathered from the paged cache through the block tables
+(PagedAttention, Kwon et al. SOSP 2023, done here by `index_select` instead of a fused kernel):
 
-KV storage: per layer one K and one V tensor, float32 [kv_heads, num_blocks * block_size, head_dim]
-(K after RoPE), i.e. blocks of `block_size` consecutive slots. Token position p of a sequence
-lives in slot `block_table[p // block_size] * block_size + p % block_size`. This is the
-[num_blocks, block_size] page layout with the head axis moved first, so that gathering one
-sequence's keys by slot (`index_select` on axis 1) yields [kv_heads, T, head_dim] contiguous in
-one copy, without the permute a [num_blocks, 2, kv_heads, block_size, head_dim] layout needs.
+* the decode tokens of the step (one query each) attend in ONE call per layer: their keys are
+  gathered by one `index_select` into a padded [B, kv_heads, max_len, head_dim] batch with a
+  key-padding mask;
+* a prefill chunk (several queries, causal mask over cached + new keys) attends per sequence.
 
-Grouped-query attention: for a decode token the `rep = n_heads // kv_heads` query heads that share
-a KV head are laid out as `rep` query rows of that head ([1, kv_heads, rep, head_dim]), so keys are
-never expanded; for prefill chunks (causal mask) the keys are expanded as in `Llama.forward`.
+Both go through `llama.gqa_attention` (grouped-query attention without expanding K/V).
+
+KV storage: per layer one tensor float32 [2, kv_heads, num_blocks * block_size, head_dim] (K after
+RoPE, then V), i.e. blocks of `block_size` consecutive slots. Token position p of a sequence lives
+in slot `block_table[p // block_size] * block_size + p % block_size`. This is the
+[num_blocks, block_size] page layout with the K/V and head axes moved first, so that gathering
+sequences' keys and values by slot is one `index_select` on axis 2 yielding [2, kv_heads, T,
+head_dim] in one copy. `ModelRunner.k[i]` / `.v[i]` are views of the K and V halves (P/D export).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from relayinfer.cloud.models.llama import Llama, apply_rope, rope
+from relayinfer.cloud.models.llama import Llama, gqa_attention, rope
 from relayinfer.protocol.model_file import ModelConfig
 
 from .scheduler import ScheduledSeq
@@ -36,11 +38,59 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> 
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+class PagedKV:
+    """The batching engine's `KVCache` for one step (see the module docstring).
+
+    Built by `ModelRunner.run` from the scheduled sequences; the model's blocks call
+    `attend(layer, q, k, v, mask, obs)` with q [1, n_heads, N, head_dim] and k, v
+    [1, kv_heads, N, head_dim] over the step's N tokens (batch order). `mask` is unused (each
+    sequence's mask is built here) and `obs` (prompt scoring) is refused.
+
+    Args:
+        kv: per-layer cache tensors [2, kv_heads, slots, head_dim].
+        slots: int64 [N], the cache slot of each token of the step.
+        dec_rows: int64 [B] rows (token indices) of the step's single-query tokens; dec_gather:
+            int64 [B * L] slots of their keys, padded to L = max length with slot 0;
+            dec_mask: bool [B, 1, 1, L] key-padding mask, or None when nothing is padded.
+        spans: (first row, end row, key count, slots int64 [key count], causal mask bool
+            [rows, key count]) of each multi-token chunk.
+    """
+
+    def __init__(self, kv: list[torch.Tensor], slots: torch.Tensor, dec_rows: torch.Tensor | None,
+                 dec_gather: torch.Tensor | None, dec_len: int, dec_mask: torch.Tensor | None, spans: list):
+        self.kv, self.slots = kv, slots
+        self.dec_rows, self.dec_gather, self.dec_len, self.dec_mask = dec_rows, dec_gather, dec_len, dec_mask
+        self.spans = spans
+
+    def attend(self, layer, q, k, v, mask=None, obs=None):
+        if obs is not None:
+            raise ValueError("the batching engine does not score prompts (obs); use TorchEngine.prefill_scored")
+        cache = self.kv[layer]
+        cache.index_copy_(2, self.slots, torch.stack((k[0], v[0])))  # [2, kv_heads, N, head_dim] to slots
+        _, h, n, hd = q.shape
+        if self.dec_rows is not None and not self.spans and self.dec_rows.numel() == n:
+            return self._decode(cache, q[0].transpose(0, 1)).transpose(0, 1)[None]  # decode-only step
+        o = q.new_empty(1, h, n, hd)
+        if self.dec_rows is not None:
+            o[0, :, self.dec_rows] = self._decode(cache, q[0, :, self.dec_rows].transpose(0, 1)).transpose(0, 1)
+        for r, e, t, g, m in self.spans:
+            kv = cache.index_select(2, g)[:, None]                      # [2, 1, kv_heads, t, head_dim]
+            o[:, :, r:e] = gqa_attention(q[:, :, r:e], kv[0], kv[1], m)
+        return o
+
+    def _decode(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """q [B, n_heads, head_dim] of the single-query tokens -> attention output, same shape."""
+        b, h, hd = q.shape
+        kvh = cache.shape[1]
+        kv = cache.index_select(2, self.dec_gather).view(2, kvh, b, self.dec_len, hd).transpose(1, 2)
+        return gqa_attention(q.reshape(b, h, 1, hd), kv[0], kv[1], self.dec_mask).view(b, h, hd)
+
+
 class ModelRunner:
     """Owns the paged KV tensors and executes scheduled batches.
 
     Args:
-        model: a loaded `Llama` (eval mode); only its submodules are used.
+        model: a loaded `Llama` (eval mode); its `decoder` and `head` run every step.
         num_blocks, block_size: cache geometry (blocks x tokens per block).
     """
 
@@ -50,97 +100,89 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         cfg = self.cfg
-        shape = (cfg.n_kv_heads, num_blocks * block_size, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.n_layers)]
+        shape = (2, cfg.n_kv_heads, num_blocks * block_size, cfg.head_dim)
+        self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.n_layers)]
+        self.k = [t[0] for t in self.kv]  # views: [kv_heads, slots, head_dim]
+        self.v = [t[1] for t in self.kv]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Cache slots of token positions [start, end) of a sequence with `block_table`."""
+        """Cache slots (int64 [end - start]) of token positions [start, end) of a sequence with
+        `block_table`."""
         bs = self.block_size
         pos = torch.arange(start, end, device=self.device)
         return torch.tensor(block_table, dtype=torch.long, device=self.device)[pos // bs] * bs + pos % bs
 
+    def _table_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """Slots of positions 0..length-1 of each table ([len(tables), length] int64); a table with
+        fewer blocks is padded with block 0 (its slots are masked by the caller)."""
+        bs = self.block_size
+        nb = -(-length // bs)
+        t = torch.tensor([tb[:nb] + [0] * (nb - len(tb[:nb])) for tb in tables], dtype=torch.long, device=self.device)
+        return (t[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(tables), nb * bs)[:, :length]
+
     @torch.inference_mode()
     def gather_kv(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """P/D export: K/V of `slots` into `out` [n_layers, 2, kv_heads, len(slots), head_dim], one
-        `index_select` per layer and K/V straight into the buffer (no intermediate copy)."""
+        `index_select` per layer straight into the buffer (no intermediate copy)."""
         for li in range(self.cfg.n_layers):
-            torch.index_select(self.k[li], 1, slots, out=out[li, 0])
-            torch.index_select(self.v[li], 1, slots, out=out[li, 1])
+            torch.index_select(self.kv[li], 2, slots, out=out[li])
         return out
 
     @torch.inference_mode()
     def scatter_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """P/D import: write `kv` [n_layers, 2, kv_heads, len(slots), head_dim] into `slots`."""
         for li in range(self.cfg.n_layers):
-            self.k[li].index_copy_(1, slots, kv[li, 0])
-            self.v[li].index_copy_(1, slots, kv[li, 1])
+            self.kv[li].index_copy_(2, slots, kv[li])
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, PagedKV, list[int]]:
+        """Flatten a step: token ids int64 [N], positions int64 [N], the step's `PagedKV`, and the
+        rows whose logits are sampled (the last token of each sequence with `.sample`)."""
+        bs, dev = self.block_size, self.device
+        ids, pos, slot, last_rows = [], [], [], []
+        dec_rows, dec_tables, dec_lens, spans = [], [], [], []
+        row = 0
+        for s in batch:
+            seq, a, b = s.seq, s.start, s.start + s.n
+            ids.extend(seq.token_ids[a:b])
+            pos.extend(range(a, b))
+            table = seq.block_table
+            slot.extend(table[q // bs] * bs + q % bs for q in range(a, b))
+            if s.n == 1:
+                dec_rows.append(row)
+                dec_tables.append(table)
+                dec_lens.append(b)
+            else:
+                g = self._table_slots([table], b)[0]
+                mask = torch.arange(b, device=dev)[None, :] <= torch.arange(a, b, device=dev)[:, None]
+                spans.append((row, row + s.n, b, g, mask))  # causal over cached + new keys
+            row += s.n
+            if s.sample:
+                last_rows.append(row - 1)
+        dec = dict(dec_rows=None, dec_gather=None, dec_len=0, dec_mask=None)
+        if dec_rows:
+            L = max(dec_lens)
+            lens = torch.tensor(dec_lens, device=dev)
+            dec = dict(dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev),
+                       dec_gather=self._table_slots(dec_tables, L).reshape(-1), dec_len=L,
+                       dec_mask=None if min(dec_lens) == L else
+                       (torch.arange(L, device=dev)[None, :] < lens[:, None])[:, None, None])
+        cache = PagedKV(self.kv, torch.tensor(slot, dtype=torch.long, device=dev), spans=spans, **dec)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                cache, last_rows)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Compute the scheduled tokens, write their K/V to the cache, and return float32 logits
         [n_sample, vocab] for the last token of each scheduled sequence that samples (`.sample`),
         in batch order."""
-        m, cfg, bs, dev = self.model, self.cfg, self.block_size, self.device
-        h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        rep = h // kvh
-        ids, pos, slot, spans, last_rows, gathers = [], [], [], [], [], []
-        ar = torch.arange(bs, device=dev)
-        row = 0
-        for s in batch:
-            seq, a, b = s.seq, s.start, s.start + s.n
-            ids.extend(seq.token_ids[a:b])
-            p = list(range(a, b))
-            pos.extend(p)
-            slot.extend(seq.block_table[q // bs] * bs + q % bs for q in p)
-            spans.append((row, row + s.n, a, b))
-            table = torch.tensor(seq.block_table[: -(-b // bs)], dtype=torch.long, device=dev)
-            gathers.append((table[:, None] * bs + ar).flatten()[:b])  # slots of positions 0..b-1
-            row += s.n
-            if s.sample:
-                last_rows.append(row - 1)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
-        slot_t = torch.tensor(slot, dtype=torch.long, device=dev)
-        cos, sin = rope(pos_t, m.inv_freq)                # [N, hd]
-        cos, sin = cos[:, None], sin[:, None]              # broadcast over heads: [N, 1, hd]
-        masks = [None if (e - r) == 1 else
-                 torch.arange(b, device=dev)[None, :] <= torch.arange(a, b, device=dev)[:, None]
-                 for (r, e, a, b) in spans]                # causal over cached + new keys
-        n = ids_t.shape[0]
-        x = m.embed(ids_t[None])                           # [1, N, dim]
-        for li, layer in enumerate(m.layers):
-            att = layer.attn
-            xn = layer.attn_norm(x)
-            q = att.wq(xn).view(n, h, hd)
-            k = att.wk(xn).view(n, kvh, hd)
-            v = att.wv(xn).view(n, kvh, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kc, vc = self.k[li], self.v[li]
-            kc[:, slot_t] = k.transpose(0, 1)              # [kvh, N, hd] written to their slots
-            vc[:, slot_t] = v.transpose(0, 1)
-            outs = []
-            for (r, e, a, b), g, mask in zip(spans, gathers, masks):
-                ks, vs = kc.index_select(1, g)[None], vc.index_select(1, g)[None]  # [1, kvh, b, hd]
-                if mask is None:  # one query: its rep heads become rep rows of their KV head
-                    qs = q[r].view(1, kvh, rep, hd)
-                    o = F.scaled_dot_product_attention(qs, ks, vs)      # [1, kvh, rep, hd]
-                    outs.append(o.reshape(1, h * hd))
-                    continue
-                ks = ks[:, :, None].expand(1, kvh, rep, b, hd).reshape(1, h, b, hd)
-                vs = vs[:, :, None].expand(1, kvh, rep, b, hd).reshape(1, h, b, hd)
-                qs = q[r:e].transpose(0, 1)[None]          # [1, h, s, hd]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
-                outs.append(o[0].transpose(0, 1).reshape(e - r, h * hd))
-            o = torch.cat(outs) if len(outs) > 1 else outs[0]
-            x = x + att.wo(o[None])
-            hn = layer.ffn_norm(x)
-            x = x + layer.down(F.silu(layer.gate(hn)) * layer.up(hn))
+        m = self.model
+        ids, pos, cache, last_rows = self.prepare(batch)
+        cos, sin = rope(pos, m.inv_freq)                   # [N, head_dim]: broadcast over [1, heads, N, hd]
+        x = m.decoder(m.embed(ids[None]), cos, sin, None, cache)
         if not last_rows:
-            return torch.empty(0, cfg.vocab_size)
-        x = m.norm(x[0, last_rows])
-        return m.lm_head(x).float()
+            return torch.empty(0, self.cfg.vocab_size)
+        return m.head(x[0, last_rows]).float()

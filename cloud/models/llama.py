@@ -1,8 +1,11 @@
 """A compact Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) loaded from a GGUF file.
 
-One readable model file in the style of gpt-fast: the KV cache is explicit tensors behind a
-two-method interface, so the same module serves the cloud engine (a pre-allocated cache written in
-place) and the ONNX export (past/present tensors concatenated, the layout ONNX Runtime expects).
+One readable model file in the style of gpt-fast: the KV cache is an object with one method,
+`attend(layer, q, k, v, mask, obs)` (store the new K/V, attend over what the queries may see), so
+the same blocks serve the single-request engine (`StaticKV`, a pre-allocated cache written in
+place), the ONNX export (`ConcatKV`, past/present tensors concatenated) and the batching engine
+(`cloud.engine.model_runner.PagedKV`, block tables over a paged cache): the layer math is written
+once, here. Grouped-query attention never expands K/V (`gqa_attention`).
 
 GGUF stores the Q/K projection rows permuted for llama.cpp's interleaved rotary layout
 (`convert_hf_to_gguf.py`, `LlamaModel.permute`); `load_llama` undoes it so RoPE here is the
@@ -22,13 +25,51 @@ from relayinfer.protocol.model_file import ModelConfig, open_gguf, read_config
 
 
 class KVCache(Protocol):
-    """Per-layer key/value store. `update(layer, k, v)` appends k, v ([B, kv_heads, S, head_dim])
-    and returns all keys/values of that layer including them ([B, kv_heads, T, head_dim])."""
+    """Per-layer key/value store and the attention over it. `attend(layer, q, k, v, mask, obs)`
+    stores the new keys/values k, v ([B, kv_heads, S, head_dim], K after RoPE) and returns the
+    attention output [B, n_heads, S, head_dim] of queries q ([B, n_heads, S, head_dim]) over the
+    keys each query may see. `mask` is whatever the cache's caller built for it (a bool mask for
+    the contiguous caches here, None for "causal after the cached tokens"); the paged cache of the
+    batching engine (`cloud.engine.model_runner.PagedKV`) ignores it and masks per sequence."""
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
+               obs: "ObservationScores | None" = None) -> torch.Tensor: ...
 
 
-class ConcatKV:
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped-query attention (Ainslie et al. 2023, "GQA") without expanding K/V.
+
+    q [B, n_heads, S, head_dim], k/v [B, kv_heads, T, head_dim] (n_heads a multiple of kv_heads;
+    query head i reads KV head i // (n_heads // kv_heads)), mask bool broadcastable to
+    [B, 1, S, T] (True = visible) or None (all visible). Returns [B, n_heads, S, head_dim] in q's
+    dtype. One query position (decode): the `rep` query heads sharing a KV head become `rep` query
+    rows of that head, one plain SDPA call ([B, kv_heads, rep, head_dim]); several positions:
+    `scaled_dot_product_attention(enable_gqa=True)`, which on CPU runs the fused flash kernel with
+    the KV head broadcast (no copy; bit-identical to the expanded K/V, measured in the tests).
+    """
+    b, h, s, hd = q.shape
+    kvh = k.shape[1]
+    if s == 1 and h != kvh:
+        if mask is not None and mask.dim() == 4:
+            mask = mask[:, :, -1:]  # [B, 1, 1, T]: the one query's keys, shared by its rep rows
+        o = F.scaled_dot_product_attention(q.reshape(b, kvh, h // kvh, hd), k, v, attn_mask=mask)
+        return o.reshape(b, h, 1, hd)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kvh)
+
+
+class _ContiguousAttend:
+    """`attend` for caches whose `update(layer, k, v)` returns the layer's whole K/V
+    ([B, kv_heads, T, head_dim]): store, then `gqa_attention` under the caller's mask."""
+
+    def attend(self, layer, q, k, v, mask, obs=None):
+        k, v = self.update(layer, k, v)
+        if obs is not None:
+            obs.add(q, k, mask)
+        return gqa_attention(q, k, v, mask)
+
+
+class ConcatKV(_ContiguousAttend):
     """Past tensors in, present tensors out (concatenation along the sequence axis); the ONNX
     export's cache. `past[i]` is (k, v) of layer i, each [B, kv_heads, P, head_dim] float32."""
 
@@ -42,7 +83,7 @@ class ConcatKV:
         return k, v
 
 
-class StaticKV:
+class StaticKV(_ContiguousAttend):
     """Pre-allocated cache written in place (gpt-fast style): k and v are
     [n_layers, B, kv_heads, capacity, head_dim]; `length` tokens are filled. Grows by doubling
     when a write would overflow, so callers need not know the answer length up front."""
@@ -92,8 +133,13 @@ class ObservationScores:
         self.window, self.scores = window, None
 
     def add(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """q [B, n_heads, S, head_dim], k [B, kv_heads, T, head_dim] (grouped: query head i reads
+        KV head i // rep), mask bool [S, T] / [B, 1, S, T] or None."""
         w = min(self.window, q.shape[2])
-        logits = q[:, :, -w:] @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        b, h, _, hd = q.shape
+        kvh = k.shape[1]
+        qw = q[:, :, -w:].reshape(b, kvh, (h // kvh) * w, hd)  # the rep heads of a KV head as rows
+        logits = (qw @ k.transpose(-1, -2)).view(b, h, w, -1) / hd ** 0.5
         if mask is not None:
             logits = logits.masked_fill(~mask[-w:], float("-inf"))
         p = logits.softmax(-1).sum(dim=(1, 2))
@@ -134,19 +180,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.h * self.hd, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, obs: "ObservationScores | None" = None):
+        """x [B, S, dim] -> [B, S, dim]; cos/sin broadcastable to [B, 1, S, head_dim]; `mask` and
+        the attention over cached keys belong to `cache` (see `KVCache.attend`)."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.h, self.hd).transpose(1, 2)
         k = self.wk(x).view(b, s, self.kvh, self.hd).transpose(1, 2)
         v = self.wv(x).view(b, s, self.kvh, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = cache.update(layer, k, v)
-        rep = self.h // self.kvh  # grouped-query attention: each KV head serves `rep` query heads
-        t = k.shape[2]
-        k = k[:, :, None].expand(b, self.kvh, rep, t, self.hd).reshape(b, self.h, t, self.hd)
-        v = v[:, :, None].expand(b, self.kvh, rep, t, self.hd).reshape(b, self.h, t, self.hd)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        if obs is not None:
-            obs.add(q, k, mask)
+        o = cache.attend(layer, q, k, v, mask, obs)
         return self.wo(o.transpose(1, 2).reshape(b, s, self.h * self.hd))
 
 
@@ -199,11 +240,21 @@ class Llama(nn.Module):
             mask = None  # one query sees every cached key
         else:  # causal over cached + new keys: key j visible to query i iff j <= start + i
             mask = torch.arange(start + s, device=input_ids.device)[None, :] <= pos[:, None]
-        x = self.embed(input_ids)
+        x = self.decoder(self.embed(input_ids), cos, sin, mask, cache, obs)
+        return self.head(x[:, -1] if last_only else x)
+
+    def decoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache: KVCache,
+                obs: "ObservationScores | None" = None) -> torch.Tensor:
+        """All blocks: embeddings x [B, S, dim] -> hidden states [B, S, dim]. cos/sin from `rope`
+        broadcastable to [B, 1, S, head_dim]; `mask` is handed to `cache.attend` unchanged. The
+        batching engine calls this with its paged cache (B = 1, S = every token of the step)."""
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, obs)
-        x = self.norm(x[:, -1] if last_only else x)
-        return self.lm_head(x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden [..., dim] -> logits [..., vocab] (model dtype)."""
+        return self.lm_head(self.norm(x))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
