@@ -1,8 +1,13 @@
-"""The device runtime: the exported Llama on ONNX Runtime with explicit KV inputs/outputs. No torch.
+"""The device runtime: the exported Llama (`cloud/onnx_graph.py`) on ONNX Runtime. No torch.
 
-The KV cache stays inside ONNX Runtime between steps: outputs are bound with IO binding and the
-`present_*` OrtValues of one step are bound as the `past_*` inputs of the next, so no cache tensor is
-copied into numpy (at 2k tokens the cache is 94 MB in fp32).
+The KV cache is one pre-allocated buffer per layer and kind, float32 [1, kv_heads, capacity,
+head_dim], owned by numpy and bound through IO binding as both `past_*` input and `present_*` output
+of `com.microsoft.GroupQueryAttention` (ORT's `past_present_share_buffer`): a step writes only the
+new tokens' keys/values in place, so neither decode nor chunked prefill copies the cache. The
+buffer grows by doubling (one copy) when a prefill would overflow it, up to the context length.
+
+Two weight formats (`WEIGHTS`): 'gguf' (the default: MatMulNBits over the GGUF file's own Q4_1/Q8_0
+blocks) and 'fp32' (dequantized weights, the torch model's numbers).
 """
 from __future__ import annotations
 
@@ -19,35 +24,74 @@ from relayinfer.protocol.errors import ModelFileError
 from relayinfer.protocol.model_file import ModelConfig, model_cache_dir, resolve_model_path
 from relayinfer.protocol.tokenizer import Tokenizer
 
+FORMAT_VERSION = 2  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV)
+WEIGHTS = ("gguf", "fp32")
+DEFAULT_WEIGHTS = "gguf"
+MIN_CAPACITY = 256  # tokens of a fresh cache buffer
+
+
+def onnx_file_name(weights: str | None = None) -> str:
+    """The ONNX file name of `weights` ('gguf' or 'fp32'; None = `DEFAULT_WEIGHTS`).
+
+    Raises:
+        ValueError: unknown weights; 'int8' (the former `quantize_dynamic` export) is refused with
+            a pointer to 'gguf'.
+    """
+    w = weights or DEFAULT_WEIGHTS
+    if w == "int8":
+        raise ValueError("the int8 (quantize_dynamic) device model was replaced by 'gguf' (the GGUF "
+                         "file's own 4/8-bit blocks, same greedy tokens as fp32); use --quantize gguf")
+    if w not in WEIGHTS:
+        raise ValueError(f"unknown device weights {w!r}; choose one of {WEIGHTS}")
+    return f"model.{w}.onnx"
+
 
 def device_model_dir(model_path: str | os.PathLike | None = None) -> Path:
-    """Where `relayinfer export` put the device files of `model_path` (default model when None)."""
-    return model_cache_dir(resolve_model_path(model_path))
+    """Where `relayinfer export` puts the device files of `model_path` (default model when None):
+    `model_cache_dir(model)/onnx-v<FORMAT_VERSION>`, so exports of an older graph format are never
+    loaded."""
+    d = model_cache_dir(resolve_model_path(model_path)) / f"onnx-v{FORMAT_VERSION}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 @dataclass
 class OnnxKV:
-    """The device KV cache: per layer (key, value) OrtValues [1, kv_heads, length, head_dim] fp32."""
+    """The device KV cache: `buffers` per layer (key, value) float32 numpy [1, kv_heads, capacity,
+    head_dim] (post-RoPE keys), of which the first `length` positions are valid; `values` the
+    OrtValues over the same memory, in graph order (key.0, value.0, key.1, ...).
 
+    prefill/decode write the new tokens at positions length.. of these buffers in place and return
+    an OnnxKV over the same buffers: an older OnnxKV of the same buffers stays valid for its own
+    `length` tokens (so `truncate` is free) but two continuations of one OnnxKV overwrite each
+    other; take a copy with `OnnxEngine.fork` (or kv_import(kv_export(kv))) to branch."""
+
+    buffers: list
     values: list
     length: int
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].shape[2] if self.buffers else 0
 
 
 class OnnxEngine:
     """Llama on ONNX Runtime (CPU execution provider by default).
 
-    `prefill(ids, kv=None) -> (logits, kv)` runs `ids` after the cached tokens; `decode(token, kv)`
-    is prefill of one token. logits: float32 numpy [vocab] of the last position.
+    `prefill(ids, kv=None, positions=None) -> (logits, kv)` runs `ids` after the cached tokens;
+    `decode(token, kv)` is prefill of one token. logits: float32 numpy [vocab] of the last position.
 
     Args:
-        model_dir: directory with model.<fp32|int8>.onnx, config.json and tokenizer files (made by
-            `relayinfer export`).
-        quantize: None (fp32) or 'int8'.
+        model_dir: directory with model.<gguf|fp32>.onnx, config.json and tokenizer files (made by
+            `relayinfer export`, `relayinfer.cloud.export.ensure_device_model`).
+        quantize: device weights, 'gguf' or 'fp32' (None = `DEFAULT_WEIGHTS`, 'gguf'); the old
+            'int8' is refused (ValueError).
         threads: intra-op threads (the device default is 1).
         providers: ONNX Runtime execution providers.
 
     Raises:
         ModelFileError: the directory lacks the exported files.
+        ValueError: unknown `quantize`.
     """
 
     def __init__(self, model_dir: str | os.PathLike, quantize: str | None = None, threads: int = 1,
@@ -55,10 +99,11 @@ class OnnxEngine:
         import onnxruntime as ort
 
         d = Path(model_dir)
-        onnx_file = d / f"model.{quantize or 'fp32'}.onnx"
+        self.weights = quantize or DEFAULT_WEIGHTS
+        onnx_file = d / onnx_file_name(self.weights)
         if not onnx_file.is_file() or not (d / "config.json").is_file():
-            hint = " --quantize int8" if quantize else ""
-            raise ModelFileError(f"no exported device model at {onnx_file}; run `relayinfer export{hint}`")
+            raise ModelFileError(f"no exported device model at {onnx_file}; run `relayinfer export"
+                                 f"{' --quantize ' + self.weights if quantize else ''}`")
         self.model_dir, self.onnx_file, self.threads = d, onnx_file, threads
         self.cfg = ModelConfig.from_json((d / "config.json").read_text())
         self.context_length, self.eos_id = self.cfg.context_length, self.cfg.eos_id
@@ -71,8 +116,10 @@ class OnnxEngine:
         self._ort = ort
         self._in = [i.name for i in self.session.get_inputs()]
         self._out = [o.name for o in self.session.get_outputs()]
-        self._empty = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((1, self.cfg.n_kv_heads, 0, self.cfg.head_dim), np.float32))
+        if "position_ids" not in self._in or "past_key.0" not in self._in:
+            raise ModelFileError(f"{onnx_file} is not a format-{FORMAT_VERSION} device model; export it again")
+        self._cache_names = [(f"past_{k}.{i}", f"present_{k}.{i}")
+                             for i in range(self.cfg.n_layers) for k in ("key", "value")]
 
     @classmethod
     def for_model(cls, model_path: str | os.PathLike | None = None, **kw) -> "OnnxEngine":
@@ -86,22 +133,122 @@ class OnnxEngine:
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.load(self.model_dir)
 
-    def new_cache(self) -> OnnxKV:
-        return OnnxKV([self._empty] * (2 * self.cfg.n_layers), 0)
+    # --- the cache -----------------------------------------------------------------------------------
 
-    def prefill(self, ids: Sequence[int], kv: OnnxKV | None = None) -> tuple[np.ndarray, OnnxKV]:
-        kv = kv if kv is not None else self.new_cache()
+    def new_cache(self, capacity: int = MIN_CAPACITY) -> OnnxKV:
+        """An empty cache with room for `capacity` tokens (grows on demand; at most the context
+        length). Memory: capacity x `cfg.kv_bytes_per_token` bytes (18 KiB/token for SmolLM2-135M)."""
+        c = self.cfg
+        cap = max(1, min(int(capacity), c.context_length))
+        bufs = [np.zeros((1, c.n_kv_heads, cap, c.head_dim), np.float32) for _ in range(2 * c.n_layers)]
+        return OnnxKV(bufs, [self._ort.OrtValue.ortvalue_from_numpy(b) for b in bufs], 0)
+
+    def _room(self, kv: OnnxKV, n: int) -> OnnxKV:
+        """`kv` with capacity for `n` more tokens (a doubled buffer with the valid part copied)."""
+        need = kv.length + n
+        if need > self.context_length:
+            raise ValueError(f"{kv.length} cached + {n} new tokens exceed the context length {self.context_length}")
+        if need <= kv.capacity:
+            return kv
+        new = self.new_cache(max(need, 2 * kv.capacity, MIN_CAPACITY))
+        for dst, src in zip(new.buffers, kv.buffers):
+            dst[:, :, :kv.length] = src[:, :, :kv.length]
+        new.length = kv.length
+        return new
+
+    def truncate(self, kv: OnnxKV, n: int) -> OnnxKV:
+        """The cache of the first `n` tokens of `kv` (0 <= n <= kv.length). O(1): the same buffers
+        with a shorter length (see `OnnxKV` on sharing).
+
+        Raises:
+            ValueError: `n` outside [0, kv.length].
+        """
+        if not 0 <= n <= kv.length:
+            raise ValueError(f"truncate to {n} tokens: the cache holds {kv.length}")
+        return OnnxKV(kv.buffers, kv.values, n)
+
+    def fork(self, kv: OnnxKV) -> OnnxKV:
+        """An independent copy of `kv` (its own buffers, same capacity)."""
+        new = self.new_cache(max(kv.capacity, 1))
+        for dst, src in zip(new.buffers, kv.buffers):
+            dst[:, :, :kv.length] = src[:, :, :kv.length]
+        new.length = kv.length
+        return new
+
+    def kv_export(self, kv: OnnxKV) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer (key, value) float32 numpy [1, kv_heads, length, head_dim] (keys after RoPE, as
+        the torch model's cache holds them); copies, so later steps do not change them."""
+        b, n = kv.buffers, kv.length
+        return [(b[2 * i][:, :, :n].copy(), b[2 * i + 1][:, :, :n].copy()) for i in range(self.cfg.n_layers)]
+
+    def kv_import(self, layers: Sequence[tuple[np.ndarray, np.ndarray]], length: int) -> OnnxKV:
+        """A cache from per-layer (key, value) arrays [1, kv_heads, length, head_dim] (any float
+        dtype; converted to float32), as `kv_export` returns them. Copied into fresh buffers with
+        room for MIN_CAPACITY more tokens.
+
+        Raises:
+            ValueError: the number of layers or an array's shape does not match the model, or
+                `length` exceeds the context length.
+        """
+        c = self.cfg
+        if len(layers) != c.n_layers:
+            raise ValueError(f"KV of {len(layers)} layers; the model has {c.n_layers}")
+        if not 0 <= length <= c.context_length:
+            raise ValueError(f"KV of {length} tokens; the context length is {c.context_length}")
+        want = (1, c.n_kv_heads, length, c.head_dim)
+        kv = self.new_cache(length + MIN_CAPACITY)
+        for i, (k, v) in enumerate(layers):
+            for j, (name, a) in enumerate((("key", k), ("value", v))):
+                if tuple(a.shape) != want:
+                    raise ValueError(f"layer {i} {name}: shape {tuple(a.shape)}, expected {want}")
+                kv.buffers[2 * i + j][:, :, :length] = a
+        kv.length = length
+        return kv
+
+    # --- steps ---------------------------------------------------------------------------------------
+
+    def prefill(self, ids: Sequence[int], kv: OnnxKV | None = None,
+                positions: Sequence[int] | np.ndarray | None = None) -> tuple[np.ndarray, OnnxKV]:
+        """Run `ids` (len S >= 1) after the `kv.length` cached tokens (a new cache when None).
+
+        positions: int RoPE positions of the new tokens [S] (default kv.length + arange(S)); the
+        cache slots stay kv.length.. whatever the positions (a refined prompt keeps its tokens'
+        original positions, issue 17). Returns (logits float32 [vocab] of the last token, kv with
+        length + S).
+
+        Raises:
+            ValueError: no ids, `positions` of the wrong length or out of [0, context_length), or
+                the cache would exceed the context length.
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        s = ids.shape[0]
+        if s == 0:
+            raise ValueError("prefill of no tokens")
+        kv = self._room(kv if kv is not None else self.new_cache(max(MIN_CAPACITY, s)), s)
+        total = kv.length + s
+        if positions is None:
+            pos = np.arange(kv.length, total, dtype=np.int64)
+        else:
+            pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+            if pos.shape[0] != s:
+                raise ValueError(f"{pos.shape[0]} positions for {s} tokens")
+            if pos.size and (pos.min() < 0 or pos.max() >= self.context_length):
+                raise ValueError(f"positions must lie in [0, {self.context_length})")
         binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.asarray([list(ids)], dtype=np.int64))
-        for name, value in zip(self._in[1:], kv.values):
-            binding.bind_ortvalue_input(name, value)
-        for name in self._out:
-            binding.bind_output(name, "cpu")
+        binding.bind_cpu_input("input_ids", ids[None])
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(pos[None]))
+        binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+        binding.bind_output("logits", "cpu")
+        for (past, present), value in zip(self._cache_names, kv.values):
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)  # the same buffer: written in place
         self.session.run_with_iobinding(binding)
-        outs = binding.get_outputs()
-        return outs[0].numpy()[0], OnnxKV(list(outs[1:]), kv.length + len(ids))
+        logits = binding.get_outputs()[0].numpy()[0]
+        return logits, OnnxKV(kv.buffers, kv.values, total)
 
     def decode(self, token_id: int, kv: OnnxKV) -> tuple[np.ndarray, OnnxKV]:
+        """`prefill([token_id], kv)`."""
         return self.prefill([token_id], kv)
 
     def warmup(self) -> None:
@@ -111,42 +258,3 @@ class OnnxEngine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
         return generate(self, prompt_ids, params)
-
-    # --- KV cache hand-over (multi-turn reuse, KV hand-off from the cloud) ---------------------------
-
-    def truncate(self, kv: OnnxKV, n: int) -> OnnxKV:
-        """The cache of the first `n` tokens of `kv` (0 <= n <= kv.length; copies the kept part).
-
-        Raises:
-            ValueError: `n` outside [0, kv.length].
-        """
-        if not 0 <= n <= kv.length:
-            raise ValueError(f"truncate to {n} tokens: the cache holds {kv.length}")
-        if n == kv.length:
-            return kv
-        return self.kv_import([(k[:, :, :n], v[:, :, :n]) for k, v in self.kv_export(kv)], n)
-
-    def kv_export(self, kv: OnnxKV) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per layer (key, value) float32 numpy [1, kv_heads, length, head_dim] (keys after RoPE)."""
-        vals = [v.numpy() for v in kv.values]
-        return [(vals[2 * i][:, :, :kv.length], vals[2 * i + 1][:, :, :kv.length]) for i in range(self.cfg.n_layers)]
-
-    def kv_import(self, layers: Sequence[tuple[np.ndarray, np.ndarray]], length: int) -> OnnxKV:
-        """A cache from per-layer (key, value) arrays [1, kv_heads, length, head_dim] (any float
-        dtype; converted to float32), as `kv_export` returns them.
-
-        Raises:
-            ValueError: the number of layers or an array's shape does not match the model.
-        """
-        c = self.cfg
-        if len(layers) != c.n_layers:
-            raise ValueError(f"KV of {len(layers)} layers; the model has {c.n_layers}")
-        want, out = (1, c.n_kv_heads, length, c.head_dim), []
-        for i, (k, v) in enumerate(layers):
-            for name, a in (("key", k), ("value", v)):
-                if tuple(a.shape) != want:
-                    raise ValueError(f"layer {i} {name}: shape {tuple(a.shape)}, expected {want}")
-                ov = self._ort.OrtValue.ortvalue_from_shape_and_type(want, np.float32, "cpu", 0)
-                ov.update_inplace(np.ascontiguousarray(a, dtype=np.float32))  # copied: ORT owns the memory
-                out.append(ov)
-        return OnnxKV(out, length)
