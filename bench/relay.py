@@ -105,22 +105,33 @@ def live_requests(data, rng, rate, n, L, n_cands):
     return reqs, hist, cands
 
 
-async def _live(data, ck, lat_path, cfg: SimConfig, reqs, hist, cands, log):
-    """Real requests through cfg.instances spawned instance processes per mode (router + protocol +
-    model), each request's ranking sent delay_ms after its pre-infer signal, at the request time
-    last event + 60 s. Returns per mode: latencies (ms, in request order), percentiles, sources."""
-    from relayinfer.cloud.relay.client import RelayClient, spawn_instance
+def live_cores(n_max: int = 2) -> tuple[int, list[list[int]]]:
+    """Core plan for the real processes: (the client's core, one core per instance), disjoint, from the
+    cores this process may use: the client on the first, instances on the others (at most n_max; at
+    least one instance, sharing the client's core only on a 1-core machine)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) == 1:
+        return cores[0], [[cores[0]]]
+    return cores[0], [[c] for c in cores[1:1 + n_max]]
+
+
+async def _live(data, ck, lat_path, cfg: SimConfig, reqs, hist, cands, log, inst_cpus=None):
+    """Real requests through cfg.instances instance processes per mode (router + protocol + model),
+    each pinned to its own core (inst_cpus[k]) with one torch thread, each request's ranking sent
+    delay_ms after its pre-infer signal, at the request time last event + 60 s. Returns per mode:
+    latencies (ms, in request order), percentiles, sources, the instances' /stats."""
+    from relayinfer.cloud.relay.client import RelayClient
     out = {}
     icfg = {"hbm_bytes": cfg.hbm_bytes, "dram_bytes": cfg.dram_bytes, "ttl_s": cfg.ttl_s,
             "dram_window_s": cfg.dram_window_s, "trigger": asdict(cfg.trigger)}
     L = max(r.length for r in reqs)
     for mode in ("baseline", "relay"):
-        procs = [spawn_instance(f"i{k}", str(ck), str(lat_path), icfg, baseline=mode == "baseline", lifetime_s=1800)
-                 for k in range(cfg.instances)]
+        client = await RelayClient.launch(cfg.instances, str(ck), str(lat_path), icfg, baseline=mode == "baseline",
+                                          lifetime_s=1800, cpus=inst_cpus)
         try:
-            client = await RelayClient.connect({p.name: p.url for p in procs}, procs[0].fingerprint)
             wu = extend_history(data, data.users[0], L, np.random.default_rng(0))
             await client.warm_up(wu[0], wu[1], cands[0])
+            base = await asyncio.to_thread(client.instance_stats)    # the warm-up's compute, subtracted below
             lat_ms, sources = [np.nan] * len(reqs), [""] * len(reqs)
             t_start = time.monotonic()
 
@@ -134,11 +145,12 @@ async def _live(data, ck, lat_path, cfg: SimConfig, reqs, hist, cands, log):
                 _, src, _ = await client.rank(r.user, it, ts, cands[i], timeout_s=600, request_ts=int(ts[-1]) + 60)
                 lat_ms[i], sources[i] = (time.monotonic() - t) * 1e3, src
             await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
-            stats = [p.stats() for p in procs]
-            await client.close()
+            stats = await asyncio.to_thread(client.instance_stats)
+            for s, b in zip(stats, base):
+                for k in ("worker_busy_s", "worker_cpu_s"):
+                    s[k] -= b[k]
         finally:
-            for p in procs:
-                p.stop()
+            await client.close()
         a = np.array(lat_ms)
         by = {s: np.array([x for x, y in zip(lat_ms, sources) if y == s]) for s in set(sources)}
         out[mode] = {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
@@ -166,6 +178,39 @@ def live_vs_sim(live: dict, sims: dict) -> dict:
     return out
 
 
+def where_goodput_is_lost(sim, data, L, budget, n_req, thr) -> dict:
+    """Diagnosis (SIMULATED, nothing here changes the reported settings): the relay's goodput at L
+    with one limit lifted at a time, as a ratio to the baseline's goodput `thr["baseline"]`, plus the
+    instances' utilisation (compute seconds / instance seconds) at each mode's highest passing rate.
+    Variants: as run; no pre-inference token budget; no HBM pool limit; both; every request at risk
+    (risk threshold 0: short histories pre-inferred too)."""
+    c = sim.cfg
+    t = c.trigger
+    big = float(1 << 40)
+    variants = {
+        "as_run": c,
+        "no_token_budget": SimConfig(**{**asdict(c), "trigger": TriggerConfig(**{**asdict(t), "token_rate": big, "token_burst": big})}),
+        "no_pool_limit": SimConfig(**{**asdict(c), "hbm_bytes": 1 << 50, "trigger": t}),
+        "no_token_budget_no_pool_limit": SimConfig(**{**asdict(c), "hbm_bytes": 1 << 50, "trigger": TriggerConfig(
+            **{**asdict(t), "token_rate": big, "token_burst": big})}),
+        "all_requests_pre_inferred": SimConfig(**{**asdict(c), "trigger": TriggerConfig(**{**asdict(t), "risk_fraction": 0.0})}),
+    }
+
+    def util(s, mode, rate):
+        reqs, _ = workload(data, np.random.default_rng(2), rate, n_req, L)
+        r = s.run(reqs, mode)
+        return r["busy_s"] / (s.cfg.instances * (reqs[-1].t0 + s.cfg.delay_ms / 1e3)), r["counts"]
+
+    out = {"baseline": {"rate_per_s": thr["baseline"], "utilisation": util(sim, "baseline", thr["baseline"])[0]}}
+    for name, cfg in variants.items():
+        s = Simulator(sim.lat, cfg)
+        rate = thr["relay"] if name == "as_run" else max_rate(s, data, "relay", L, budget, n_req, seed=2)
+        u, counts = util(s, "relay", rate)
+        out[name] = {"rate_per_s": rate, "ratio": rate / thr["baseline"] if thr["baseline"] else None,
+                     "utilisation": u, "counts_at_rate": counts}
+    return out
+
+
 def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape: str = "trained",
         timings: Path | None = None) -> dict:
     """Run the whole benchmark; writes out_json, the plot next to it, and returns the results dict.
@@ -177,6 +222,7 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape
         raise ValueError(f"unknown shape {shape!r}")
     t_start = time.perf_counter()
     torch.set_num_threads(1)
+    all_cores = os.sched_getaffinity(0)
     data = load_ml100k()
     dck = default_checkpoint() if shape == "trained" else None
     metrics = load(dck)[1] if dck else {}
@@ -205,7 +251,12 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape
         samples, lengths = prev["latency_model"]["samples"], prev["latency_model"]["timed_lengths"]
         log(f"reusing the latency samples of {timings}")
     else:
-        samples = measure(model, lengths, [100], **reps)
+        # timed on the core the first live instance will use, one thread
+        os.sched_setaffinity(0, set(live_cores()[1][0]))
+        try:
+            samples = measure(model, lengths, [100], **reps)
+        finally:
+            os.sched_setaffinity(0, all_cores)
     lat = LatencyModel.fit(samples)
     lat_med = LatencyModel.fit([{**s, **{k: s[k + "_median"] for k in ("full_ms", "prefix_ms", "cached_ms")}}
                                 for s in samples])
@@ -260,6 +311,8 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape
     L_ref = best["baseline"] or grid[0]
     thr = {m: max_rate(sim, data, m, L_ref, budget, n_req, seed=2) for m in curves}
     log(f"longest tail meeting P99: {best}; max rate at L={L_ref}: {thr}")
+    lost = where_goodput_is_lost(sim, data, L_ref, budget, n_req, thr)
+    log("goodput variants (simulated, diagnosis only): " + "; ".join(f"{k}: {v['ratio']:.2f}x" for k, v in lost.items()))
 
     res = {
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": 1,
@@ -286,20 +339,26 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape
         "throughput_len": L_ref,
         "slo_throughput_per_s": thr,
         "throughput_ratio": thr["relay"] / thr["baseline"] if thr["baseline"] else None,
+        "goodput_where_lost": lost,
         "paper": PAPER,
     }
     if live:
-        # 6. real processes at a rate this machine holds (25 % of 2 instances' baseline capacity), and
-        # the simulator's prediction for the very same requests and settings
+        # 6. real processes at a rate this machine holds (25 % of the live instances' baseline capacity),
+        # each instance pinned to its own core with one thread, the client on another; and the
+        # simulator's prediction for the very same requests and settings
         L_live = (512 if shape == "production" else 1024) if quick else L_ref
         n_live = 24 if quick else (40 if shape == "production" else 60)
-        cfg_live = SimConfig(**{**asdict(cfg), "instances": 2, "trigger": cfg.trigger})
+        client_core, inst_cpus = live_cores()
+        cfg_live = SimConfig(**{**asdict(cfg), "instances": len(inst_cpus), "trigger": cfg.trigger})
         svc = 0.5 * lat.full_ms(L_live, N) + 0.5 * lat.full_ms(int(mean_real), N)
         rate_live = 0.25 * cfg_live.instances / (svc / 1e3)
         reqs, hist, cands = live_requests(data, np.random.default_rng(3), rate_live, n_live, L_live, N)
-        res["live"] = asyncio.run(_live(data, ck, lat_path, cfg_live, reqs, hist, cands, log))
+        os.sched_setaffinity(0, {client_core})       # the client (this process) on its own core
+        res["live"] = asyncio.run(_live(data, ck, lat_path, cfg_live, reqs, hist, cands, log, inst_cpus))
+        os.sched_setaffinity(0, all_cores)
         res["live"]["workload"] = {"requests": n_live, "rate_per_s": rate_live, "tail_len": L_live, "tail_frac": 0.5,
-                                   "instances": cfg_live.instances}
+                                   "instances": cfg_live.instances, "client_core": client_core,
+                                   "instance_cores": inst_cpus, "threads_per_instance": 1}
         runs = {name: {m: Simulator(lm, cfg_live).run(reqs, m) for m in ("baseline", "relay")}
                 for name, lm in (("sim_min_fit", lat), ("sim_median_fit", lat_med))}
         # the machine is shared: compute seconds the instances really spent vs the simulator's, per mode;
@@ -307,6 +366,16 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape
         slow = {m: sum(s["worker_busy_s"] for s in res["live"][m]["instances"]) / runs["sim_min_fit"][m]["busy_s"]
                 for m in ("baseline", "relay")}
         res["live"]["compute_slowdown_vs_latency_model"] = slow
+        # split into the latency model's error on the instances' own CPU time and the wait for a core
+        # (wall busy / CPU busy > 1: other jobs ran on the instance's core)
+        res["live"]["cpu_time_vs_latency_model"] = {
+            m: sum(s["worker_cpu_s"] for s in res["live"][m]["instances"]) / runs["sim_min_fit"][m]["busy_s"]
+            for m in ("baseline", "relay")}
+        res["live"]["core_wait_factor"] = {
+            m: sum(s["worker_busy_s"] for s in res["live"][m]["instances"]) /
+            max(1e-9, sum(s["worker_cpu_s"] for s in res["live"][m]["instances"])) for m in ("baseline", "relay")}
+        log(f"instances' CPU time / latency model: {res['live']['cpu_time_vs_latency_model']}; "
+            f"wall / CPU time (waiting for a core): {res['live']['core_wait_factor']}")
         runs["sim_scaled_by_measured_slowdown"] = {m: Simulator(lat.scaled(slow[m]), cfg_live).run(reqs, m)
                                                    for m in ("baseline", "relay")}
         sims = {name: {m: r["latency_ms"] for m, r in rr.items()} for name, rr in runs.items()}

@@ -1,4 +1,5 @@
-"""Cascade simulator: retrieval -> pre-processing -> ranking on M ranking instances (discrete events).
+"""Cascade SIMULATOR (benchmark code, not library code): retrieval -> pre-processing -> ranking on M
+ranking instances (discrete events).
 
 Each request arrives (Poisson) at retrieval time t0; its ranking request reaches the ranking tier at
 t0 + delay_ms (retrieval + pre-processing). Ranking latency = completion - (t0 + delay_ms): the P99
@@ -9,8 +10,9 @@ all on the simulated clock.
 
 Modes. baseline: full inference on the critical path. relay: at t0, for a request the trigger finds at
 risk (predicted full ranking > risk_fraction * budget), the pre-infer signal goes to the instance the
-router picks; an admitted pre-inference runs there at low priority (rankings first,
-non-preemptive); at ranking time the prefix is used if present (hbm), reloaded if it is in DRAM (dram),
+router picks; an admitted pre-inference runs there at low priority, in pieces of one attention chunk
+per layer (HSTU.prefix_steps): a waiting ranking runs between two pieces, and the pre-inference then
+resumes at its FIFO place among pre-inferences, as the real Worker does (cloud/relay/server.py); at ranking time the prefix is used if present (hbm), reloaded if it is in DRAM (dram),
 waited for if its pre-inference is running, else the queued pre-inference is cancelled and the
 request runs in full (recompute).
 """
@@ -66,6 +68,7 @@ class _Job:
     reserved: int = 0
     waiters: list = field(default_factory=list)
     pieces: int = 1    # chunked pre-inference: rankings may run between pieces
+    seq: int = 0       # FIFO order within the priority (set on submit)
 
 
 class _Instance:
@@ -82,17 +85,33 @@ class _Instance:
         self.pending: dict[tuple, _Job] = {}
 
     def submit(self, job: _Job) -> None:
-        heapq.heappush(self.queue, (job.prio, next(self.sim.seq), job))
+        job.seq = next(self.sim.seq)           # FIFO place within its priority, kept across its pieces
+        heapq.heappush(self.queue, (job.prio, job.seq, job))
         self.dispatch()
+
+    def run_piece(self, job: _Job) -> None:
+        job.state, self.busy = "running", True
+        self.sim.busy_s += job.dur / job.pieces
+        self.sim.at(self.sim.now + job.dur / job.pieces, "done", (self, job))
+
+    def next_piece(self, job: _Job) -> None:
+        """After a piece of a chunked pre-inference, as the real Worker (cloud/relay/server.py) does:
+        continue with the next piece unless a higher-priority job (a ranking) waits; then queue the rest
+        at its original FIFO place (not behind later pre-inferences) and run that job first."""
+        job.left -= 1
+        if self.queue and self.queue[0][0] < job.prio:
+            heapq.heappush(self.queue, (job.prio, job.seq, job))
+            self.busy = False
+            self.dispatch()
+        else:
+            self.run_piece(job)
 
     def dispatch(self) -> None:
         while not self.busy and self.queue:
             _, _, job = heapq.heappop(self.queue)
             if job.state == "cancelled":
                 continue
-            job.state, self.busy = "running", True
-            self.sim.busy_s += job.dur / job.pieces
-            self.sim.at(self.sim.now + job.dur / job.pieces, "done", (self, job))
+            self.run_piece(job)
 
 
 class Simulator:
@@ -182,12 +201,12 @@ class Simulator:
                     start_rank(inst, p, "recompute")
             elif kind == "done":
                 inst, job = p
-                inst.busy = False
                 r = requests[job.req]
                 if job.kind == "prefix" and job.left > 1:      # next piece, after any waiting ranking
-                    job.left -= 1
-                    heapq.heappush(inst.queue, (job.prio, next(self.seq), job))
-                elif job.kind == "prefix":
+                    inst.next_piece(job)
+                    continue
+                inst.busy = False
+                if job.kind == "prefix":
                     inst.pending.pop(job.key, None)
                     inst.pool.put(Entry(job.key, None, job.reserved, self.now + c.ttl_s), job.reserved)
                     for w in job.waiters:

@@ -26,13 +26,14 @@ def model(data):
     return randomize(HSTU(HSTUConfig(num_items=data.num_items, max_len=256, query_chunk=64)), 0.3).eval()
 
 
-def reference_layer(x, ts, W, o_w, o_b, pos_w, ts_w, H, dqk, dv, eps=1e-6, num_buckets=128):
+def reference_layer(x, ts, W, o_w, o_b, pos_w, ts_w, H, dqk, dv, eps=1e-6, num_buckets=128, n=None):
     """The equations of generative-recommenders research/modeling/sequential/hstu.py (commit 1bfa87ca),
     re-derived densely for padded (B, N, D) input: `SequentialTransductionUnitJagged.forward` with
     normalization="rel_bias", linear_config="uvqk", silu, concat_ua=False, eval mode;
     `_hstu_attention_maybe_from_cache` (n = N = max length); `RelativeBucketedTimeAndPositionBasedBias`
     with bucketization_fn = (log(|x|.clamp(min=1)) / 0.301).long(). Written from the reference, not
-    from our layer: the Toeplitz position table and `ext_timestamps` are built as the reference does."""
+    from our layer: the Toeplitz position table and `ext_timestamps` are built as the reference does.
+    n: the attention normaliser (the reference's n = max length; None = N, its default)."""
     B, N, D = x.shape
     mm = F.silu(F.layer_norm(x, [D], eps=eps) @ W)                       # torch.mm(normed_x, self._uvqk)
     u, v, q, k = torch.split(mm, [dv * H, dv * H, dqk * H, dqk * H], dim=-1)
@@ -44,19 +45,20 @@ def reference_layer(x, ts, W, o_w, o_b, pos_w, ts_w, H, dqk, dv, eps=1e-6, num_b
     buckets = torch.clamp((torch.log(torch.abs(ext[:, 1:].unsqueeze(2) - ext[:, :-1].unsqueeze(1)).clamp(min=1))
                            / 0.301).long(), min=0, max=num_buckets)
     rab = t[:, :, r:-r] + torch.index_select(ts_w, 0, buckets.view(-1)).view(B, N, N)
-    a = F.silu(qk + rab.unsqueeze(1)) / N
+    a = F.silu(qk + rab.unsqueeze(1)) / (n or N)
     a = a * torch.tril(torch.ones(N, N, dtype=x.dtype)).unsqueeze(0).unsqueeze(0)
     attn = torch.einsum("bhnm,bmhd->bnhd", a, v.reshape(B, N, H, dv)).reshape(B, N, H * dv)
     return (u * F.layer_norm(attn, [H * dv], eps=eps)) @ o_w.T + o_b + x
 
 
-@pytest.mark.parametrize("heads,layers,chunk", [(1, 1, 64), (2, 3, 7), (3, 2, 16)])
-def test_layer_equals_reference_float64(data, heads, layers, chunk):
+@pytest.mark.parametrize("heads,layers,chunk,norm", [(1, 1, 64, None), (2, 3, 7, None), (3, 2, 16, None), (2, 2, 16, 11)])
+def test_layer_equals_reference_float64(data, heads, layers, chunk, norm):
     """Our layers (float64, random weights incl. biases) vs the re-derived reference, layer by layer,
-    on real ML-100K item ids and timestamps: full-length rows and a right-padded batch."""
+    on real ML-100K item ids and timestamps: full-length rows and a right-padded batch. norm: an
+    attention normaliser sized apart from max_len (HSTUConfig.attn_norm; the reference's n)."""
     N = 40
     cfg = HSTUConfig(num_items=data.num_items, dim=24, heads=heads, attn_dim=8, hidden_dim=12, layers=layers,
-                     max_len=N, query_chunk=chunk, dropout=0.0)
+                     max_len=N, query_chunk=chunk, dropout=0.0, attn_norm=norm)
     m = randomize(HSTU(cfg), 0.4).double().eval()
     users = [u for u in data.users if len(data.items[u]) >= N][:3]
     items, lengths = pad([data.items[u][:N] for u in users], N)
@@ -71,7 +73,7 @@ def test_layer_equals_reference_float64(data, heads, layers, chunk):
         for layer in m.layers:
             y = layer(y, ts, lengths)
             x_ref = reference_layer(x_ref, ts_ref, layer.uvqk.weight.T, layer.out.weight, layer.out.bias,
-                                    layer.pos_w, layer.ts_w, heads, cfg.attn_dim, cfg.hidden_dim)
+                                    layer.pos_w, layer.ts_w, heads, cfg.attn_dim, cfg.hidden_dim, n=norm)
             for b in range(len(users)):                        # valid rows only (padding rows are unspecified)
                 n = int(lengths[b])
                 worst = max(worst, (y[b, :n] - x_ref[b, :n]).abs().max().item())
@@ -239,3 +241,24 @@ def test_production_shape_split_is_exact(data):
         with torch.no_grad():
             full = m(items, ts, lengths, cands, rts)
         torch.testing.assert_close(m.rank(kv, cands, rts), full, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_normaliser_sized_to_the_data(data):
+    """attn_norm (the reference's n sized to the data) divides the attention output by n instead of
+    max_len and keeps the long position range; the split stays exact; a bad value is refused."""
+    cfg = HSTUConfig(num_items=data.num_items, max_len=256, query_chunk=32, attn_norm=101, dropout=0.0)
+    m = randomize(HSTU(cfg), 0.3).double().eval()
+    ref = randomize(HSTU(HSTUConfig(**{**cfg.__dict__, "attn_norm": None})), 0.3).double().eval()
+    items, ts, lengths, cands, last = _batch(data, 120, 9, 3)
+    with torch.no_grad():
+        full = m(items, ts, lengths, cands, last + DAY)
+        x = m.emb(items)
+        q, k, v = (torch.randn(1, 5, cfg.heads, d, dtype=torch.float64) for d in (32, 32, 32))
+        rab, mask = torch.zeros(1, 5, 5, dtype=torch.float64), torch.ones(1, 5, 5, dtype=torch.bool)
+        ratio = ref.layers[0].attend(q, k, v, rab, mask) / m.layers[0].attend(q, k, v, rab, mask)
+        assert (m.layers[0](x, ts, lengths) - ref.layers[0](x, ts, lengths)).abs().max() > 0   # the layer uses it
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 101 / 256))
+    assert (m.rank(m.prefix_forward(items, ts, lengths), cands, last + DAY) - full).abs().max() < 1e-12
+    assert m.layers[0].pos_w.shape == (2 * 256 - 1,)
+    with pytest.raises(ValueError, match="attn_norm"):
+        HSTU(HSTUConfig(num_items=10, attn_norm=0))

@@ -19,7 +19,7 @@ One choice per point where our layer could differ from the reference's older lay
 
 | point | reference (`research/.../hstu.py`) | here |
 |---|---|---|
-| attention normalisation | SiLU(QK^T + rab) / n, n = the model's max length (a constant) | same: / `max_len` (batch-independent; the newer `modules/stu.py` divides by the batch's longest sequence, which makes scores depend on the batch: not copied) |
+| attention normalisation | SiLU(QK^T + rab) / n, n = the model's max length (a constant, sized to the data: 200 for ML-1M) | same: / `attn_norm` (default `max_len`; the shipped ML-100K model sets it to its training length 101 while keeping max_len 8192 for long histories; batch-independent; the newer `modules/stu.py` divides by the batch's longest sequence, which makes scores depend on the batch: not copied) |
 | QK scaling | none (no 1/sqrt(d)) | same |
 | input / output norm | `F.layer_norm` without affine weights, eps 1e-6 | same (`ln_eps`) |
 | f1 (uvqk) | one matrix, no bias, N(0, 0.02) init, SiLU | same |
@@ -56,9 +56,16 @@ from torch import nn
 class HSTUConfig:
     """Model sizes. Item ids are 1..num_items, 0 is padding.
 
-    max_len: the reference's n, a model constant: the attention normaliser and the relative position
-    range (2 * max_len - 1 position weights). A history may hold at most max_len - 1 events (the
-    candidates sit at position L). time_buckets: the reference's num_buckets (129 weights)."""
+    max_len: the reference's n, a model constant: the relative position range (2 * max_len - 1
+    position weights) and, unless attn_norm is set, the attention normaliser. A history may hold at
+    most max_len - 1 events (the candidates sit at position L). time_buckets: the reference's
+    num_buckets (129 weights).
+    attn_norm: the attention normaliser n (SiLU(QK^T + rab) / n); None = max_len, the reference. The
+    reference sizes its one n to the data (200 for ML-1M); a model that must also accept long
+    histories (max_len 8192) but trains on short windows sets attn_norm to the training sequence
+    length, else its attention output (a sum over <= 100 keys / 8192) falls under LayerNorm's eps and
+    is squashed (measured: variance 1.8e-7 < eps 1e-6 in the first layer, bench/RELAY.md).
+    Raises ValueError (at model construction) for attn_norm < 1."""
     num_items: int
     dim: int = 64
     heads: int = 2
@@ -69,6 +76,7 @@ class HSTUConfig:
     time_buckets: int = 128
     ln_eps: float = 1e-6
     dropout: float = 0.1
+    attn_norm: int | None = None
     query_chunk: int = 256   # queries per attention chunk: bounds memory at 8k tokens and is the
                              # preemption point of a pre-inference (see HSTU.prefix_steps)
 
@@ -128,6 +136,7 @@ class HSTULayer(nn.Module):
     def __init__(self, cfg: HSTUConfig):
         super().__init__()
         self.cfg, H = cfg, cfg.heads
+        self.n = cfg.attn_norm or cfg.max_len                 # the attention normaliser
         self.split = [H * cfg.hidden_dim, H * cfg.hidden_dim, H * cfg.attn_dim, H * cfg.attn_dim]
         self.uvqk = nn.Linear(cfg.dim, sum(self.split), bias=False)
         nn.init.normal_(self.uvqk.weight, std=0.02)
@@ -151,9 +160,9 @@ class HSTULayer(nn.Module):
         return self.pos_w[(dpos + (n - 1)).clamp(0, 2 * n - 2)]
 
     def attend(self, q, k, v, rab, mask) -> torch.Tensor:
-        """SiLU(q k^T + rab) / max_len on the visible pairs, times v. q (B,Tq,H,da), k (B,Tk,H,da),
+        """SiLU(q k^T + rab) / n (attn_norm, default max_len) on the visible pairs, times v. q (B,Tq,H,da), k (B,Tk,H,da),
         v (B,Tk,H,dh), rab (B,Tq,Tk) or broadcastable, mask (B,Tq,Tk) bool -> (B,Tq,H*dh)."""
-        a = F.silu(torch.einsum("bqhd,bkhd->bhqk", q, k) + rab[:, None]) / self.cfg.max_len
+        a = F.silu(torch.einsum("bqhd,bkhd->bhqk", q, k) + rab[:, None]) / self.n
         a = a * mask[:, None]
         return torch.einsum("bhqk,bkhd->bqhd", a, v).flatten(2)
 
@@ -209,6 +218,8 @@ class HSTU(nn.Module):
 
     def __init__(self, cfg: HSTUConfig):
         super().__init__()
+        if cfg.attn_norm is not None and cfg.attn_norm < 1:
+            raise ValueError(f"attn_norm must be >= 1 (or None for max_len), got {cfg.attn_norm}")
         self.cfg = cfg
         self.emb = nn.Embedding(cfg.num_items + 1, cfg.dim, padding_idx=0)
         nn.init.normal_(self.emb.weight, std=0.1)
@@ -339,7 +350,7 @@ class HSTU(nn.Module):
             a_h = F.silu(torch.einsum("bqhd,bkhd->bhqk", q, kv.k[li]) + rab[:, None]) * valid_h[:, None]
             a_s = F.silu((q * k).sum(-1) + layer.pos_w[c.max_len - 1] + layer.ts_w[0])   # (B,N,H) self, distance 0
             o = torch.einsum("bhqk,bkhd->bqhd", a_h, kv.v[li]) + a_s[..., None] * v
-            x = layer.output(x, u, (o / c.max_len).flatten(2))
+            x = layer.output(x, u, (o / layer.n).flatten(2))
         return self._score(x, cands)
 
     def score(self, items, ts, lengths, cands, request_ts=None) -> torch.Tensor:

@@ -10,7 +10,7 @@ relay_app = typer.Typer(help="RelayGR: HSTU ranking on ML-100K with pre-inferred
 
 
 @relay_app.command()
-def train(steps: int = typer.Option(800, help="training steps (64 users x 8 cut points x 31 negatives)"),
+def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut points x 31 negatives)"),
           quick: bool = typer.Option(False, help="150 steps instead of --steps"),
           out: Path = typer.Option(None, help="checkpoint path (default: the user cache; the shipped default "
                                               "checkpoint is only replaced if you name it)")) -> None:

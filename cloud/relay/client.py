@@ -27,20 +27,21 @@ from relayinfer.protocol.ws import ClientChannel, open_channel
 
 @dataclass
 class InstanceProc:
-    """A spawned ranking instance: name, port, model fingerprint, process."""
+    """A spawned ranking instance: name, port, model fingerprint, process, listen address."""
     name: str
     port: int
     fingerprint: str
     proc: subprocess.Popen
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
         """ws:// address of the instance."""
-        return f"ws://127.0.0.1:{self.port}"
+        return f"ws://{self.host}:{self.port}"
 
     def stats(self, timeout: float = 5.0) -> dict:
         """GET /stats from the instance (counters as a dict)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=timeout) as r:
+        with urllib.request.urlopen(f"http://{self.host}:{self.port}/stats", timeout=timeout) as r:
             return json.loads(r.read())
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -55,12 +56,17 @@ class InstanceProc:
 
 
 def spawn_instance(name: str, checkpoint: str, latency: str, config: dict | None = None, baseline: bool = False,
-                   lifetime_s: float = 600.0, start_timeout_s: float = 120.0, env: dict | None = None) -> InstanceProc:
-    """Start `python -m relayinfer.cloud.relay.server` on a free 127.0.0.1 port and wait for READY.
-    The child exits when this process dies, after lifetime_s, or on stop(). Raises RuntimeError if it
-    does not come up within start_timeout_s."""
+                   lifetime_s: float = 600.0, start_timeout_s: float = 120.0, env: dict | None = None,
+                   cpus: list[int] | None = None, threads: int = 1, host: str = "127.0.0.1") -> InstanceProc:
+    """Start `python -m relayinfer.cloud.relay.server` on a free port of `host` and wait for READY.
+    cpus: pin the instance to these CPU ids (None: not pinned); threads: its torch threads. The child
+    exits when this process dies, after lifetime_s, or on stop(). Raises RuntimeError if it does not
+    come up within start_timeout_s (or exits, e.g. on CPU ids this machine does not have)."""
     cmd = [sys.executable, "-m", "relayinfer.cloud.relay.server", "--port", "0", "--checkpoint", checkpoint,
-           "--latency", latency, "--parent-pid", str(os.getpid()), "--lifetime-s", str(lifetime_s)]
+           "--latency", latency, "--parent-pid", str(os.getpid()), "--lifetime-s", str(lifetime_s),
+           "--threads", str(int(threads)), "--host", host]
+    if cpus:
+        cmd += ["--cpus", ",".join(str(int(c)) for c in cpus)]
     if config:
         cmd += ["--config", json.dumps(config)]
     if baseline:
@@ -73,7 +79,7 @@ def spawn_instance(name: str, checkpoint: str, latency: str, config: dict | None
         line = proc.stdout.readline()
         if line.startswith("READY"):
             _, port, fp = line.split()
-            return InstanceProc(name, int(port), fp, proc)
+            return InstanceProc(name, int(port), fp, proc, host)
     proc.kill()
     raise RuntimeError(f"ranking instance {name} did not start (last line {line!r}, rc {proc.poll()})")
 
@@ -90,6 +96,61 @@ class RelayClient:
     ids: itertools.count = field(default_factory=itertools.count)
     readers: list = field(default_factory=list)
     placed: dict[int, str] = field(default_factory=dict)   # user -> instance that got its pre-infer
+    owned: list = field(default_factory=list)               # instances launch() started; close() stops them
+
+    @classmethod
+    async def launch(cls, n: int, checkpoint: str, latency: str, config: dict | None = None, baseline: bool = False,
+                     placement: str = "process", ray_address: str | None = None, lifetime_s: float = 600.0,
+                     cpus: list[list[int]] | None = None, **router_kw) -> "RelayClient":
+        """Start n ranking instances and connect to them; close() stops them.
+
+        placement "process": child processes of this one on this machine (`spawn_instance`; cpus[k]
+        pins instance k to those CPU ids); "ray": Ray actors, each running the instance process on the
+        node Ray picks (`ray_place.RayInstances`; a local Ray starts by itself when ray_address is None,
+        CPU only, one Ray CPU per instance; starting Ray blocks the calling thread, 10-60 s). The router, the affinity and the protocol are the same either way.
+        Raises ValueError for n < 1, an unknown placement, cpus with placement "ray" or of the wrong
+        length; RuntimeError if an instance does not start."""
+        if n < 1:
+            raise ValueError(f"need at least 1 instance, got {n}")
+        if placement not in ("process", "ray"):
+            raise ValueError(f"placement must be 'process' or 'ray', got {placement!r}")
+        if cpus is not None and (placement == "ray" or len(cpus) != n):
+            raise ValueError("cpus: one list of CPU ids per instance, with placement 'process' only")
+        if placement == "ray":
+            from relayinfer.cloud.pd.ray_pool import start_ray
+            from relayinfer.cloud.relay.ray_place import RayInstances
+            # in the calling thread (blocking): Ray sets up its signal handling in the main thread; a
+            # local Ray gets at least one CPU per instance
+            start_ray(ray_address, num_cpus=max(n, os.cpu_count() or 1) if ray_address is None else None)
+            ri = await asyncio.to_thread(RayInstances, n, checkpoint, latency, config, baseline, ray_address,
+                                         lifetime_s=lifetime_s)
+            urls, fp, owned = ri.urls, ri.fingerprint, [ri]
+        else:
+            owned = []
+            try:
+                for k in range(n):
+                    owned.append(await asyncio.to_thread(spawn_instance, f"i{k}", str(checkpoint), str(latency), config,
+                                                         baseline, lifetime_s, cpus=cpus[k] if cpus else None))
+            except BaseException:
+                for p in owned:
+                    p.stop()
+                raise
+            urls, fp = {p.name: p.url for p in owned}, owned[0].fingerprint
+        try:
+            self = await cls.connect(urls, fp, **router_kw)
+        except BaseException:
+            for p in owned:
+                p.stop()
+            raise
+        self.owned = owned
+        return self
+
+    def instance_stats(self) -> list[dict]:
+        """GET /stats of the instances launch() started (blocking; [] for a connect()ed client)."""
+        out = []
+        for p in self.owned:
+            out += p.stats() if hasattr(p, "actors") else [p.stats()]
+        return out
 
     @classmethod
     async def connect(cls, instances: dict[str, str], fingerprint: str, **router_kw) -> "RelayClient":
@@ -178,7 +239,7 @@ class RelayClient:
             await asyncio.wait_for(fut, timeout_s)
 
     async def close(self) -> None:
-        """Close every channel (the instances keep running)."""
+        """Close every channel; stop the instances launch() started (connect()ed ones keep running)."""
         for ch in list(self.channels.values()):
             try:
                 await ch.close()
@@ -186,3 +247,6 @@ class RelayClient:
                 pass
         for t in self.readers:
             t.cancel()
+        for p in self.owned:
+            await asyncio.to_thread(p.stop)
+        self.owned = []

@@ -83,31 +83,45 @@ def measure(model: HSTU, lengths: list[int], n_cands: list[int], repeats: int = 
             repeats_short: int | None = None) -> list[dict]:
     """Time the three paths on random histories of each length (ms). The minimum of `repeats` runs:
     on a shared machine interference only ever adds time, so the minimum estimates the cost itself
-    (the median is kept as `<kind>_ms_median`: what a loaded machine gives).
-    repeats_short: repeats for L <= 2048 (cheap lengths), default `repeats`."""
+    (the median is kept as `<kind>_ms_median`: what a loaded machine gives). The repeats are taken in
+    rounds over all lengths (round r times every length once), so that a burst of load from other
+    jobs hits all lengths alike instead of bending the curve at the lengths timed during it.
+    repeats_short: repeats for L <= 2048 (cheap lengths), default `repeats`.
+    Returns [{"L", "N", "prefix_ms", "full_ms", "cached_ms", "<kind>_ms_median"...}] per (L, N)."""
     g = torch.Generator().manual_seed(seed)
     n = model.cfg.num_items
-    out = []
-
-    def med(f, L):
-        ts = []
-        for _ in range(repeats_short if repeats_short and L <= 2048 else repeats):
-            t0 = time.perf_counter()
-            f()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return float(np.min(ts)), float(np.median(ts))
-
     model.score(torch.randint(1, n + 1, (1, 32), generator=g), torch.arange(32)[None] * 60, torch.tensor([32]),
                 torch.randint(1, n + 1, (1, 8), generator=g))  # warm-up
+    inputs = {}
     for L in lengths:
         items = torch.randint(1, n + 1, (1, L), generator=g)
         ts = torch.cumsum(torch.randint(0, 3600, (1, L), generator=g), 1)
         lens = torch.tensor([L])
-        kv = model.prefix_forward(items, ts, lens)
-        p = med(lambda: model.prefix_forward(items, ts, lens), L)
+        inputs[L] = (items, ts, lens, model.prefix_forward(items, ts, lens),
+                     {N: torch.randint(1, n + 1, (1, N), generator=g) for N in n_cands})
+    reps = {L: repeats_short if repeats_short and L <= 2048 else repeats for L in lengths}
+    times: dict[tuple, list[float]] = {}
+
+    def timed(key, f):
+        t0 = time.perf_counter()
+        f()
+        times.setdefault(key, []).append((time.perf_counter() - t0) * 1e3)
+
+    for r in range(max(reps.values())):
+        for L in lengths:
+            if r >= reps[L]:
+                continue
+            items, ts, lens, kv, cs = inputs[L]
+            timed((L, "prefix"), lambda: model.prefix_forward(items, ts, lens))
+            for N, c in cs.items():
+                timed((L, N, "full"), lambda: model.score(items, ts, lens, c))
+                timed((L, N, "cached"), lambda: model.rank(kv, c))
+    out = []
+    for L in lengths:
+        p = times[(L, "prefix")]
         for N in n_cands:
-            c = torch.randint(1, n + 1, (1, N), generator=g)
-            f, r = med(lambda: model.score(items, ts, lens, c), L), med(lambda: model.rank(kv, c), L)
-            out.append({"L": L, "N": N, "prefix_ms": p[0], "full_ms": f[0], "cached_ms": r[0],
-                        "prefix_ms_median": p[1], "full_ms_median": f[1], "cached_ms_median": r[1]})
+            f, c = times[(L, N, "full")], times[(L, N, "cached")]
+            out.append({"L": L, "N": N, "prefix_ms": float(np.min(p)), "full_ms": float(np.min(f)),
+                        "cached_ms": float(np.min(c)), "prefix_ms_median": float(np.median(p)),
+                        "full_ms_median": float(np.median(f)), "cached_ms_median": float(np.median(c))})
     return out

@@ -1,6 +1,7 @@
 """A ranking instance as its own process, serving PreInfer / Rank over the shared protocol.
 
-    python -m relayinfer.cloud.relay.server --port 0 [--baseline] [--parent-pid PID] [--lifetime-s S]
+    python -m relayinfer.cloud.relay.server --port 0 [--host H] [--baseline] [--parent-pid PID] [--lifetime-s S]
+                                            [--threads 1] [--cpus 1,2]
 
 Prints `READY <port> <fingerprint>` on stdout once listening. Messages (relayinfer.protocol):
 PreInfer (fire-and-forget signal; answered only by an Error on bad input), Rank -> Scores
@@ -50,6 +51,8 @@ class Worker:
         self.q: queue.PriorityQueue = queue.PriorityQueue()
         self.seq = itertools.count()
         self.busy_s = 0.0   # wall seconds the compute thread spent running jobs (GET /stats: worker_busy_s)
+        self.cpu_s = 0.0    # CPU seconds of the compute thread in those jobs (worker_cpu_s); busy_s / cpu_s
+                            # > 1 means the thread waited for a core (a shared machine)
         threading.Thread(target=self._run, daemon=True, name="relay-compute").start()
 
     def submit(self, prio: int, fn, prio_fn=None) -> concurrent.futures.Future:
@@ -62,7 +65,7 @@ class Worker:
     def _run(self):
         while True:
             prio, seq, fn, fut, prio_fn = self.q.get()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 out = fn() if callable(fn) else fn
                 if inspect.isgenerator(out):
@@ -80,6 +83,7 @@ class Worker:
             except BaseException as e:  # reported to the awaiting request, never kills the thread
                 fut.set_exception(e)
             self.busy_s += time.perf_counter() - t0
+            self.cpu_s += time.thread_time() - c0
 
 
 def make_handler(inst, worker: Worker):
@@ -137,6 +141,8 @@ async def amain(args) -> None:
     from relayinfer.cloud.relay.instance import InstanceConfig, RankingInstance
     from relayinfer.cloud.relay.latency import LatencyModel, measure
     from relayinfer.cloud.relay.train import default_checkpoint, load
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)   # pinned (the benchmark gives each instance its own core)
     torch.set_num_threads(args.threads)
     model, _ = load(Path(args.checkpoint) if args.checkpoint else default_checkpoint())
     if not Path(args.latency).exists():   # fit the trigger's latency model on this machine once
@@ -153,13 +159,14 @@ async def amain(args) -> None:
     def process_request(connection, request):
         if request.path == "/stats":
             return connection.respond(200, json.dumps({**inst.stats(), "pid": os.getpid(), "relay": cfg.relay,
-                                                          "worker_busy_s": worker.busy_s}) + "\n")
+                                                          "worker_busy_s": worker.busy_s, "worker_cpu_s": worker.cpu_s,
+                                                          "cpus": sorted(os.sched_getaffinity(0))}) + "\n")
         return None
 
     stop = asyncio.get_running_loop().create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-    async with serve(make_handler(inst, worker), "127.0.0.1", args.port, expected_fingerprint=fp,
+    async with serve(make_handler(inst, worker), args.host, args.port, expected_fingerprint=fp,
                      process_request=process_request, server="relay-instance") as server:
         port = server.sockets[0].getsockname()[1]
         print(f"READY {port} {fp}", flush=True)
@@ -175,6 +182,8 @@ def main(argv=None) -> None:
     from relayinfer.cloud.relay.train import checkpoint_path
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (a Ray-placed instance on another node "
+                                                       "listens on its node's address)")
     p.add_argument("--checkpoint", default="", help="model checkpoint (default: the shipped ML-100K one)")
     p.add_argument("--latency", default=str(checkpoint_path().with_name("latency.json")))
     p.add_argument("--config", default="", help="InstanceConfig as JSON")
@@ -182,7 +191,15 @@ def main(argv=None) -> None:
     p.add_argument("--parent-pid", type=int, default=0)
     p.add_argument("--lifetime-s", type=float, default=3600.0)
     p.add_argument("--threads", type=int, default=1)
-    asyncio.run(amain(p.parse_args(argv)))
+    p.add_argument("--cpus", default="", help="comma-separated CPU ids to pin the process to (default: not pinned)")
+    args = p.parse_args(argv)
+    try:
+        args.cpus = [int(c) for c in args.cpus.split(",") if c.strip()]
+    except ValueError:
+        p.error(f"--cpus must be comma-separated CPU ids, got {args.cpus!r}")
+    if args.cpus and not set(args.cpus) <= os.sched_getaffinity(0):
+        p.error(f"--cpus {args.cpus} not all available to this process ({sorted(os.sched_getaffinity(0))})")
+    asyncio.run(amain(args))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     users: int | None = None    # train on the first `users` users only (tests)
+    attn_norm: int | None = None  # the model's attention normaliser n (HSTUConfig.attn_norm); None = the
+                                  # longest trained sequence, max_len history events + the candidate
+                                  # position (101), as the reference sizes n to its data (8192 = the
+                                  # model's max_len, as before issue 16's retrain)
 
 
 def pad(seqs: list[np.ndarray], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +83,7 @@ def train(data: ML100K, cfg: TrainConfig, mcfg: HSTUConfig | None = None, log=pr
     every step is appended to `losses` if given."""
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    model = HSTU(mcfg or HSTUConfig(num_items=data.num_items))
+    model = HSTU(mcfg or HSTUConfig(num_items=data.num_items, attn_norm=cfg.attn_norm or cfg.max_len + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, cfg.steps))  # linear decay to 10 %
     users, hist, hts, _ = data.split("train")
