@@ -1,0 +1,120 @@
+"""KV reuse between turns and the cloud -> device KV hand-off: the pieces both sides share.
+
+* `common_prefix`: how many leading tokens of a cached sequence a new prompt shares (multi-turn
+  reuse checks the cached ids are a prefix of the new prompt; else it keeps the common part).
+* `kv_bytes_per_token` / `kv_handoff_ms` / `kv_handoff_pays`: the per-request choice between the
+  device prefilling the prompt itself and importing the prompt's KV from the cloud.
+* `kv_messages` / `kv_layers`: the prompt's KV as `KVTransfer` messages (float16 [layers, 2,
+  kv_heads, tokens, head_dim], split by tokens into frames of at most `max_bytes`) and back into
+  per-layer (key, value) arrays [1, kv_heads, tokens, head_dim], the device engine's past-KV layout.
+
+The hand-off follows the prefill -> decode KV transfer of disaggregated serving (DistServe,
+Zhong et al. 2024, sec. 4; P/D-Serve, arXiv 2408.08147), with the device as the decode instance.
+No numpy-free path is needed: the device side already runs on numpy.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .messages import MAX_FRAME_BYTES, KVTransfer, Tensor
+
+WIRE_DTYPE = np.float16
+FRAME_MARGIN = 4096  # bytes left in a frame for the message's other fields
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, bytes_per_value: int = 2) -> int:
+    """Bytes of K and V of one token over all layers (fp16 on the wire: 2 bytes a value).
+    SmolLM2-135M: 30 x 3 x 64 x 2 x 2 = 23,040 bytes (22.5 KiB)."""
+    return n_layers * n_kv_heads * head_dim * 2 * bytes_per_value
+
+
+def kv_handoff_ms(tokens: int, bytes_per_token: int, bandwidth_bytes_s: float, cloud_ttft_ms: float,
+                  prefill_ms_base: float, prefill_ms_per_token: float, overhead_ms: float = 0.0) -> float:
+    """When the device holds the prompt's logits with the KV hand-off (ms from the Generate): the
+    cloud's first token (its TTFT, round trip included), then `tokens` x `bytes_per_token` at
+    `bandwidth_bytes_s`, `overhead_ms` (encode, decode, import), and a prefill of the last prompt
+    token on the device."""
+    return (cloud_ttft_ms + tokens * bytes_per_token / bandwidth_bytes_s * 1e3 + overhead_ms
+            + prefill_ms_base + prefill_ms_per_token)
+
+
+def kv_handoff_pays(tokens: int, bytes_per_token: int, bandwidth_bytes_s: float | None, cloud_ttft_ms: float,
+                    prefill_ms_base: float, prefill_ms_per_token: float, overhead_ms: float = 0.0) -> bool:
+    """Send the KV iff the hand-off (`kv_handoff_ms`) ends before the device's own prefill of the
+    `tokens` + 1 uncached prompt tokens (prefill_ms_base + prefill_ms_per_token x (tokens + 1)).
+    False without a measured bandwidth (None or <= 0) or with nothing to send."""
+    if not bandwidth_bytes_s or bandwidth_bytes_s <= 0 or tokens <= 0:
+        return False
+    own = prefill_ms_base + prefill_ms_per_token * (tokens + 1)
+    return kv_handoff_ms(tokens, bytes_per_token, bandwidth_bytes_s, cloud_ttft_ms, prefill_ms_base,
+                         prefill_ms_per_token, overhead_ms) < own
+
+
+def crossover_bandwidth(tokens: int, bytes_per_token: int, cloud_ttft_ms: float, prefill_ms_per_token: float,
+                        overhead_ms: float = 0.0) -> float:
+    """The bandwidth (bytes/s) above which `kv_handoff_pays` says yes for `tokens` tokens:
+    tokens x bytes_per_token / (prefill_ms_per_token x tokens - cloud_ttft_ms - overhead_ms);
+    inf where no bandwidth is enough (the device prefills them before the cloud's first token).
+    As tokens grows it tends to bytes_per_token / prefill_ms_per_token (x 1e3)."""
+    slack_ms = prefill_ms_per_token * tokens - cloud_ttft_ms - overhead_ms
+    return math.inf if slack_ms <= 0 else tokens * bytes_per_token / slack_ms * 1e3
+
+
+def kv_messages(request_id: str, kv: np.ndarray, token_start: int,
+                max_bytes: int = MAX_FRAME_BYTES) -> list[KVTransfer]:
+    """`kv` float16 [layers, 2, kv_heads, tokens, head_dim] as `KVTransfer` messages of at most
+    `max_bytes` each (split by tokens: message i holds `block_index` i of `num_blocks`, its
+    `token_start` absolute). One message, block_index -1, when it fits.
+
+    Raises:
+        ValueError: `kv` is not 5-d, or one token does not fit in `max_bytes`.
+    """
+    if kv.ndim != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got shape {kv.shape}")
+    kv = kv.astype(WIRE_DTYPE, copy=False)
+    n = kv.shape[3]
+    per_token = kv[:, :, :, :1].nbytes
+    step = (max_bytes - FRAME_MARGIN) // per_token if per_token else n
+    if step < 1:
+        raise ValueError(f"one token of KV is {per_token} bytes, more than the frame limit of {max_bytes}")
+    if n <= step:
+        return [KVTransfer(request_id, 0, Tensor.from_numpy(kv), n, token_start=token_start)]
+    parts = list(range(0, n, step))
+    return [KVTransfer(request_id, 0, Tensor.from_numpy(kv[:, :, :, i:i + step]), min(step, n - i), i // step,
+                       len(parts), token_start=token_start + i) for i in parts]
+
+
+def kv_layers(msgs: Sequence[KVTransfer]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+    """The `KVTransfer` messages of one hand-off (any order) -> (token_start, per layer (key,
+    value) float16 [1, kv_heads, tokens, head_dim]).
+
+    Raises:
+        ValueError: parts missing or repeated, tokens not contiguous, or a tensor of the wrong shape.
+    """
+    if not msgs:
+        raise ValueError("no KVTransfer messages")
+    parts = sorted(msgs, key=lambda m: m.token_start)
+    total = parts[0].num_blocks if parts[0].block_index >= 0 else 1
+    if len(parts) != total or len({m.block_index for m in parts}) != total:
+        raise ValueError(f"{len(parts)} KV parts of {total}")
+    arrays, at = [], parts[0].token_start
+    for m in parts:
+        a = m.kv.to_numpy()
+        if a.ndim != 5 or a.shape[1] != 2 or a.shape[3] != m.num_tokens or m.token_start != at:
+            raise ValueError(f"KV part {m.block_index}: shape {a.shape}, tokens {m.num_tokens} from {m.token_start}")
+        arrays.append(a)
+        at += m.num_tokens
+    kv = np.concatenate(arrays, axis=3) if len(arrays) > 1 else arrays[0]
+    return parts[0].token_start, [(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])]
