@@ -124,6 +124,41 @@ def token_logprobs(logits: np.ndarray, token_id: int, top: int = 0) -> tuple[flo
     return float(lp[token_id]), best
 
 
+TOP_P_CANDIDATES = 64  # nucleus filtering sorts this many most likely tokens first (all ties included)
+
+
+def top_p_keep(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Token ids kept by nucleus filtering (Holtzman et al. 2020, "The Curious Case of Neural Text
+    Degeneration", sec. 3.1) of probabilities `p` (float64 [vocab]): the shortest prefix of the
+    tokens in decreasing probability (ties: lower id first) whose cumulative mass reaches `top_p`,
+    in that order.
+
+    Exactly the set (and cumulative sums) of a stable argsort of the whole vocabulary, without it:
+    the `TOP_P_CANDIDATES` most likely tokens, plus every token tied with the last of them, are
+    the head of that order (all others are strictly less likely), so only they are sorted; when
+    their mass stays below `top_p` the candidate count grows 8x, up to the whole vocabulary.
+    """
+    v, k = p.size, min(TOP_P_CANDIDATES, p.size)
+    while True:
+        cand = np.flatnonzero(p >= np.partition(p, v - k)[v - k]) if k < v else np.arange(v)
+        order = cand[np.lexsort((cand, -p[cand]))]
+        cum = np.cumsum(p[order])
+        n = int(np.searchsorted(cum, top_p))
+        if n < cum.size or k >= v:
+            return order[: n + 1]
+        k = min(v, 8 * k)
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token id drawn from probabilities `p` (float64 [vocab], summing to 1) with one
+    `rng.random()` and the inverse CDF: the draw of `rng.choice(p.size, p=p)` (numpy's
+    `Generator.choice`: cumsum, divide by the last entry, `searchsorted(side="right")`) without its
+    O(vocab) validation passes."""
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    return int(np.searchsorted(cdf, rng.random(), side="right"))
+
+
 def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequence[int] = (),
            n_prompt: int = 0, eos_id: int | None = None) -> int:
     """Pick the token at answer position `index` from `logits` (shape [vocab], float32).
@@ -131,9 +166,10 @@ def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequ
     The logits are first adjusted by `adjust_logits` (penalties over `context`: the prompt's
     `n_prompt` ids then the `index` answer ids so far; `min_tokens` masks `eos_id` and stop ids).
     Greedy when temperature is 0; otherwise softmax(logits / T) filtered by top-k then top-p
-    (nucleus, Holtzman et al. 2020), drawn with `np.random.default_rng((seed, index))`. Every
+    (nucleus, `top_p_keep`), drawn with `np.random.default_rng((seed, index))` (`draw`). Every
     side (cloud engine, split service, device) calls this with the same arguments at the same
-    position, so a seeded answer is the same whichever side draws each token.
+    position, so a seeded answer is the same whichever side draws each token. No step sorts the
+    whole vocabulary (top-k: one partition; top-p: see `top_p_keep`).
     """
     if params.adjusts_logits:
         logits = adjust_logits(logits, params, context, n_prompt, eos_id)
@@ -146,14 +182,11 @@ def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequ
     p = np.exp(x - x.max())
     p /= p.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, params.top_p)) + 1]
+        keep = top_p_keep(p, params.top_p)
         q = np.zeros_like(p)
         q[keep] = p[keep]
         p = q / q.sum()
-    rng = np.random.default_rng(None if params.seed is None else (params.seed, index))
-    return int(rng.choice(p.size, p=p))
+    return draw(p, np.random.default_rng(None if params.seed is None else (params.seed, index)))
 
 
 class Engine(Protocol):

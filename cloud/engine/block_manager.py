@@ -51,6 +51,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}
         self.evictions = 0
+        self._cached_free = 0  # free blocks that carry a hash; kept up to date by every move
 
     # --- counts -----------------------------------------------------------------------------
     @property
@@ -64,7 +65,12 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        """Free blocks still holding a reusable prefix."""
+        """Free blocks still holding a reusable prefix: a counter maintained as blocks enter and
+        leave the free list (O(1); `scan_cached_free_blocks` is the O(num_blocks) definition)."""
+        return self._cached_free
+
+    def scan_cached_free_blocks(self) -> int:
+        """`num_cached_free_blocks` recounted over the free list (tests, debugging)."""
         return sum(1 for b in self.free if self.blocks[b].hash is not None)
 
     def blocks_needed(self, seq: Sequence, n_new: int) -> int:
@@ -77,6 +83,7 @@ class BlockManager:
         bid, _ = self.free.popitem(last=False)
         b = self.blocks[bid]
         if b.hash is not None:  # evict the cached prefix held by this block
+            self._cached_free -= 1
             if self.cached.get(b.hash) == bid:
                 del self.cached[b.hash]
             b.hash, b.token_ids = None, ()
@@ -101,6 +108,7 @@ class BlockManager:
                 b = self.blocks[bid]
                 if b.ref_count == 0:
                     del self.free[bid]
+                    self._cached_free -= 1  # a cache hit is a block with a hash
                 b.ref_count += 1
                 seq.block_table.append(bid)
                 hits += 1
@@ -156,5 +164,7 @@ class BlockManager:
                 self.free[bid] = None
                 if b.hash is None:
                     self.free.move_to_end(bid, last=False)
+                else:
+                    self._cached_free += 1
         seq.block_table = []
         seq.num_computed_tokens = 0

@@ -1,11 +1,12 @@
 """The batching engine: requests in, tokens out, one `step()` at a time; plus an asyncio wrapper.
 
 `LLMEngine` ties the pieces together (nano-vllm's `llm_engine.py`): `Scheduler` picks the step's
-tokens, `ModelRunner` computes them on the paged cache, sampling is `protocol.decoding.sample`
-(numpy, seeded per answer position, so a seeded request draws the same tokens here as on
-`TorchEngine` or the device), and `BlockManager` frees/caches blocks. `add_request` and `abort`
-are thread-safe (they go through an inbox drained at the start of each step), so `step()` can run
-on a background thread while an event loop adds and cancels requests: that is `AsyncLLMEngine`.
+tokens, `ModelRunner` computes them on the paged cache, sampling is `sampler.sample_batch` (argmax
+for greedy rows, else `protocol.decoding.sample`: numpy, seeded per answer position, so a seeded
+request draws the same tokens here as on `TorchEngine` or the device), and `BlockManager`
+frees/caches blocks. `add_request` and `abort` are thread-safe (they go through an inbox drained
+at the start of each step), so `step()` can run on a background thread while an event loop adds and
+cancels requests: that is `AsyncLLMEngine`.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from typing import AsyncIterator, Callable, NamedTuple, Sequence as Seq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.models.llama import Llama
-from relayinfer.protocol.decoding import SamplingParams, is_stop, sample, token_logprobs
+from relayinfer.protocol.decoding import SamplingParams, is_stop, token_logprobs
 from relayinfer.protocol.errors import PromptTooLongError
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, kv_bytes_per_token
+from .sampler import sample_batch
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus
 
@@ -349,7 +351,9 @@ class LLMEngine:
             n_tok = sum(s.n for s in batch)
             m.batch_seqs.observe(len(batch))
             m.batch_tokens.observe(n_tok)
-            logits = self.runner.run(batch).cpu().numpy()
+            logits_t = self.runner.run(batch)
+            toks = sample_batch(logits_t, [s.seq for s in batch if s.sample], self.eos_id)
+            logits = logits_t.cpu().numpy()  # for logprobs
             now = time.perf_counter()
             n_pre = sum(s.n for s in batch if s.n > 1 or s.start < s.seq.num_prompt_tokens)
             if n_pre >= 16:  # a step that prefilled: its tokens/s (EWMA) estimates prefill speed
@@ -366,7 +370,7 @@ class LLMEngine:
                 if not s.sample:
                     continue
                 idx = seq.num_output_tokens
-                tok = sample(logits[li], seq.params, idx, seq.token_ids, seq.num_prompt_tokens, self.eos_id)
+                tok = toks[li]
                 lp = None if seq.params.logprobs is None else token_logprobs(logits[li], tok, seq.params.logprobs)
                 li += 1
                 seq.token_ids.append(tok)

@@ -71,10 +71,24 @@ class _ContiguousAttend:
 
 class ConcatKV(_ContiguousAttend):
     """Past tensors in, present tensors out (concatenation along the sequence axis); the ONNX
-    export's cache. `past[i]` is (k, v) of layer i, each [B, kv_heads, P, head_dim] float32."""
+    export's cache. `past[i]` is (k, v) of layer i, each [B, kv_heads, P, head_dim] float32.
+
+    Under `torch.onnx.export` the attention expands K/V to every query head and calls plain SDPA,
+    the graph the exporter and ONNX Runtime's fusions know (no shape branch, no `enable_gqa`);
+    eagerly it is `gqa_attention` like every other cache (same values: the tests check it)."""
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]):
         self.past, self.present = past, [None] * len(past)
+
+    def attend(self, layer, q, k, v, mask, obs=None):
+        if not torch.onnx.is_in_onnx_export():
+            return super().attend(layer, q, k, v, mask, obs)
+        k, v = self.update(layer, k, v)
+        b, kvh, t, hd = k.shape
+        h = q.shape[1]
+        k = k[:, :, None].expand(b, kvh, h // kvh, t, hd).reshape(b, h, t, hd)
+        v = v[:, :, None].expand(b, kvh, h // kvh, t, hd).reshape(b, h, t, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def update(self, layer, k, v):
         pk, pv = self.past[layer]
