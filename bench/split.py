@@ -366,3 +366,180 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     res["plots"] = _plots(res, outp, timeline)
     outp.write_text(json.dumps(res, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
     return res
+
+
+# -- the hand-off benchmark (issue 11 part 5): batched cloud, real answer lengths, buckets, profiles --
+
+BUCKETS = (("<256", 0, 256), ("256-511", 256, 512), (">=512", 512, None), (">=1024", 1024, None))
+BUCKET_TARGETS = (160, 384, 720, 1150)  # prompt lengths drawn per bucket (<256, 256-511, 512-1023, >=1024)
+CAPACITY_RATES = tuple(round(0.25 * 2 ** (k / 2), 3) for k in range(14))  # x1.41 steps, 0.25 .. 22.6 rps
+
+
+def _in_bucket(n: int, lo: int, hi: int | None) -> bool:
+    return n >= lo and (hi is None or n < hi)
+
+
+def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
+    """Per prompt-length bucket (`BUCKETS`; >=512 includes >=1024) and profile: for the split rows,
+    the fraction handed off (result mode 'split'), cloud tokens streamed per request, TTFT p50/p99,
+    TPOT p50/max over all shown gaps, stalls, the result-mode mix and fallbacks (requests ended by
+    a fault, counted apart, never as a split); TTFT p50/p99 of the device-only and cloud-only
+    reference runs of the same prompts, and split/device-only, split/cloud-only p50 ratios."""
+    out: dict = {}
+    for prof in sorted({r["profile"] for r in rows}):
+        for name, lo, hi in BUCKETS:
+            sel = [r for r in rows if r["profile"] == prof and _in_bucket(r["prompt_tokens"], lo, hi)]
+            sp = [r for r in sel if r["bench_mode"] == "split"]
+            if not sp:
+                continue
+            ref = {m: [r["ttft_ms"] for r in sel if r["bench_mode"] == m] for m in ("device-only", "cloud-only")}
+            gaps = np.concatenate([np.diff(r["shown_ms"]) for r in sp if len(r["shown_ms"]) > 1] or [np.zeros(0)])
+            ttft = [r["ttft_ms"] for r in sp]
+            p50 = _pct(ttft, 50)
+            out[f"{prof} {name}"] = {
+                "profile": prof, "bucket": name, "requests": len(sp),
+                "prompt_tokens": [r["prompt_tokens"] for r in sp],
+                "answer_tokens": [len(r["token_ids"]) for r in sp],
+                "handed_off": sum(1 for r in sp if r["mode"] == "split"),
+                "handed_off_fraction": sum(1 for r in sp if r["mode"] == "split") / len(sp),
+                "cloud_tokens_per_request": float(np.mean([r["cloud_streamed"] for r in sp])),
+                "cloud_tokens_shown_per_request": float(np.mean([r["cloud_tokens"] for r in sp])),
+                "handoff_index": [r["handoff_index"] for r in sp],
+                "ttft_ms_p50": p50, "ttft_ms_p99": _pct(ttft, 99),
+                "device_only_ttft_ms_p50": _pct(ref["device-only"], 50), "device_only_ttft_ms_p99": _pct(ref["device-only"], 99),
+                "cloud_only_ttft_ms_p50": _pct(ref["cloud-only"], 50), "cloud_only_ttft_ms_p99": _pct(ref["cloud-only"], 99),
+                "ttft_p50_over_device_only": p50 / _pct(ref["device-only"], 50) if ref["device-only"] else None,
+                "ttft_p50_over_cloud_only": p50 / _pct(ref["cloud-only"], 50) if ref["cloud-only"] else None,
+                "tpot_ms_p50": _pct(gaps, 50), "tpot_ms_max": float(gaps.max()) if gaps.size else None,
+                "tpot_max_over_target": float(gaps.max()) / target_tpot_ms if gaps.size else None,
+                "interval_ms": [r["interval_ms"] for r in sp],
+                "stalls": int(sum(r["stalls"] for r in sp)),
+                "result_modes": {m: sum(1 for r in sp if r["mode"] == m) for m in sorted({r["mode"] for r in sp})},
+                "plans": {m: sum(1 for r in sp if r["plan"] == m) for m in sorted({r["plan"] for r in sp})},
+                "replanned": sum(1 for r in sp if "re-planned" in (r.get("plan_reason") or "")),
+                "fallbacks": sum(1 for r in sp if r["fault"] is not None),
+                "faults": {f: sum(1 for r in sp if r["fault"] == f) for f in sorted({r["fault"] for r in sp if r["fault"]})},
+            }
+    return out
+
+
+def _goals(buckets: dict, capacity: dict | None, target_tpot_ms: float) -> dict:
+    """The issue's goals on the phone's >=512 bucket and the capacity ratio, with the numbers."""
+    b = buckets.get("phone >=512")
+    g: dict = {}
+    if b:
+        g["handoff_fraction_ge512"] = {"value": b["handed_off_fraction"], "goal": ">= 0.8", "met": b["handed_off_fraction"] >= 0.8}
+        r = b["ttft_p50_over_device_only"]
+        g["ttft_p50_over_device_only_ge512"] = {"value": r, "goal": "<= 0.2", "met": r is not None and r <= 0.2}
+        g["stalls_ge512"] = {"value": b["stalls"], "goal": "0", "met": b["stalls"] == 0}
+        g["tpot_max_ge512_ms"] = {"value": b["tpot_ms_max"], "goal": f"<= {2 * target_tpot_ms:.0f}",
+                                  "met": b["tpot_ms_max"] is not None and b["tpot_ms_max"] <= 2 * target_tpot_ms}
+    if capacity:
+        r = capacity.get("ratio_split_over_cloud_only")
+        g["capacity_ratio"] = {"value": r, "goal": ">= 15 (aim 20)", "met": r is not None and r >= 15}
+    return g
+
+
+def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int = 0, target_tpot_ms: float = 50.0,
+                      max_new_tokens: int = 256, ref_new_tokens: int = 2, capacity: bool = True,
+                      capacity_rates=CAPACITY_RATES, capacity_window_s: float = 12.0, capacity_max_requests: int = 16,
+                      kv_cache_mb: int = 256, time_limit_s: float = 1500.0, command: str | None = None) -> dict:
+    """The split benchmark of issue 11 part 5 (see bench/SPLIT.md): one batched cloud
+    (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
+    thread, its threads pinned to the first core this process may use) and, per device profile,
+    the real `OnnxEngine` behind `Client(profile=...)` (one thread, pinned to the second core).
+    `per_bucket` chitchat prompts per bucket of `BUCKET_TARGETS`; each prompt runs split with
+    `max_new_tokens` (greedy, ends at EOS), then device-only and cloud-only with `ref_new_tokens`
+    (their TTFT is the reference; their later tokens do not matter to it). Then the capacity sweep:
+    virtual devices (`device.virtual.capacity_sweep`, phone profile, ~64-token prompts,
+    `max_new_tokens`) at the `capacity_rates` (x1.41 steps) against the same cloud, cloud-only and
+    split, each rate a window of `capacity_window_s` s and at most `capacity_max_requests` requests.
+    Bounded: prompts are skipped (and counted) once `time_limit_s` has passed. Writes `out` (JSON).
+
+    Raises:
+        ValueError: fewer than 2 cores to pin to, or an unknown profile."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.serve.service import ServiceThread
+    from relayinfer.device.profiles import load_profile
+    from relayinfer.protocol.model_file import default_model_path
+    from relayinfer.sdk import Client
+    from relayinfer.sdk.engines import load_engine
+
+    for p in profiles:
+        load_profile(p)  # unknown -> ValueError before anything loads
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"the benchmark pins cloud and device to two cores; this process may use {cores}")
+    t_start = time.perf_counter()
+    mp = default_model_path()
+    os.sched_setaffinity(0, {cores[0]})  # threads started from here on (the cloud's) inherit core 0
+    cloud_engine = TorchEngine(mp, device="cpu", threads=1)
+    llm = AsyncLLMEngine(LLMEngine(cloud_engine, kv_cache_bytes=kv_cache_mb << 20))
+    svc = _service_class()(cloud_engine, cloud_engine.fingerprint, llm=llm)
+    rows, skipped, cap = [], 0, {}
+    with ServiceThread(svc, http_port=None) as running:
+        os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
+        device_engine = load_engine("onnx", mp, threads=1)
+        device_engine.warmup()
+        tok = device_engine.tokenizer()
+        plist = _prompts(tok, per_bucket * len(BUCKET_TARGETS), seed, BUCKET_TARGETS)
+        print(f"[bench split] prompts: {[len(ids) for _, ids in plist]}", flush=True)
+        for prof in profiles:
+            client = Client(cloud_url=running.url, engine=device_engine, profile=prof, target_tpot_ms=target_tpot_ms)
+            _pin(client._executor, cores[1])
+            client.complete(plist[0][1], max_new_tokens=8)  # warm-up: calibration + first cloud estimates
+            client.complete(plist[-1][1], max_new_tokens=8, mode="cloud-only")  # a second prompt length for the fit
+            for pi, (target, ids) in enumerate(plist):
+                if time.perf_counter() - t_start > time_limit_s:
+                    skipped += 1
+                    continue
+                for mode in ("split", "device-only", "cloud-only"):
+                    r, events, busy, cpre = _run_one(client, svc, ids, mode,
+                                                      max_new_tokens if mode == "split" else ref_new_tokens, None)
+                    rows.append({"profile": prof, "bench_mode": mode, "prompt_idx": pi, "target_len": target,
+                                 "prompt_tokens": len(ids), "cloud_busy_ms": busy, "cloud_prefill_ms": cpre,
+                                 "shown_ms": [e.shown_at_ms for e in events], "sources": "".join(e.source[0] for e in events),
+                                 "device_timing": list(client.device_timing()),
+                                 **{k: v for k, v in r.to_dict().items() if k not in ("prompt_ids", "text")}})
+                    print(f"[bench split] {prof:6s} {mode:11s} {len(ids):5d} tok: ttft {r.ttft_ms:7.0f} ms  {r.mode:11s} "
+                          f"plan {r.plan:16s} answer {len(r.token_ids):3d} cloud {r.cloud_streamed:3d} handoff "
+                          f"{r.handoff_index} stalls {r.stalls} tpot max {r.tpot_ms_max:4.0f} I {r.interval_ms:3.0f}", flush=True)
+        if capacity:
+            from relayinfer.device.virtual import capacity_sweep
+
+            load = [ids for _, ids in _prompts(tok, 8, seed + 1, LOAD_LENGTHS)]
+            kw = dict(rates=capacity_rates, duration_s=capacity_window_s, max_requests=capacity_max_requests,
+                      profile="phone", max_new_tokens=max_new_tokens, target_tpot_ms=target_tpot_ms, timeout_s=40.0)
+            for mode in ("cloud-only", "split"):
+                cap[mode] = asyncio.run(capacity_sweep(running.url, cloud_engine.fingerprint, load, mode, **kw))
+                print(f"[bench split] capacity {mode}: {cap[mode]['capacity_rps']} rps", flush=True)
+            cap["load_prompt_tokens"] = [len(p) for p in load]
+            c, s = cap["cloud-only"]["capacity_rps"], cap["split"]["capacity_rps"]
+            cap["ratio_split_over_cloud_only"] = (s / c) if c else None
+            cap["rate_grid"] = list(capacity_rates)
+    buckets = bucket_summary(rows, target_tpot_ms)
+    res = {"command": command, "profiles": profiles, "per_bucket": per_bucket, "max_new_tokens": max_new_tokens,
+           "ref_new_tokens": ref_new_tokens, "target_tpot_ms": target_tpot_ms, "skipped_prompts": skipped,
+           "buckets": buckets, "capacity": cap, "goals": _goals(buckets, cap, target_tpot_ms),
+           "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
+           "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
+                              f"KV)), in-process ServiceThread, pinned to core {cores[0]}",
+                     "device": f"OnnxEngine 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
+                     "git_commit": _git_commit(), "cores": os.cpu_count(), "load_avg_1m_end": os.getloadavg()[0],
+                     "wall_s": time.perf_counter() - t_start}}
+    outp = Path(out)
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    outp.write_text(json.dumps(res, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    return res
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

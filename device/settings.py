@@ -6,17 +6,19 @@ Model (all times in ms, t = 0 when the device sends Generate):
   prompt): done at D0 = s + a + b*L (profile fit).
 * Cloud token k (k = 0, 1, ...) reaches the device at T + k*c (T: cloud TTFT seen by the device,
   round trip included; c: cloud TPOT).
-* Catch-up: whenever the device is idle and holds received tokens it has not prefilled, it prefills
-  all of them in one call costing a + b*n (amortized), until it has covered every token the cloud
-  will send (N of them). Its hand-off time R(N) is when that last batch ends; token N is then ready
-  at R(N) and token N + j at R(N) + j*d (d: device decode TPOT).
+* Catch-up (`CatchUp`, the one rule the model, the real device and the virtual device share):
+  whenever the device is idle and holds received tokens it has not prefilled, it prefills all of
+  them in one call costing a + b*n (amortized; a one-token call costs d), and the first time it
+  finds nothing new it takes over at h = the tokens covered (h <= N; h < N when it caught the
+  stream early). Its hand-off time R is when that last batch ends; token h is then ready at R and
+  token h + j at R + j*d (d: device decode TPOT).
 * The display shows token 0 at T and token k at T + k*I (speed controller, steady interval).
 
 Interval: I = max(target, c, d) -- the display cannot run ahead of the cloud (c) before the
 hand-off nor of the device (d) after it, and one steady interval keeps TPOT max = I.
 
 Budget: the display never waits iff every token is ready by its slot. Cloud tokens are (c <= I);
-device token N is iff R(N) <= T + N*I. In the one-batch case R(N) = max(D0, T + (N-1)*c) + a + b*N,
+device token h is iff R <= T + h*I. In the one-batch case R(N) = max(D0, T + (N-1)*c) + a + b*N,
 so with D0 late enough, N*(I - b) >= D0 + a - T, i.e.
 
     N >= (D0 + a - T) / (I - b),   feasible only if b < I.
@@ -28,7 +30,9 @@ batches pays `a` more than once, so instead of the closed form we take the small
 P/D-Device (the paper this project follows) derives the same trade-off; the derivation here is ours.
 
 During a request the device refines the estimate when the refined prompt arrives and again when its
-prompt prefill is done: it re-plans from "now" with the tokens it still has to prefill and the
+prompt prefill is done (and, while a cloud-to-the-end plan keeps it idle, whenever the measured T
+and c arrive: after cloud tokens 1, 2, 4, 8, ..., it re-plans and starts if a hand-off became
+feasible): it re-plans from "now" with the tokens it still has to prefill and the
 measured T and c; if the budget they imply is larger, it sends ExtendBudget (before the cloud
 reaches the old budget, or the extension comes too late and is skipped). After the hand-off only
 the device's pace matters, so the display interval drops to max(target, d).
@@ -54,11 +58,48 @@ class Timing:
     cloud_tpot_ms: float
     device_start_ms: float = 0.0
 
+    def prefill_ms(self, n: int) -> float:
+        """Device time of one prefill call of `n` tokens after a cache (ms): a + b*n, and for n = 1
+        the decode time d (a one-token call is a decode step; `DeviceProfile.prefill_ms` and
+        `PacedEngine` charge the same)."""
+        if n == 1 and self.decode_ms_per_token:
+            return self.decode_ms_per_token
+        return self.prefill_ms_base + self.prefill_ms_per_token * n
+
+    def arrived(self, now_ms: float, cap: int) -> int:
+        """Cloud tokens received by `now_ms` (token k arrives at T + k*c), at most `cap`."""
+        if now_ms < self.cloud_ttft_ms:
+            return 0
+        if self.cloud_tpot_ms <= 0:
+            return cap
+        return min(cap, math.floor((now_ms - self.cloud_ttft_ms) / self.cloud_tpot_ms + 1e-9) + 1)
+
     def scaled(self, device: float = 1.0, cloud: float = 1.0) -> "Timing":
         """Device times x `device`, cloud times x `cloud` (for error analysis)."""
         return Timing(self.prefill_ms_base * device, self.prefill_ms_per_token * device,
                       self.decode_ms_per_token * device, self.cloud_ttft_ms * cloud, self.cloud_tpot_ms * cloud,
                       self.device_start_ms)
+
+
+def device_fit(local: tuple[float, float, float], profile: tuple[float, float, float] | None,
+               lo: int = 8, hi: int = 256) -> tuple[float, float, float]:
+    """The (a, b, d) the settings use for a device that runs `local` (this machine's calibrated
+    (prefill ms base, ms per token, decode ms per token)) but is never faster than `profile`
+    (`PacedEngine`: every call lasts max(local, profile)). A call of n tokens then costs the upper
+    envelope max(a_l + b_l*n, a_p + b_p*n); its line through n = `lo` and n = `hi` tokens (the
+    catch-up batches and the prompts) is the fit. Taking max(a) and max(b) separately instead
+    (130 ms + 16.7 ms/token for the phone profile here) overstated a small catch-up batch ~2x and
+    made the hand-off look infeasible. d = max(d_l, d_p).
+
+    Raises:
+        ValueError: lo >= hi."""
+    if profile is None:
+        return tuple(local)
+    if lo >= hi:
+        raise ValueError(f"lo ({lo}) must be < hi ({hi}) tokens")
+    env = lambda n: max(local[0] + local[1] * n, profile[0] + profile[1] * n)  # noqa: E731
+    b = (env(hi) - env(lo)) / (hi - lo)
+    return max(0.0, env(lo) - b * lo), b, max(local[2], profile[2])
 
 
 @dataclass(frozen=True)
@@ -71,17 +112,49 @@ class Settings:
     handoff_ms: float | None
 
 
+@dataclass
+class CatchUp:
+    """The device's catch-up rule, written once: after its prompt, the device prefills every cloud
+    token received and not yet prefilled in one call (amortising the per-call cost a), again and
+    again; the first time it finds nothing new (covered == received, checked atomically with the
+    hand-off) it takes over at index `covered` (0: it was ready before the first cloud token, so it
+    answers alone). Used by `catch_up` (the model), `split._Run._device` (the real device) and
+    `virtual.virtual_request` (the simulated one).
+
+    covered: answer tokens the device has prefilled (int, tokens)."""
+
+    covered: int = 0
+
+    def next_batch(self, received: int) -> tuple[int, int] | None:
+        """Answer indices [start, end) to prefill next given `received` cloud tokens, or None:
+        caught up, hand off at `covered`.
+
+        Raises:
+            ValueError: received < covered (tokens cannot be un-received)."""
+        if received < self.covered:
+            raise ValueError(f"received ({received}) < covered ({self.covered})")
+        return (self.covered, received) if received > self.covered else None
+
+    def prefilled(self, end: int) -> None:
+        """The batch ending at answer index `end` is prefilled."""
+        self.covered = end
+
+
+def catch_up(t: Timing, prompt_tokens: int, budget: int) -> tuple[int, float]:
+    """(h, R(h)): the hand-off index and time (ms) of the `CatchUp` rule under timing `t` when the
+    cloud streams at most `budget` tokens: the device starts at device_start_ms, prefills the
+    prompt (one call of `prompt_tokens`, none if 0), then catches up batch by batch; h <= budget
+    (h < budget when it catches the stream early)."""
+    now, rule = t.device_start_ms + (t.prefill_ms(prompt_tokens) if prompt_tokens else 0.0), CatchUp()
+    while (batch := rule.next_batch(t.arrived(now, budget))) is not None:
+        now += t.prefill_ms(batch[1] - batch[0])
+        rule.prefilled(batch[1])
+    return rule.covered, now
+
+
 def handoff_time(t: Timing, prompt_tokens: int, n: int) -> float:
-    """R(N): when the device has prefilled the prompt and all `n` cloud tokens (ms), batch by batch."""
-    a, b, T, c = t.prefill_ms_base, t.prefill_ms_per_token, t.cloud_ttft_ms, t.cloud_tpot_ms
-    now, covered = t.device_start_ms + (a + b * prompt_tokens if prompt_tokens else 0.0), 0
-    while covered < n:
-        arrived = n if c == 0 else min(n, max(0, math.floor((now - T) / c + 1e-9) + 1))
-        if arrived <= covered:  # idle until token `covered` arrives
-            now, arrived = max(now, T + covered * c), covered + 1
-        now += a + b * (arrived - covered)
-        covered = arrived
-    return now
+    """R: when the device takes over with a cloud budget of `n` tokens (ms; `catch_up`)."""
+    return catch_up(t, prompt_tokens, n)[1]
 
 
 def simulate(t: Timing, prompt_tokens: int, answer_tokens: int, budget: int | None, interval_ms: float,
@@ -95,9 +168,8 @@ def simulate(t: Timing, prompt_tokens: int, answer_tokens: int, budget: int | No
     ready = t.cloud_ttft_ms + t.cloud_tpot_ms * np.arange(answer_tokens, dtype=np.float64)
     handoff = None
     if n < answer_tokens:
-        handoff = n
-        r = handoff_time(t, prompt_tokens, n)
-        ready[n:] = r + t.decode_ms_per_token * np.arange(answer_tokens - n)
+        handoff, r = catch_up(t, prompt_tokens, n)
+        ready[handoff:] = r + t.decode_ms_per_token * np.arange(answer_tokens - handoff)
     shown = np.empty(answer_tokens)
     for k in range(answer_tokens):
         shown[k] = ready[k] if k == 0 else max(ready[k], shown[k - 1] + interval_ms)
@@ -121,8 +193,9 @@ def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_t
     interval = max(target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
     if t.prefill_ms_per_token >= interval:
         return Settings(None, interval, None)
-    slot = lambda n: t.cloud_ttft_ms + n * interval  # noqa: E731
-    ok = lambda n: handoff_time(t, prompt_tokens, n) <= slot(n)  # noqa: E731
+    def ok(n: int) -> bool:  # the first device token (index h <= n) is ready by its display slot
+        h, r = catch_up(t, prompt_tokens, n)
+        return r <= t.cloud_ttft_ms + h * interval
     # R(n) - slot(n) is not monotone (each extra catch-up batch pays `a` again): scan upwards
     first = next((n for n in range(1, max_new_tokens) if ok(n)), None)
     if first is None:

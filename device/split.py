@@ -56,7 +56,7 @@ from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop, Token
 from relayinfer.protocol.refine import TemplateMarkers, refine_pays, system_prefix_len
 
-from .settings import Timing, choose_settings
+from .settings import CatchUp, Timing, choose_settings
 from .speed import SpeedController
 
 MODES = ("split", "device-only", "cloud-only")
@@ -352,6 +352,26 @@ class _Run:
             self.extended += 1
             await self.send_quietly(ExtendBudget(self.request_id, want))
 
+    def replan_idle(self) -> None:
+        """While a cloud-to-the-end plan keeps the device idle, re-plan after cloud tokens 1, 2, 4,
+        8, ... with the measured cloud TTFT and TPOT, the device starting now on the whole prompt:
+        if a hand-off has become feasible (the cloud is slower than estimated), start the device
+        (the cloud keeps streaming to the end until the device's Stop)."""
+        k = len(self.ready_ms)
+        if (not self.auto or not self.device_idle or self.device_task is not None or self.complete
+                or self.channel is None or k & (k - 1)):
+            return
+        tpot = (self.ready_ms[-1] - self.ready_ms[0]) / (k - 1) if k > 1 else None
+        st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot), self.device_prompt_est,
+                             self.params.max_new_tokens, self.s.opt.target_tpot_ms)
+        if st.cloud_budget is None:
+            return
+        self.device_idle = False
+        self.speed.interval_ms = max(self.speed.interval_ms, st.interval_ms)
+        self.plan_reason += (f"; re-planned after {k} cloud token{'s' * (k > 1)} (measured TTFT "
+                             f"{self.ready_ms[0]:.0f} ms, TPOT {tpot or 0:.0f} ms): the device takes over when it catches up")
+        self.start_device()
+
     async def go(self) -> GenerationResult:
         self.t0 = time.perf_counter()
         self.plan()
@@ -461,6 +481,7 @@ class _Run:
                     self.cloud_streamed += 1
                     if self.handoff is None and not self.complete and msg.index == len(self.answer):
                         self.append(msg.token_id, "cloud")
+                        self.replan_idle()
                 elif isinstance(msg, RefinedPrompt) and msg.request_id == self.request_id:
                     n = len(self.prompt)
                     if msg.kept_indices and all(0 <= i < n for i in msg.kept_indices):
@@ -534,15 +555,17 @@ class _Run:
                 return  # the cloud finished the answer first
             logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[i:i + chunk], kv)
         await self.replan(0)
-        covered = 0
-        while True:  # catch up: prefill every cloud token received so far in one batch
+        rule = CatchUp()  # catch up: prefill every cloud token received so far in one batch
+        while True:
             if self.complete:
                 return  # the cloud finished the answer first
-            n = len(self.answer)
-            if covered == n:
+            batch = rule.next_batch(len(self.answer))
+            if batch is None:
                 break
-            logits, kv = await loop.run_in_executor(ex, eng.prefill, self.answer[covered:n], kv)
-            covered = n
+            lo, n = batch
+            logits, kv = await loop.run_in_executor(ex, eng.prefill, self.answer[lo:n], kv)
+            rule.prefilled(n)
+        covered = rule.covered
         self.device_prefill_ms = (time.perf_counter() - t) * 1e3
         self.handoff = covered  # atomic with the check above: no await in between
         if self.auto:  # from now on only the device's pace matters

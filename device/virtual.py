@@ -3,13 +3,17 @@ profile's timing but runs no model.
 
 One virtual request: connect + handshake (`open_channel`), send `Generate` (prompt ids, cloud
 budget, optional refine ratio), receive `Token`s; the device's work is simulated by sleeping the
-profile's prefill time (`DeviceProfile.prefill_ms`) of the prompt (the kept prompt with refinement,
-once `RefinedPrompt` arrived), then of the cloud tokens received meanwhile, batch by batch like the
-real `SplitSession`; when it covers every token received it sends `Stop{handoff}`, waits for `Done`
-and closes. In `cloud-only` mode it just receives to the end (`Done`).
+profile's prefill time (`Timing.prefill_ms`, the same cost as `DeviceProfile.prefill_ms`) of the
+prompt (the kept prompt with refinement, once `RefinedPrompt` arrived), then of the cloud tokens
+received meanwhile by the one catch-up rule of the settings model and the real `SplitSession`
+(`settings.CatchUp`, run by `device_loop`); when it covers every token received it sends
+`Stop{handoff}` (Stop{0}: it was ready before the first cloud token), waits for `Done` and closes.
+After `Done(reason='budget')` it still catches up and takes over (no Stop is needed then). In
+`cloud-only` mode it just receives to the end (`Done`).
 
 Per request (`VirtualResult`, times in ms):
-* ttft_ms: first `Token` arrival - `Generate` sent (the connect/handshake is before, not counted).
+* ttft_ms: first `Token` arrival - `Generate` sent (the connect/handshake is before, not counted);
+  with a hand-off at 0, when the device was ready (it answers alone).
 * cloud_tokens: tokens the cloud streamed (`Done.cloud_tokens`, else tokens received).
 * cloud_busy_ms: how long the cloud held the request (its KV cache and a slot in the worker's
   queue): `Done.prefill_ms` (Generate received -> first token ready, queueing included) + the stream
@@ -26,7 +30,7 @@ import random
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -34,7 +38,7 @@ from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Stop, Token
 
 from .profiles import DeviceProfile, load_profile
-from .settings import Timing, choose_settings
+from .settings import CatchUp, Timing, choose_settings
 from .split import CloudEstimate
 
 LOAD_MODES = ("split", "cloud-only")
@@ -57,14 +61,38 @@ class VirtualResult:
     error: str | None = None
 
 
+def profile_timing(profile: DeviceProfile, cloud_ttft_ms: float = 0.0, cloud_tpot_ms: float = 0.0) -> Timing:
+    """The settings model's `Timing` of a profile (its device fit; cloud T and c as given, ms)."""
+    return Timing(profile.prefill_ms_base, profile.prefill_ms_per_token, profile.decode_ms_per_token,
+                  cloud_ttft_ms, cloud_tpot_ms)
+
+
+async def device_loop(t: Timing, prompt_tokens: int, received: Callable[[], int], finished: Callable[[], bool],
+                      sleep: Callable[[float], Awaitable] = asyncio.sleep) -> int | None:
+    """The simulated device: sleep `t.prefill_ms(prompt_tokens)`, then follow `CatchUp` on the
+    count `received()` of cloud tokens, sleeping each batch's `t.prefill_ms(n)` (`sleep` takes
+    seconds); returns the hand-off index, or None when `finished()` says the cloud ended the answer
+    first. With `received()` = `t.arrived(clock)` and a clock that `sleep` advances, it hands off
+    exactly where and when `settings.catch_up` says (tested)."""
+    if prompt_tokens:
+        await sleep(t.prefill_ms(prompt_tokens) / 1e3)
+    rule = CatchUp()
+    while not finished():
+        batch = rule.next_batch(received())
+        if batch is None:
+            return rule.covered
+        await sleep(t.prefill_ms(batch[1] - batch[0]) / 1e3)
+        rule.prefilled(batch[1])
+    return None
+
+
 def auto_budget(profile: DeviceProfile, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
                 refine: float | None = None, cloud: CloudEstimate | None = None) -> int | None:
     """The cloud budget the settings algorithm picks for this profile (device fit = the profile's,
     cloud = a fresh client's pessimistic `CloudEstimate`); None = the cloud streams to the end."""
     c = cloud or CloudEstimate()
     n = max(1, int(prompt_tokens * refine)) if refine else prompt_tokens
-    t = Timing(profile.prefill_ms_base, profile.prefill_ms_per_token, profile.decode_ms_per_token,
-               c.ttft_ms(prompt_tokens), c.tpot_ms)
+    t = profile_timing(profile, c.ttft_ms(prompt_tokens), c.tpot_ms)
     return choose_settings(t, n, max_new_tokens, target_tpot_ms).cloud_budget
 
 
@@ -117,29 +145,21 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
             got_first.set(), got_refined.set(), got_done.set()
 
     async def device():
-        """Simulated device: prefill (prompt, then the cloud tokens received so far), then Stop."""
+        """Simulated device (`device_loop`), then Stop{handoff} unless the cloud is done already."""
         n = len(prompt)
         if refine is not None:
             await got_refined.wait()
             n = len(kept) if kept else n
         res.device_prompt_tokens = n
-        await asyncio.sleep(prof.prefill_ms(n) / 1e3)
-        covered = 0
-        while True:
-            if done is not None or received >= max_new_tokens:
-                return  # the cloud finished first: no hand-off
-            if received == covered:
-                if covered or got_first.is_set():
-                    break  # covers all received (or the stream ended without a token)
-                await got_first.wait()
-                continue
-            k = received
-            await asyncio.sleep(prof.prefill_ms(k - covered) / 1e3)
-            covered = k
-        if covered == 0:
-            return
-        res.handoff = covered
-        await ch.send(Stop(rid, covered))
+        ended = lambda: received >= max_new_tokens or (done is not None and done.reason != "budget")  # noqa: E731
+        h = await device_loop(profile_timing(prof), n, lambda: received, ended)
+        if h is None:
+            return  # the cloud finished the answer first: no hand-off
+        res.handoff = h
+        if h == 0 and res.ttft_ms is None:  # ready before the first cloud token: the device answers alone
+            res.ttft_ms = (time.perf_counter() - t0) * 1e3
+        if done is None:
+            await ch.send(Stop(rid, h))
 
     t0 = time.perf_counter()
     try:
@@ -148,6 +168,9 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
         rx = asyncio.create_task(receive())
         dev = asyncio.create_task(device()) if split else None
         await asyncio.wait_for(asyncio.shield(rx), timeout_s)
+        if dev is not None and done is not None and done.reason == "budget" and res.error is None:
+            # the budget is spent: the device still catches up and takes over (bounded by the timeout)
+            await asyncio.wait_for(asyncio.shield(dev), max(0.0, timeout_s - (time.perf_counter() - t0)))
         if dev is not None:
             dev.cancel()
             await asyncio.gather(dev, return_exceptions=True)
@@ -161,9 +184,9 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
         await ch.close()
     res.total_ms = (time.perf_counter() - t0) * 1e3
     res.cloud_tokens = done.cloud_tokens if done is not None else received
-    if done is not None and first is not None:
-        res.cloud_busy_ms = done.prefill_ms + (last.t_cloud_ms - first.t_cloud_ms)
-    res.ok = done is not None and first is not None and res.error is None
+    if done is not None:  # no Token at all: a hand-off at 0 (the cloud held the request for its prefill)
+        res.cloud_busy_ms = done.prefill_ms + (last.t_cloud_ms - first.t_cloud_ms if first is not None else 0.0)
+    res.ok = done is not None and (first is not None or res.handoff == 0) and res.error is None
     return res
 
 

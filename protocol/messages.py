@@ -147,12 +147,18 @@ class Hello(_Msg, tag="hello"):
 
 
 class Welcome(_Msg, tag="welcome"):
-    """Server -> client, accepts a Hello. ``session_id`` identifies the connection in server logs."""
+    """Server -> client, accepts a Hello. ``session_id`` identifies the connection in server logs;
+    ``device_model_url``: where the device model of ``model_fingerprint`` is served
+    (``http(s)://HOST:PORT/v1/device-model``, its files listed at ``.../manifest``), "" when the
+    server serves none. A server that serves one also accepts a Hello with an empty
+    ``model_fingerprint`` (a device without the model asking where to get it): it answers this
+    Welcome and closes the session (1000)."""
 
     protocol_version: int
     model_fingerprint: str
     server: str = ""
     session_id: str = ""
+    device_model_url: str = ""
 
 
 # -- P/D-Device token stream -----------------------------------------------------------------------

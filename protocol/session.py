@@ -219,7 +219,9 @@ class ServerSession(_Session):
     ``max_frame_bytes``: largest accepted frame in bytes after the handshake; ``handshake_max_bytes``:
     largest accepted frame before it (default 4 KiB: a Hello is ~200 bytes); ``stream``:
     length-prefixed byte-stream framing instead of one frame per call; ``server``: name sent in the
-    Welcome; ``session_id``: defaults to 16 random hex digits.
+    Welcome; ``session_id``: defaults to 16 random hex digits; ``device_model_url``: sent in the
+    Welcome; when set, a Hello with an empty fingerprint is welcomed too (a device asking where the
+    model is; the server then closes the session).
     """
 
     def __init__(
@@ -232,11 +234,13 @@ class ServerSession(_Session):
         server: str = "",
         session_id: str | None = None,
         handshake_max_bytes: int = HANDSHAKE_MAX_BYTES,
+        device_model_url: str = "",
     ) -> None:
         super().__init__(max_frame_bytes, stream, handshake_max_bytes)
         self.expected_fingerprint = expected_fingerprint
         self.auth_token = auth_token
         self.server = server
+        self.device_model_url = device_model_url
         self.session_id = session_id if session_id is not None else secrets.token_hex(8)
 
     def _handshake(self, msg: Message) -> list[Event]:
@@ -252,12 +256,13 @@ class ServerSession(_Session):
                 return [self._violation(ErrorCode.UNAUTHORIZED, "this server requires an auth token; the client sent none")]
             if not hmac.compare_digest(msg.token.encode(), self.auth_token.encode()):
                 return [self._violation(ErrorCode.UNAUTHORIZED, "auth token rejected")]
-        if msg.model_fingerprint != self.expected_fingerprint:
+        discovery = not msg.model_fingerprint and bool(self.device_model_url)  # "where is the model?"
+        if msg.model_fingerprint != self.expected_fingerprint and not discovery:
             return [self._violation(ErrorCode.FINGERPRINT_MISMATCH,
                                     f"model fingerprint mismatch: server has {_short(self.expected_fingerprint)}, "
                                     f"client sent {_short(msg.model_fingerprint)}")]
         welcome = Welcome(protocol_version=PROTOCOL_VERSION, model_fingerprint=self.expected_fingerprint,
-                          server=self.server, session_id=self.session_id)
+                          server=self.server, session_id=self.session_id, device_model_url=self.device_model_url)
         self._out.append(self._frame(welcome))
         self.hello, self.welcome, self.state = msg, welcome, State.OPEN
         return [HandshakeDone(msg, welcome)]
@@ -303,7 +308,7 @@ class ClientSession(_Session):
             return [self._violation(ErrorCode.VERSION_MISMATCH,
                                     f"protocol version mismatch: client speaks {PROTOCOL_VERSION}, "
                                     f"server sent {msg.protocol_version}")]
-        if msg.model_fingerprint != self.fingerprint:
+        if self.fingerprint and msg.model_fingerprint != self.fingerprint:  # "": asked where the model is
             return [self._violation(ErrorCode.FINGERPRINT_MISMATCH,
                                     f"model fingerprint mismatch: client has {_short(self.fingerprint)}, "
                                     f"server sent {_short(msg.model_fingerprint)}")]

@@ -241,6 +241,7 @@ def serve(
     handshake_timeout: float = 10.0,
     server: str = "",
     admit: Callable[[], "Error | None"] | None = None,
+    device_model_url: str = "",
     **serve_kwargs: Any,
 ) -> Any:
     """Start a websockets server whose ``handler`` receives handshaken :class:`ServerChannel`\\ s.
@@ -258,7 +259,8 @@ def serve(
     """
 
     async def _handler(ws: ServerConnection) -> None:
-        session = ServerSession(expected_fingerprint, auth_token, max_frame_bytes, server=server)
+        session = ServerSession(expected_fingerprint, auth_token, max_frame_bytes, server=server,
+                                device_model_url=device_model_url)
         refusal = admit() if admit is not None else None
         if refusal is not None:
             await _send_quietly(ws, session.send(refusal))

@@ -557,6 +557,14 @@ def bench_split(
                                              "out bench/results/split-link-<link>.json, no capacity sweep)."),
     pin_cores: Optional[bool] = typer.Option(None, help="Pin the cloud and device model threads to two cores "
                                              "(default: on with --link)."),
+    per_bucket: Optional[int] = typer.Option(None, min=1, help="The hand-off benchmark (bench/SPLIT.md): this many "
+                                             "prompts per length bucket (<256, 256-511, 512-1023, >=1024) on the "
+                                             "batched cloud, --profile a comma list (e.g. phone,laptop), answers of "
+                                             "up to --max-new-tokens to EOS, then the capacity sweep; out default "
+                                             "bench/results/split-handoff.json."),
+    max_new_tokens: int = typer.Option(256, min=1, help="With --per-bucket: the split answers' token cap."),
+    capacity: bool = typer.Option(True, help="With --per-bucket: run the capacity sweep."),
+    time_limit_s: float = typer.Option(1500.0, min=1.0, help="With --per-bucket: skip prompts after this many seconds."),
 ):
     """Split vs device-only vs cloud-only (and split+refine) on real conversations."""
     import shlex
@@ -570,6 +578,20 @@ def bench_split(
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
     if out and len(links) > 1:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
+    if per_bucket is not None:
+        if links:
+            fail(ValueError("--per-bucket runs on the direct loopback: leave out --link"))
+        profiles = [x.strip() for x in profile.split(",") if x.strip()]
+        try:
+            res = bench_module("split").run_handoff_bench(
+                profiles, per_bucket, out or "bench/results/split-handoff.json", seed=seed,
+                max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command)
+        except ValueError as e:
+            fail(e)
+        print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
+                                                             "stalls", "tpot_ms_max", "result_modes")}
+                                      for k, v in res["buckets"].items()}, "goals": res["goals"]}, indent=1, default=str))
+        return
     run_split_bench = bench_module("split").run_split_bench
     if not links:
         res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed,

@@ -93,6 +93,40 @@ class AsyncStream:
         return self.result
 
 
+def device_model_url(cloud_url: str, token: str | None = None, ssl=None, timeout_s: float = 5.0) -> str | None:
+    """Where the cloud at `cloud_url` (ws:// or wss://) serves its device model: the HTTP base URL
+    (http(s)://HOST:PORT, the form `device.fetch` takes) of the `device_model_url` its Welcome
+    names, asked with an empty-fingerprint Hello (the cloud closes after the Welcome). A loopback
+    or unspecified host in it (a cloud bound to all interfaces names itself 127.0.0.1) is replaced
+    by the host dialled. None when the cloud serves no device model.
+
+    Raises:
+        RemoteError: the cloud refused the handshake (UNAUTHORIZED, OVERLOADED, ...).
+        OSError, TimeoutError: the cloud cannot be reached within `timeout_s` (s)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from relayinfer.protocol import ws as proto_ws
+
+    async def ask():
+        ch = await proto_ws.open_channel(cloud_url, "", token, client="relayinfer-device", open_timeout=timeout_s,
+                                         **({"ssl": ssl} if ssl is not None else {}))
+        try:
+            return ch.welcome.device_model_url
+        finally:
+            await asyncio.wait_for(ch.close(), timeout_s)
+
+    url = asyncio.run(asyncio.wait_for(ask(), 2 * timeout_s + 1.0))
+    if not url:
+        return None
+    u, dialled = urlsplit(url), urlsplit(cloud_url)
+    host = u.hostname or ""
+    if host in ("127.0.0.1", "localhost", "0.0.0.0", "::", "::1") and dialled.hostname not in (None, host):
+        h = f"[{dialled.hostname}]" if ":" in dialled.hostname else dialled.hostname
+        u = u._replace(netloc=f"{h}:{u.port}" if u.port else h)
+    path = u.path[:-len("/v1/device-model")] if u.path.endswith("/v1/device-model") else u.path
+    return urlunsplit(u._replace(path=path.rstrip("/")))
+
+
 class Client:
     """Split-inference client: the device runtime plus an optional cloud prefill service.
 
@@ -114,8 +148,10 @@ class Client:
             for a wss:// cloud; None = the system CAs.
         verify: False turns certificate and host-name verification off for wss:// (a warning is
             logged; the token can then be intercepted).
-        cloud_http_url: http:// or https:// URL of the cloud's HTTP side (`cloud serve --http-port`).
-            With it and no `model`, the device model (ONNX, tokenizer, config) comes from the cloud's
+        cloud_http_url: http:// or https:// URL of the cloud's HTTP side (`cloud serve --http-port`),
+            an override: without it and without a local export, the Client asks the cloud at
+            `cloud_url` where its device model is (`device_model_url`, the handshake's Welcome).
+            Either way, with no `model`, the device model (ONNX, tokenizer, config) comes from the cloud's
             `/v1/device-model`: cached by the model fingerprint in `cache_dir()/models/`, every
             file's sha256 checked, an interrupted download resumed (`device.fetch`). Without it the
             model must already be exported locally (`relayinfer export`). Neither path imports torch.
@@ -171,8 +207,16 @@ class Client:
                 except ModelFileError as e:
                     if model is not None:
                         raise
-                    raise ModelFileError(f"{e.message}; or fetch the device model from the cloud: "
-                                         "Client(cloud_http_url=...), `relayinfer chat --cloud-http URL`") from None
+                    url = device_model_url(cloud_url, token, self.ssl, connect_timeout_s) if cloud_url else None
+                    if not url:
+                        raise ModelFileError(f"{e.message}; or fetch the device model from the cloud: "
+                                             "Client(cloud_url=...) of a cloud that serves it, or "
+                                             "Client(cloud_http_url=...), `relayinfer chat --cloud-http URL`") from None
+                    if quantize:
+                        raise ValueError("quantize applies to a locally exported model; the cloud serves fp32")
+                    from relayinfer.device.fetch import cached_device_model
+
+                    d = cached_device_model(url, token, context_for_url(url, ca, verify), progress=progress)
             engine = OnnxEngine(d, quantize=quantize, threads=threads or 1)
             engine.warmup()
         self.engine = engine
@@ -245,15 +289,16 @@ class Client:
 
     def device_timing(self) -> tuple[float, float, float]:
         """(prefill ms base, prefill ms per token, decode ms per token) of this device: the local
-        calibration (cached per model, `device.calibrate`), never faster than the profile's pacing."""
+        calibration (cached per model, `device.calibrate`), never faster than the profile's pacing
+        (`device.settings.device_fit`: the line through the envelope of the two)."""
         if self._device_timing is None:
             from relayinfer.device.calibrate import calibrated
 
+            from relayinfer.device.settings import device_fit
+
             local = calibrated(self.engine.engine if self.profile else self.engine)
-            p = self.profile
-            self._device_timing = (max(local.prefill_ms_base, p.prefill_ms_base) if p else local.prefill_ms_base,
-                                   max(local.prefill_ms_per_token, p.prefill_ms_per_token) if p else local.prefill_ms_per_token,
-                                   max(local.decode_ms_per_token, p.decode_ms_per_token) if p else local.decode_ms_per_token)
+            fit = lambda x: (x.prefill_ms_base, x.prefill_ms_per_token, x.decode_ms_per_token)  # noqa: E731
+            self._device_timing = device_fit(fit(local), fit(self.profile) if self.profile else None)
         return self._device_timing
 
     def generate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> Stream:

@@ -1,6 +1,6 @@
 """The torch-free device side (issue 11, part 1): with torch and relayinfer.cloud made unimportable,
-the SDK, the CLI module and every device module import, `Client(cloud_url=..., cloud_http_url=...)`
-fetches the device model from a real cloud (no local export) and runs a split generation; the CLI's
+the SDK, the CLI module and every device module import, `Client(cloud_url=...)` alone (the Welcome
+names the cloud's /v1/device-model) fetches the device model from a real cloud (no local export) and runs a split generation; the CLI's
 cloud sub-commands exit 2 naming the extra to install. Also: an interrupted download resumes."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from relayinfer.device.profiles import DeviceProfile
 cloud_url, http_url, token = sys.argv[1:4]
 seen = []
 slow = DeviceProfile("test-slow", prefill_ms_per_token=40.0)  # the cloud answers first
-client = Client(cloud_url=cloud_url, cloud_http_url=http_url, token=token, cloud_budget=3, target_tpot_ms=30.0,
+client = Client(cloud_url=cloud_url, cloud_http_url=http_url or None, token=token, cloud_budget=3, target_tpot_ms=30.0,
                 profile=slow,
                 progress=lambda name, done, total: seen.append((name, done, total)))
 ids = client.prompt_ids("Write a haiku about the sea.")
@@ -69,7 +69,8 @@ def _run(code: str, *args: str, cache, timeout: float = 240.0) -> subprocess.Com
 def test_torch_free_device_fetches_the_model_and_splits(cloud, onnx_engine, tmp_path):
     from relayinfer.protocol.decoding import SamplingParams
 
-    p = _run(DEVICE_RUN, cloud.url, cloud.http_url, TOKEN, cache=tmp_path)
+    # no cloud_http_url: the Welcome names where the device model is (Client(cloud_url=...) alone)
+    p = _run(DEVICE_RUN, cloud.url, "", TOKEN, cache=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["torch"] is False and out["cloud"] == []

@@ -1,9 +1,10 @@
 """The settings algorithm on simulated timelines (hypothesis) and the speed controller."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from relayinfer.device.settings import Timing, choose_settings, handoff_time, simulate
+from relayinfer.device.settings import CatchUp, Timing, catch_up, choose_settings, device_fit, handoff_time, simulate
 from relayinfer.device.speed import SpeedController
 
 timings = st.builds(
@@ -25,7 +26,7 @@ def test_no_stall_when_profile_is_exact(t, prompt, answer, target):
     assert sim["stalls"] == 0 and sim["late"] == 0
     assert s.interval_ms >= target and sim["tpot_max_ms"] <= s.interval_ms + 1e-6
     if s.cloud_budget is not None:
-        assert 1 <= s.cloud_budget < answer and sim["handoff"] == s.cloud_budget
+        assert 1 <= s.cloud_budget < answer and sim["handoff"] <= s.cloud_budget  # < when it caught the stream early
     else:  # cloud to the end only when the device could not catch up within the answer
         assert t.prefill_ms_per_token >= s.interval_ms or handoff_time(t, prompt, answer) > 0
 
@@ -94,3 +95,86 @@ def test_stalls_judged_against_the_interval_in_force():
     for t in (400.0, 440.0, 640.0):  # the last gap (200 ms) is a stall at a 40 ms pace
         sc.shown(t)
     assert sc.stats(0.0)["stalls"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=timings, prompt=st.integers(0, 2048), budget=st.integers(1, 256))
+def test_virtual_device_hands_off_where_the_model_says(t, prompt, budget):
+    """The virtual device's loop (`virtual.device_loop`) on a clock its sleeps advance, fed the
+    cloud tokens of the same timing, hands off at the index and time `catch_up` predicts."""
+    import asyncio
+
+    from relayinfer.device.virtual import device_loop
+
+    clock = [t.device_start_ms]
+
+    async def sleep(s):
+        clock[0] += s * 1e3
+
+    h = asyncio.run(device_loop(t, prompt, lambda: t.arrived(clock[0], budget), lambda: False, sleep))
+    want_h, want_ms = catch_up(t, prompt, budget)
+    assert h == want_h and clock[0] == pytest.approx(want_ms, abs=1e-6)
+    assert 0 <= h <= budget and (h == budget or h == t.arrived(clock[0], budget))  # caught up or budget spent
+
+
+def test_catch_up_rule_batches_every_received_token():
+    rule = CatchUp()
+    assert rule.next_batch(0) is None  # nothing received yet: ready first, the device answers alone (h = 0)
+    assert rule.next_batch(5) == (0, 5)
+    rule.prefilled(5)
+    assert rule.next_batch(5) is None and rule.next_batch(7) == (5, 7)
+    with pytest.raises(ValueError, match="received"):
+        rule.next_batch(3)
+
+
+def test_device_fit_is_the_envelope_of_calibration_and_profile():
+    """The shipped phone profile over a calibration of this machine's ONNX engine (the values of
+    bench/SPLIT.md: a = 130 ms, b = 3.4 ms/token, d = 79 ms): the fit follows max(local, phone)
+    at 8 and 256 tokens instead of 130 + 16.7 n, so a small catch-up batch is not overstated."""
+    from relayinfer.device.profiles import load_profile
+
+    p = load_profile("phone")
+    phone = (p.prefill_ms_base, p.prefill_ms_per_token, p.decode_ms_per_token)
+    local = (129.6, 3.38, 79.1)
+    a, b, d = device_fit(local, phone)
+    env = lambda n: max(local[0] + local[1] * n, phone[0] + phone[1] * n)  # noqa: E731
+    assert a + b * 8 == pytest.approx(env(8)) and a + b * 256 == pytest.approx(env(256))
+    assert d == max(local[2], phone[2]) and a < local[0] and b <= phone[1]
+    assert device_fit(local, None) == local
+    # with the fit, a phone-paced device catches a 89 ms/token cloud after a 512-token prompt within 256 tokens
+    t = Timing(a, b, d, cloud_ttft_ms=2500.0, cloud_tpot_ms=89.0)
+    new, old = choose_settings(t, 512, 256, 50.0), choose_settings(Timing(129.6, 16.67, 79.1, 2500.0, 89.0), 512, 256, 50.0)
+    assert new.cloud_budget is not None and new.handoff_ms < old.handoff_ms  # max(a), max(b) overstated the device
+
+
+def test_an_idle_device_replans_when_the_cloud_is_slower_than_planned(tokenizer):
+    """A 1000-token prompt on the phone fit: against the estimated cloud (TPOT 40 ms) the device
+    cannot catch up within 256 tokens and stays idle (cloud to the end); when the measured TPOT is
+    200 ms, the re-plan after the first cloud tokens finds a hand-off and starts the device; at the
+    estimated 40 ms it stays idle."""
+    import time
+    from types import SimpleNamespace
+
+    from relayinfer.device.split import CloudEstimate, SplitOptions, _Run
+    from relayinfer.protocol.decoding import SamplingParams
+
+    def run_with(tpot_ms: float):
+        s = SimpleNamespace(opt=SplitOptions(), device_timing=(24.0, 16.57, 79.1), cloud_url="ws://cloud",
+                            cloud=CloudEstimate(ttft_base_ms=150.0, prefill_ms_per_token=1.0, tpot_ms=40.0),
+                            tokenizer=tokenizer, engine=SimpleNamespace(eos_id=tokenizer.eos_id))
+        run = _Run(s, list(range(100, 1100)), SamplingParams(max_new_tokens=256), None)
+        run.t0 = time.perf_counter()
+        run.plan()
+        assert run.device_idle and run.planned == "cloud-to-the-end"
+        started = []
+        run.start_device, run.channel = lambda: started.append(len(run.ready_ms)), object()
+        for k in range(16):  # cloud token k measured at 1 s + k * TPOT
+            run.ready_ms.append(1000.0 + k * tpot_ms)
+            run.replan_idle()
+        return run, started
+
+    slow, started = run_with(200.0)
+    assert started and started[0] in (2, 4, 8, 16) and not slow.device_idle and "re-planned" in slow.plan_reason
+    assert slow.speed.interval_ms >= 200.0  # the display follows the measured cloud pace
+    fast, started = run_with(40.0)
+    assert not started and fast.device_idle

@@ -157,6 +157,8 @@ class CloudService:
 
     async def _session(self, channel: proto_ws.ServerChannel) -> None:
         """One device connection: dispatch messages, run each Generate as its own task."""
+        if not channel.hello.model_fingerprint:  # a device without the model asked where it is (Welcome): done
+            return
         self.metrics.active_sessions.inc()
         self.num_sessions += 1
         requests: dict[str, _Request] = {}
@@ -545,18 +547,19 @@ class CloudService:
         if self.llm is not None:  # the batching engine's runner allocates on its first steps too
             await loop.run_in_executor(self.worker, self.llm.engine.generate, [list(range(16, 48))],
                                        SamplingParams(max_new_tokens=2))
-        self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
-                                               auth_token=self.auth_token, server="relayinfer-cloud",
-                                               max_frame_bytes=self.max_frame_bytes, admit=self._admit,
-                                               ping_interval=KEEPALIVE_S, ping_timeout=KEEPALIVE_S,
-                                               **({"ssl": ssl} if ssl is not None else {}))
-        self.ws_port = self._ws_server.sockets[0].getsockname()[1]
-        if http_port is not None:
+        if http_port is not None:  # first: the Welcome names its /v1/device-model URL
             self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True)
             await self._http_runner.setup()
             site = web.TCPSite(self._http_runner, host, http_port, ssl_context=ssl)
             await site.start()
             self.http_port = site._server.sockets[0].getsockname()[1]
+        self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
+                                               auth_token=self.auth_token, server="relayinfer-cloud",
+                                               max_frame_bytes=self.max_frame_bytes, admit=self._admit,
+                                               ping_interval=KEEPALIVE_S, ping_timeout=KEEPALIVE_S,
+                                               device_model_url=self.device_model_url or "",
+                                               **({"ssl": ssl} if ssl is not None else {}))
+        self.ws_port = self._ws_server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._ws_server is not None:
@@ -567,6 +570,15 @@ class CloudService:
         if self.llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.llm.shutdown)
         self.worker.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def device_model_url(self) -> str | None:
+        """`<http_url>/v1/device-model`, sent in every Welcome (a device without the model fetches it
+        from there); None without an HTTP side or an exported device model. A host bound to all
+        interfaces is named 127.0.0.1 here: the client puts the host it dialled in its place."""
+        if self.http_url is None or self.device_model_dir is None:
+            return None
+        return f"{self.http_url}/v1/device-model"
 
     def _netloc(self, port) -> str:
         return f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
