@@ -1,19 +1,22 @@
 """Prefill and batch-1 decode tokens/s of the runtimes a user could pick for the same GGUF, in one run.
 
-Engines (rows are engine x intra-op threads): `transformers` generate on the GGUF (dequantized to
-fp32, the baseline), the torch engine (fp32), ONNX Runtime fp32 and int8 (the device engine) and
-llama.cpp through `llama-cpp-python` on the GGUF's own quantized weights, when installed (imported
-lazily; it is not a dependency). Prompts are real text (concatenated `chitchat-dataset`
-conversations) cut to exactly N tokens. Every repetition runs all engines back to back per prompt
-length, so the goal ratios are paired within one run; figures are medians over repetitions.
+Engines (rows are engine x intra-op threads, 1 and 2): `transformers` generate on the GGUF (dequantized
+to fp32, the baseline), the torch engine (fp32), ONNX Runtime with fp32 weights (`onnx-fp32`) and with
+the GGUF file's own Q4_1/Q8_0 blocks (`onnx-gguf`, MatMulNBits; the device engine's default), and
+llama.cpp on the GGUF as stored, through the `llama-bench` binary built by `bench/llamacpp.sh`
+(a subprocess per measurement; its own timer, random token ids of the same count). Prefill at 128,
+512, 2048 and 8192 tokens; decode (64 greedy steps at batch 1) at contexts 128 and 4096 (the context
+is prefilled untimed first). Prompts are real text (concatenated `chitchat-dataset` conversations)
+cut to exactly N tokens. Every repetition runs all engines back to back per measurement, so the
+goal ratios are paired within one run; figures are medians over repetitions.
 
-Beside each decode figure: the memory-bandwidth bound of batch-1 decode, weight bytes read per
-token / numpy-measured bandwidth (a 1 GiB buffer: DRAM; and a buffer of the weights' own size,
-which may sit in the 300 MiB L3 cache for the quantized models).
+Beside each decode figure: bytes read per decoded token (weights + the KV cache at that context) and
+the memory-bandwidth bound, those bytes / numpy-measured read bandwidth (a 1 GiB buffer).
 
-    .venv/bin/python bench/runtimes.py            # full run (~15 min on 2 cores)
-    .venv/bin/python bench/runtimes.py --quick    # smoke check, writes under /tmp
-    .venv/bin/python bench/runtimes.py --engines torch,onnx:1,llama.cpp
+    bench/llamacpp.sh                               # llama.cpp rows (skipped with a note if not built)
+    .venv/bin/python bench/runtimes.py              # full run (~30+ min on 2 busy cores)
+    .venv/bin/python bench/runtimes.py --quick      # smoke check, writes under /tmp
+    .venv/bin/python bench/runtimes.py --engines torch,onnx-gguf:1,llama.cpp
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,11 +37,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
-ROWS = [("transformers", 1), ("transformers", 2), ("torch", 1), ("torch", 2), ("onnx", 1), ("onnx", 2),
-        ("onnx-int8", 1), ("llama.cpp", 1), ("llama.cpp", 2)]
-AGREEMENT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-                     "Explain in two sentences why the sky is blue.", "Give me three tips for learning to cook.",
-                     "Who wrote Romeo and Juliet, and when?", "How do I reverse a list in Python?"]
+FAMILIES = ("transformers", "torch", "onnx-fp32", "onnx-gguf", "llama.cpp")
+ROWS = [(f, t) for f in FAMILIES for t in (1, 2)]
+LENGTHS = [128, 512, 2048, 8192]
+CONTEXTS = [128, 4096]
+LONG = 2048  # prefill lengths and decode contexts from here on get --long-reps repetitions
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -78,12 +82,14 @@ def bandwidth_gbs(nbytes: int, threads: int, reps: int = 5) -> float:
 
 class Row:
     """One engine at one thread count. `weights`: what it computes with; `bytes_per_token`: weight
-    bytes read per decode step; `decode_method`: how decode seconds are obtained."""
+    bytes read per decode step; `kv_bytes_per_token`: KV cache bytes per context token (read once per
+    decode step); `decode_method`: how decode seconds are obtained."""
 
     decode_method = "prefill untimed, then `steps` timed decode calls (fewer past the time budget), each fed the argmax token"
 
-    def __init__(self, family: str, threads: int, weights: str, bytes_per_token: int):
+    def __init__(self, family: str, threads: int, weights: str, bytes_per_token: int, kv_bytes_per_token: int):
         self.family, self.threads, self.weights, self.bytes_per_token = family, threads, weights, bytes_per_token
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.name = f"{family}:{threads}"
 
     def prepare(self):
@@ -98,8 +104,8 @@ class Row:
         return len(ids) / (time.perf_counter() - t0)
 
     def decode(self, ids: list[int], steps: int, budget_s: float) -> float:
-        """Decode tokens/s: greedy batch-1 steps after prefilling `ids`, `steps` of them or as many as
-        fit in `budget_s` wall seconds (so a row starved by other jobs cannot stall the run)."""
+        """Decode tokens/s: greedy batch-1 steps after prefilling `ids` (the context), `steps` of them
+        or as many as fit in `budget_s` wall seconds (so a row starved by other jobs cannot stall the run)."""
         self.prepare()
         logits, kv = self._prefill(ids)
         t0 = time.perf_counter()
@@ -109,12 +115,15 @@ class Row:
                 break
         return (i + 1) / (time.perf_counter() - t0)
 
+    def close(self):
+        """Free what the row holds."""
+
 
 class EngineRow(Row):
     """The torch engine or the ONNX engine (`prefill(ids, kv)` / `decode(token, kv)`)."""
 
-    def __init__(self, family, threads, weights, bytes_per_token, engine):
-        super().__init__(family, threads, weights, bytes_per_token)
+    def __init__(self, family, threads, weights, bytes_per_token, kv_bytes_per_token, engine):
+        super().__init__(family, threads, weights, bytes_per_token, kv_bytes_per_token)
         self.engine = engine
         self._prefill, self._decode = engine.prefill, engine.decode
 
@@ -131,8 +140,9 @@ class TransformersRow(Row):
                      "time of generate(max_new_tokens=1)] on the same prompt, back to back; "
                      "prefill = generate(max_new_tokens=1)")
 
-    def __init__(self, threads, bytes_per_token, model, eos_id):
-        super().__init__("transformers", threads, "fp32 (GGUF dequantized by transformers)", bytes_per_token)
+    def __init__(self, threads, bytes_per_token, kv_bytes_per_token, model, eos_id):
+        super().__init__("transformers", threads, "fp32 (GGUF dequantized by transformers)", bytes_per_token,
+                         kv_bytes_per_token)
         self.model, self.eos_id = model, eos_id
 
     def prepare(self):
@@ -159,131 +169,163 @@ class TransformersRow(Row):
         return (n - 1) / ((time.perf_counter() - t1) - (t1 - t0))
 
 
-class LlamaCppRow(Row):
-    """llama.cpp (`llama_cpp.Llama`, n_batch 2048, default n_ubatch) on the GGUF's own weights."""
+class LlamaBenchRow(Row):
+    """llama.cpp through its `llama-bench` binary (one subprocess per measurement, `-r 1`, its own
+    timer; n_batch 2048 / n_ubatch 512, its defaults; F16 KV cache). Prefill: `-p N -n 0`; decode at
+    context C: `-p 0 -n steps -d C` (the C-token depth is prefilled untimed). llama-bench feeds random
+    token ids, so only the token count matches the other rows' prompts."""
 
-    def __init__(self, threads, bytes_per_token, weights, model_path, n_ctx):
-        from llama_cpp import Llama
-        super().__init__("llama.cpp", threads, weights, bytes_per_token)
-        self.llm = Llama(model_path=str(model_path), n_ctx=n_ctx, n_batch=2048, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+    decode_method = "llama-bench -p 0 -n <steps> -d <context> -r 1 (depth prefilled untimed), its avg_ts"
 
-    def _prefill(self, ids):
-        self.llm.reset()  # eval() drops cached tokens past n_tokens
-        self.llm.eval(ids)
-        return self.llm.scores[self.llm.n_tokens - 1], None
+    def __init__(self, threads, bytes_per_token, kv_bytes_per_token, weights, model_path, bench_bin, timeout_s):
+        super().__init__("llama.cpp", threads, weights, bytes_per_token, kv_bytes_per_token)
+        self.model_path, self.bin, self.timeout_s = model_path, bench_bin, timeout_s
 
-    def _decode(self, tok, kv):
-        self.llm.eval([tok])
-        return self.llm.scores[self.llm.n_tokens - 1], None
+    def _run(self, p: int, n: int, d: int) -> float:
+        argv = [str(self.bin), "-m", str(self.model_path), "-p", str(p), "-n", str(n), "-d", str(d),
+                "-t", str(self.threads), "-r", "1", "-o", "json"]
+        if p >= 2048 or d >= 2048:
+            argv.append("--no-warmup")  # a warm-up run would double the long measurements
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s)
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-bench failed (exit {r.returncode}): {r.stderr[-500:]}")
+        return float(json.loads(r.stdout)[0]["avg_ts"])
+
+    def prefill(self, ids):
+        return self._run(len(ids), 0, 0)
+
+    def decode(self, ids, steps, budget_s):
+        return self._run(0, steps, len(ids))
 
 
-def int8_weight_bytes(onnx_file: Path) -> int:
-    """Bytes of the int8 graph's initializers read per decode step: all of them except tables only
-    consumed by Gather (the fp32 embedding: one row is read per token)."""
+def onnx_weight_bytes(onnx_file: Path) -> int:
+    """Bytes of an ONNX graph's initializers read per decode step: all of them except tables only
+    consumed by Gather (an embedding: one row is read per token)."""
     import onnx
     g = onnx.load(str(onnx_file), load_external_data=False).graph
-    gather_only = {i for n in g.node if n.op_type == "Gather" for i in n.input[:1]}
-    gather_only -= {i for n in g.node if n.op_type != "Gather" for i in n.input}
+    gather_only = {i for n in g.node if n.op_type in ("Gather", "GatherBlockQuantized") for i in n.input[:1]}
+    gather_only -= {i for n in g.node if n.op_type not in ("Gather", "GatherBlockQuantized") for i in n.input}
     return sum(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
                for t in g.initializer if t.name not in gather_only)
 
 
-def build_rows(wanted, model_path, max_len, log) -> tuple[list[Row], dict]:
-    """Load the asked engines (rows); returns (rows, {family: note}) for engines that could not load."""
-    from relayinfer.protocol.model_file import open_gguf
-    families = {f for f, _ in wanted}
+# The engine constructors of each variant, in one place: the ONNX export and the torch model are
+# being changed (issue 15 parts 2-4); only these functions know their APIs.
+
+def make_torch(model_path, threads, shared):
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    eng = TorchEngine(model_path, device="cpu", threads=threads, model=shared.get("torch"))
+    shared["torch"] = eng.model
+    return eng
+
+
+def make_onnx(model_path, weights: str, threads: int, log):
+    """The device engine with `weights` 'fp32' or 'gguf' (MatMulNBits over the GGUF blocks); returns
+    (engine, its ONNX file)."""
+    from relayinfer.cloud.export import ensure_device_model
+    from relayinfer.device.onnx_engine import OnnxEngine
+    eng = OnnxEngine(ensure_device_model(model_path, quantize=weights, progress=log), quantize=weights,
+                     threads=threads)
+    return eng, eng.onnx_file
+
+
+def make_transformers(model_path):
+    import torch
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32).eval()
+
+
+def llama_bench_binary() -> Path | None:
+    """build/llamacpp/bin/llama-bench when `bench/llamacpp.sh` built it, else None."""
+    r = subprocess.run([str(ROOT / "llamacpp.sh"), "--print"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    b = Path(r.stdout.strip().splitlines()[-1]) / "llama-bench"
+    return b if b.is_file() else None
+
+
+def build_rows(wanted, model_path, log) -> tuple[list[Row], dict]:
+    """Load the asked engines (rows); returns (rows, {family: note}) for engines that could not load
+    (plus '_model': facts about the GGUF)."""
+    from relayinfer.protocol.model_file import open_gguf, read_config
     rows, notes, shared = [], {}, {}
     reader = open_gguf(model_path)
+    cfg = read_config(reader)
     n_params = sum(int(t.n_elements) for t in reader.tensors)  # tied: embedding stored once
     gguf_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     gguf_types = sorted({t.tensor_type.name for t in reader.tensors})
     fp32_bytes = 4 * n_params
+    kv32 = cfg.kv_bytes_per_token  # fp32 K+V of all layers per token
     for family, threads in wanted:
+        if family in notes:
+            continue
         log(f"loading {family}:{threads}")
-        if family == "transformers":
-            if "hf" not in shared:
-                import torch
-                import transformers
-                transformers.utils.logging.disable_progress_bar()
-                shared["hf"] = transformers.AutoModelForCausalLM.from_pretrained(
-                    str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32).eval()
-            from relayinfer.protocol.model_file import read_config
-            rows.append(TransformersRow(threads, fp32_bytes, shared["hf"], read_config(reader).eos_id))
-        elif family == "torch":
-            from relayinfer.cloud.engine.torch_engine import TorchEngine
-            eng = TorchEngine(model_path, device="cpu", threads=threads, model=shared.get("torch"))
-            shared["torch"] = eng.model
-            rows.append(EngineRow(family, threads, "fp32", fp32_bytes, eng))
-        elif family in ("onnx", "onnx-int8"):
-            from relayinfer.cloud.export import ensure_device_model
-            from relayinfer.device.onnx_engine import OnnxEngine
-            q = "int8" if family == "onnx-int8" else None
-            eng = OnnxEngine(ensure_device_model(model_path, quantize=q, progress=log), quantize=q, threads=threads)
-            nbytes = int8_weight_bytes(eng.onnx_file) if q else fp32_bytes
-            weights = "int8 per-channel MatMul weights (quantize_dynamic), fp32 activations" if q else "fp32"
-            rows.append(EngineRow(family, threads, weights, nbytes, eng))
-        elif family == "llama.cpp":
-            try:
-                ver = importlib.metadata.version("llama-cpp-python")
-                rows.append(LlamaCppRow(threads, gguf_bytes, f"GGUF as stored ({'/'.join(gguf_types)}), "
-                                        f"llama-cpp-python {ver}", model_path, max_len + 128))
-            except ImportError as e:
-                notes[family] = f"not installed ({e})"
-                log(f"llama.cpp: {notes[family]}")
-        else:
-            raise SystemExit(f"unknown engine {family!r}; choose from {sorted({f for f, _ in ROWS})}")
+        try:
+            if family == "transformers":
+                if "hf" not in shared:
+                    shared["hf"] = make_transformers(model_path)
+                rows.append(TransformersRow(threads, fp32_bytes, kv32, shared["hf"], cfg.eos_id))
+            elif family == "torch":
+                rows.append(EngineRow(family, threads, "fp32", fp32_bytes, kv32, make_torch(model_path, threads, shared)))
+            elif family in ("onnx-fp32", "onnx-gguf"):
+                w = family.split("-")[1]
+                eng, f = make_onnx(model_path, w, threads, log)
+                nbytes = fp32_bytes if w == "fp32" else onnx_weight_bytes(f)
+                desc = "fp32" if w == "fp32" else f"GGUF blocks ({'/'.join(gguf_types)}) as MatMulNBits, fp32 activations"
+                rows.append(EngineRow(family, threads, desc, nbytes, kv32, eng))
+            elif family == "llama.cpp":
+                b = llama_bench_binary()
+                if b is None:
+                    notes[family] = "not built (run bench/llamacpp.sh)"
+                    log(f"llama.cpp: {notes[family]}")
+                    continue
+                src = ROOT.parent / "build" / "llamacpp" / "SOURCE"
+                ver = src.read_text().strip() if src.is_file() else "vendored source"
+                rows.append(LlamaBenchRow(threads, gguf_bytes, kv32 // 2, f"GGUF as stored ({'/'.join(gguf_types)}), "
+                                          f"llama-bench from {ver}, F16 KV", model_path, b, timeout_s=1200))
+            else:
+                raise SystemExit(f"unknown engine {family!r}; choose from {', '.join(FAMILIES)}")
+        except (ImportError, ValueError, RuntimeError, OSError) as e:
+            notes[family] = f"could not load: {type(e).__name__}: {str(e)[:200]}"
+            log(f"{family}: {notes[family]}")
     model = {"path": str(model_path), "gguf_types": gguf_types, "parameters": n_params,
-             "fp32_bytes": fp32_bytes, "gguf_tensor_bytes": gguf_bytes}
+             "fp32_bytes": fp32_bytes, "gguf_tensor_bytes": gguf_bytes, "kv_fp32_bytes_per_token": kv32}
     return rows, notes | {"_model": model}
-
-
-def int8_agreement(tokenizer, prompts, n_tokens: int, threads: int = 1) -> dict:
-    """Greedy tokens of ONNX int8 vs ONNX fp32 on chat prompts (EOS ends a sequence): the share of
-    positions (over the longer sequence) where both drew the same token, and where they first differ."""
-    from relayinfer.cloud.export import ensure_device_model
-    from relayinfer.device.onnx_engine import OnnxEngine
-    from relayinfer.protocol.decoding import SamplingParams, generate
-    params = SamplingParams(max_new_tokens=n_tokens)
-    seqs = {}
-    for q in (None, "int8"):
-        eng = OnnxEngine(ensure_device_model(None, quantize=q), quantize=q, threads=threads)
-        seqs[q] = [generate(eng, tokenizer.encode_chat(p), params).token_ids for p in prompts]
-        del eng
-    same = total = 0
-    first_diff = []
-    for a, b in zip(seqs[None], seqs["int8"]):
-        same += sum(x == y for x, y in zip(a, b))
-        total += max(len(a), len(b))
-        first_diff.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-    return {"prompts": len(prompts), "max_tokens": n_tokens, "position_agreement": same / total,
-            "identical_sequences": sum(a == b for a, b in zip(seqs[None], seqs["int8"])),
-            "first_divergence": first_diff}
 
 
 # --- reporting -------------------------------------------------------------------------------
 
 def paired_ratio(res, a, b, key) -> float | None:
-    """Median over repetitions of a/b tokens/s for one metric (`key`: 'decode' or a prompt length)."""
+    """Median over repetitions of a/b tokens/s for one metric (`key`: 'p<N>' prefill or 'd<C>' decode)."""
     if a not in res or b not in res:
         return None
-    r = [x / y for x, y in zip(res[a]["samples"].get(key, []), res[b]["samples"].get(key, []))]
+    r = [x / y for x, y in zip(res[a]["samples"].get(key, []), res[b]["samples"].get(key, []))
+         if x is not None and y is not None]
     return statistics.median(r) if r else None
 
 
-def goals(res, lengths) -> list[dict]:
-    """The issue's three goals as paired ratios with pass/miss."""
-    metrics = [str(n) for n in lengths] + ["decode"]
-    out = [{"goal": "torch engine >= 1.5x transformers, decode tok/s", "a": f"torch:{t}", "b": f"transformers:{t}",
-            "target": 1.5, "metrics": ["decode"]} for t in (1, 2)]
-    out += [{"goal": "ONNX fp32 >= torch engine at equal threads", "a": f"onnx:{t}", "b": f"torch:{t}",
-             "target": 1.0, "metrics": metrics} for t in (1, 2)]
-    out += [{"goal": "ONNX int8 (1 thread) >= llama.cpp (1 thread), prefill and decode", "a": "onnx-int8:1",
-             "b": "llama.cpp:1", "target": 1.0, "metrics": metrics}]
-    for g in out:
-        g["ratios"] = {m: paired_ratio(res, g["a"], g["b"], m) for m in g["metrics"]}
-        vals = [v for v in g["ratios"].values() if v is not None]
-        g["status"] = ("pass" if min(vals) >= g["target"] else "miss") if vals else "not measured"
+def goals(res, serve: dict | None) -> list[dict]:
+    """The issue's goals as paired ratios (median over repetitions) with met/missed per thread count."""
+    spec = [("ONNX GGUF-blocks decode >= 1.0x llama.cpp (aim 1.3x)", "onnx-gguf", "llama.cpp", 1.0, ["d128", "d4096"]),
+            ("ONNX GGUF-blocks prefill >= 2x llama.cpp at 512", "onnx-gguf", "llama.cpp", 2.0, ["p512"]),
+            ("ONNX fp32 prefill >= 1.0x torch at 2048", "onnx-fp32", "torch", 1.0, ["p2048"]),
+            ("torch decode >= 1.0x transformers at context 128", "torch", "transformers", 1.0, ["d128"]),
+            ("torch decode >= 1.5x transformers at context 4096", "torch", "transformers", 1.5, ["d4096"])]
+    out = []
+    for goal, a, b, target, metrics in spec:
+        for t in (1, 2):
+            g = {"goal": goal, "a": f"{a}:{t}", "b": f"{b}:{t}", "target": target,
+                 "ratios": {m: paired_ratio(res, f"{a}:{t}", f"{b}:{t}", m) for m in metrics}}
+            vals = [v for v in g["ratios"].values() if v is not None]
+            g["status"] = ("met" if min(vals) >= target else "missed") if vals else "not measured"
+            out.append(g)
+    if serve and serve.get("goal"):
+        sg = serve["goal"]
+        out.append({"goal": "cloud engine >= 1.0x llama-server on F32 at 16 concurrent (bench/serve_compare.py)",
+                    "a": "relayinfer", "b": "llama-f32", "target": 1.0, "ratios": {"N=16": sg["ratio"]},
+                    "status": sg["status"], "source": f"bench/results/serve_compare.json ({serve.get('date')})"})
     return out
 
 
@@ -292,8 +334,9 @@ def fmt(x, nd=1):
 
 
 def write_markdown(path: Path, report: dict) -> None:
-    """The table, goal ratios and int8 agreement; keeps a hand-written `## Notes` section if present."""
-    lengths = report["settings"]["lengths"]
+    """The table and the goal ratios; keeps a hand-written `## Notes` section if present."""
+    st = report["settings"]
+    lengths, contexts = st["lengths"], st["contexts"]
     old = path.read_text() if path.is_file() else ""
     notes = old[old.index("## Notes"):] if "## Notes" in old else "## Notes\n\n(to be written)\n"
     bw = report["bandwidth_gbs"]
@@ -301,65 +344,84 @@ def write_markdown(path: Path, report: dict) -> None:
              f"Command: `{report['command']}` ({report['date']}, {report['machine']['cpu']}, "
              f"{report['machine']['cores']} cores shared with other jobs, load avg before "
              f"{report['machine']['loadavg_before']}, wall {report['wall_s']:.0f} s).", "",
-             f"Tokens/s, median of {report['settings']['reps']} interleaved repetitions "
-             f"({report['settings'].get('reps_2048', report['settings']['reps'])} at 2048 tokens); prompts are chitchat-dataset "
-             f"text cut to exactly N tokens; decode = {report['settings']['decode_steps']} greedy steps at batch 1 "
-             f"after a {report['settings']['decode_prompt']}-token prompt (fewer if past "
-             f"{report['settings']['decode_budget_s']:.0f} s). Bound = weight bytes per token / "
-             f"numpy read bandwidth at the row's threads (best over repetitions; DRAM: 1 GiB buffer, "
-             + ", ".join(f"{v:.1f} GB/s at {t} thread(s)" for t, v in bw["dram"].items()) + "; 'same-size': a buffer as large as the weights, "
-             f"which may stay in the 300 MiB L3).", "",
-             "| engine | threads | weights MB/token | " + " | ".join(f"prefill {n}" for n in lengths)
-             + " | decode | bound DRAM | decode / bound DRAM | bound same-size |",
-             "|---|---|---|" + "---|" * len(lengths) + "---|---|---|---|"]
+             f"Tokens/s, median of {st['reps']} interleaved repetitions ({st['long_reps']} for prefill/context "
+             f">= {LONG} tokens); prompts are chitchat-dataset text cut to exactly N tokens (llama.cpp: llama-bench, "
+             f"random ids of the same count); decode = {st['decode_steps']} greedy steps at batch 1 after a "
+             f"C-token context (fewer if past {st['decode_budget_s']:.0f} s). MB/token = weights + KV cache at the "
+             f"context read per decoded token; bound = those bytes / numpy read bandwidth (1 GiB buffer, best over "
+             "repetitions: " + ", ".join(f"{v:.1f} GB/s at {t} thread(s)" for t, v in bw.items()) + ").", "",
+             "| engine | threads | " + " | ".join(f"prefill {n}" for n in lengths) + " | "
+             + " | ".join(f"decode @{c} | MB/token @{c} | % of bound @{c}" for c in contexts) + " |",
+             "|---|---|" + "---|" * len(lengths) + "---|---|---|" * len(contexts)]
     for r in report["engines"]:
-        lines.append(f"| {r['family']} | {r['threads']} | {r['bytes_per_token'] / 1e6:.0f} | "
-                     + " | ".join(fmt(r["prefill_tok_s"].get(str(n))) for n in lengths)
-                     + f" | {fmt(r['decode_tok_s'])} | {fmt(r['bound_dram_tok_s'])} | {100 * r['decode_share_of_dram_bound']:.0f} % "
-                     f"| {fmt(r['bound_same_size_tok_s'])} |")
+        cells = [fmt(r["prefill_tok_s"].get(str(n))) for n in lengths]
+        for c in contexts:
+            d = r["decode"][str(c)]
+            cells += [fmt(d["tok_s"]), f"{d['bytes_per_token'] / 1e6:.0f}",
+                      "–" if d["share_of_bound"] is None else f"{100 * d['share_of_bound']:.0f} %"]
+        lines.append(f"| {r['family']} | {r['threads']} | " + " | ".join(cells) + " |")
     for fam, note in report["not_run"].items():
-        lines.append(f"| {fam} | – | – | " + " | ".join("–" for _ in lengths) + f" | {note} | – | – | – |")
+        lines.append(f"| {fam} | – | {note} |" + " |" * (len(lengths) + 3 * len(contexts) - 1))
     lines += ["", "Goals (paired ratios a/b of tokens/s, median over repetitions):", "",
-              "| goal | a / b | " + " | ".join(f"prefill {n}" for n in lengths) + " | decode | status |",
-              "|---|---|" + "---|" * len(lengths) + "---|---|"]
+              "| goal | a / b | ratio | status |", "|---|---|---|---|"]
     for g in report["goals"]:
-        cells = [fmt(g["ratios"].get(str(n)), 2) if str(n) in g["ratios"] else "" for n in lengths]
-        lines.append(f"| {g['goal']} | {g['a']} / {g['b']} | " + " | ".join(cells)
-                     + f" | {fmt(g['ratios'].get('decode'), 2)} | **{g['status']}** (target {g['target']}) |")
-    ag = report.get("int8_agreement")
-    if ag:
-        lines += ["", f"int8 vs fp32 (ONNX) greedy agreement, first {ag['max_tokens']} tokens on {ag['prompts']} chat "
-                  f"prompts: {100 * ag['position_agreement']:.0f} % of positions, {ag['identical_sequences']}/"
-                  f"{ag['prompts']} identical sequences, first divergence at {ag['first_divergence']} (not gated)."]
+        rs = ", ".join(f"{m}: {fmt(v, 2)}" for m, v in g["ratios"].items())
+        lines.append(f"| {g['goal']} | {g['a']} / {g['b']} | {rs} | **{g['status']}** (target {g['target']}) |")
+    skipped = report.get("skipped")
+    if skipped:
+        lines += ["", "Not measured (over the wall-time budget or failed): " + "; ".join(skipped)]
     path.write_text("\n".join(lines) + "\n\n" + notes)
 
 
 # --- main ------------------------------------------------------------------------------------
 
+def parse_engines(spec: str | None) -> list[tuple[str, int]]:
+    """'torch,onnx-gguf:1' -> [(family, threads)]: a bare family means both thread counts."""
+    if not spec:
+        return list(ROWS)
+    out = []
+    for e in (x.strip() for x in spec.split(",") if x.strip()):
+        fam, _, t = e.partition(":")
+        if fam not in FAMILIES:
+            raise SystemExit(f"unknown engine {fam!r}; choose from {', '.join(FAMILIES)}")
+        try:
+            ts = [int(t)] if t else [1, 2]
+        except ValueError:
+            raise SystemExit(f"bad thread count in {e!r}") from None
+        out += [(fam, n) for n in ts if (fam, n) not in out]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="lengths 128/512, 1 repetition, 16 decode steps")
+    ap.add_argument("--quick", action="store_true", help="prefill 128/512, decode at 128, 1 repetition, 16 steps")
     ap.add_argument("--out", type=Path, help="JSON path; the .md goes beside it "
                     "(default bench/results/runtimes.json, or under /tmp with --quick)")
-    ap.add_argument("--engines", help="comma list of families or family:threads, e.g. torch,onnx:1,llama.cpp "
-                    f"(default all: {','.join(f'{f}:{t}' for f, t in ROWS)})")
-    ap.add_argument("--reps", type=int, help="repetitions (default 3, 1 with --quick)")
-    ap.add_argument("--long-reps", type=int, default=2, help="repetitions of the 2048-token prefill (at most --reps; "
-                    "default 2, to keep the full run near 15 min on 2 busy cores)")
+    ap.add_argument("--engines", help="comma list of families or family:threads, e.g. torch,onnx-gguf:1,llama.cpp "
+                    f"(default all: {','.join(FAMILIES)} at 1 and 2 threads)")
+    ap.add_argument("--lengths", help=f"prefill lengths (default {','.join(map(str, LENGTHS))})")
+    ap.add_argument("--contexts", help=f"decode contexts (default {','.join(map(str, CONTEXTS))})")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions (default 2, 1 with --quick)")
+    ap.add_argument("--long-reps", type=int, default=1, help=f"repetitions of prefill lengths and decode contexts "
+                    f">= {LONG} (at most --reps; default 1)")
     ap.add_argument("--decode-budget", type=float, default=5.0, help="wall seconds per decode measurement")
+    ap.add_argument("--max-wall-s", type=float, default=3600.0, help="no new measurement after this (s)")
     ap.add_argument("--model", type=Path, help="GGUF file (default: SmolLM2-135M-Instruct)")
     args = ap.parse_args(argv)
-    lengths = [128, 512] if args.quick else [128, 512, 2048]
-    reps = args.reps or (1 if args.quick else 3)
-    steps, decode_prompt, budget = (16 if args.quick else 64), 128, args.decode_budget
+    try:
+        lengths = [128, 512] if args.quick else [int(x) for x in (args.lengths or ",".join(map(str, LENGTHS))).split(",")]
+        contexts = [128] if args.quick else [int(x) for x in (args.contexts or ",".join(map(str, CONTEXTS))).split(",")]
+    except ValueError as e:
+        print(f"runtimes: bad --lengths/--contexts: {e}", file=sys.stderr)
+        return 2
+    if args.reps < 1 or args.long_reps < 1 or min(lengths + contexts) < 1:
+        print("runtimes: --reps, --long-reps, lengths and contexts must be positive", file=sys.stderr)
+        return 2
+    reps = 1 if args.quick else args.reps
+    steps, budget = (16 if args.quick else 64), args.decode_budget
     out = args.out or (Path(tempfile.gettempdir()) / "relayinfer-runtimes-quick.json" if args.quick
                        else ROOT / "results" / "runtimes.json")
-    wanted = ROWS
-    if args.engines:
-        sel = [e.strip() for e in args.engines.split(",") if e.strip()]
-        wanted = [(f, t) for f, t in ROWS if f in sel or f"{f}:{t}" in sel]
-        wanted += [(s.split(":")[0], int(s.split(":")[1])) for s in sel if ":" in s and
-                   (s.split(":")[0], int(s.split(":")[1])) not in wanted]
+    wanted = parse_engines(args.engines)
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
     loadavg = os.getloadavg()
@@ -368,69 +430,89 @@ def main(argv=None) -> int:
     from relayinfer.protocol.tokenizer import Tokenizer
     model_path = resolve_model_path(args.model)
     tok = Tokenizer.from_gguf(model_path)
-    prompt = chitchat_ids(tok, max(lengths))
-    rows, notes = build_rows(wanted, model_path, max(lengths), log)
+    prompt = chitchat_ids(tok, max(lengths + contexts))
+    rows, notes = build_rows(wanted, model_path, log)
     model_info = notes.pop("_model")
     threads = sorted({r.threads for r in rows} | {1})
 
     log("warm-up")
     for r in rows:
-        r.prefill(prompt[:32])
-        r.decode(prompt[:32], 2, budget)
-    samples = {r.name: {str(n): [] for n in lengths} | {"decode": []} for r in rows}
-    bw = {"dram": {str(t): 0.0 for t in threads}, "same_size": {r.name: 0.0 for r in rows}}
-    for rep in range(reps):  # bandwidth: best over repetitions (a 1 GiB buffer; each row's weight size)
-        bw["dram"] = {str(t): max(bw["dram"][str(t)], bandwidth_gbs(1 << 30, t)) for t in threads}
-        bw["same_size"] = {r.name: max(bw["same_size"][r.name], bandwidth_gbs(r.bytes_per_token, r.threads))
-                           for r in rows}
-        log(f"rep {rep + 1}/{reps} bandwidth GB/s: " + ", ".join(f"{t} threads {v:.1f}" for t, v in bw["dram"].items()))
-        for n in [n for n in lengths if n < 2048 or rep < args.long_reps]:
-            for r in rows[rep % len(rows):] + rows[:rep % len(rows)]:  # back to back, order rotated per rep
-                samples[r.name][str(n)].append(r.prefill(prompt[:n]))
-                gc.collect()
-            log(f"rep {rep + 1}/{reps} prefill {n}: " + ", ".join(
-                f"{r.name} {samples[r.name][str(n)][-1]:.0f}" for r in rows))
-        for r in rows[::-1] if rep % 2 else rows:
-            samples[r.name]["decode"].append(r.decode(prompt[:decode_prompt], steps, budget))
-        log(f"rep {rep + 1}/{reps} decode: " + ", ".join(
-            f"{r.name} {samples[r.name]['decode'][-1]:.1f}" for r in rows))
+        if not isinstance(r, LlamaBenchRow):
+            r.prefill(prompt[:32])
+            r.decode(prompt[:32], 2, budget)
+    keys = [f"p{n}" for n in lengths] + [f"d{c}" for c in contexts]
+    samples = {r.name: {k: [] for k in keys} for r in rows}
+    errors: dict[str, str] = {}
+    skipped: list[str] = []
+    bw = {str(t): 0.0 for t in threads}
+
+    def measure(r: Row, key: str) -> float | None:
+        n = int(key[1:])
+        try:
+            v = r.prefill(prompt[:n]) if key[0] == "p" else r.decode(prompt[:n], steps, budget)
+        except (MemoryError, RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+            errors[f"{r.name} {key}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"{r.name} {key} failed: {errors[f'{r.name} {key}']}")
+            v = None
+        gc.collect()
+        return v
+
+    for rep in range(reps):
+        bw = {str(t): max(bw[str(t)], bandwidth_gbs(1 << 30, t)) for t in threads}
+        log(f"rep {rep + 1}/{reps} bandwidth GB/s: " + ", ".join(f"{t} threads {v:.1f}" for t, v in bw.items()))
+        for key in keys:
+            if int(key[1:]) >= LONG and rep >= args.long_reps:
+                continue
+            if time.perf_counter() - t_start > args.max_wall_s:
+                skipped.append(f"{key} rep {rep + 1} (past --max-wall-s {args.max_wall_s:.0f})")
+                continue
+            order = rows[rep % len(rows):] + rows[:rep % len(rows)]  # back to back, order rotated per rep
+            for r in order[::-1] if rep % 2 else order:
+                samples[r.name][key].append(measure(r, key))
+            log(f"rep {rep + 1}/{reps} {key}: " + ", ".join(f"{r.name} {fmt(samples[r.name][key][-1])}" for r in rows))
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
 
     res = {}
     for r in rows:
         s = samples[r.name]
-        dec = statistics.median(s["decode"])
-        res[r.name] = {
-            "family": r.family, "threads": r.threads, "weights": r.weights, "bytes_per_token": r.bytes_per_token,
-            "prefill_tok_s": {str(n): statistics.median(s[str(n)]) for n in lengths},
-            "decode_tok_s": dec, "decode_method": r.decode_method,
-            "bound_dram_tok_s": bw["dram"][str(r.threads)] * 1e9 / r.bytes_per_token,
-            "bound_same_size_tok_s": bw["same_size"][r.name] * 1e9 / r.bytes_per_token,
-            "decode_share_of_dram_bound": dec / (bw["dram"][str(r.threads)] * 1e9 / r.bytes_per_token),
-            "samples": s}
-    rows.clear()  # free the engines before the agreement run
+        dec = {}
+        for c in contexts:
+            nbytes = r.bytes_per_token + r.kv_bytes_per_token * c
+            bound = bw[str(r.threads)] * 1e9 / nbytes
+            v = med(s[f"d{c}"])
+            dec[str(c)] = {"tok_s": v, "bytes_per_token": nbytes, "bound_tok_s": bound,
+                           "share_of_bound": None if v is None else v / bound}
+        res[r.name] = {"family": r.family, "threads": r.threads, "weights": r.weights,
+                       "weight_bytes_per_token": r.bytes_per_token, "kv_bytes_per_context_token": r.kv_bytes_per_token,
+                       "prefill_tok_s": {str(n): med(s[f"p{n}"]) for n in lengths}, "decode": dec,
+                       "decode_method": r.decode_method, "samples": s}
+    for r in rows:
+        r.close()
+    rows.clear()
     gc.collect()
-    agreement = None
-    if any(f == "onnx-int8" for f, _ in wanted):
-        log("int8 agreement")
-        agreement = int8_agreement(tok, AGREEMENT_PROMPTS[:3] if args.quick else AGREEMENT_PROMPTS, 32)
+    serve_json = ROOT / "results" / "serve_compare.json"
+    serve = json.loads(serve_json.read_text()) if serve_json.is_file() and not args.quick else None
 
     report = {
         "command": " ".join([".venv/bin/python", "bench/runtimes.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"cpu": _cpu_name() or platform.machine(), "cores": os.cpu_count(),
                     "loadavg_before": [round(x, 2) for x in loadavg], "python": platform.python_version(),
-                    "versions": {p: _version(p) for p in ("torch", "onnxruntime", "transformers", "llama-cpp-python",
-                                                          "numpy")}},
+                    "versions": {p: _version(p) for p in ("torch", "onnxruntime", "transformers", "numpy")}},
         "model": model_info,
-        "settings": {"lengths": lengths, "reps": reps, "reps_2048": min(reps, args.long_reps), "decode_steps": steps, "decode_prompt": decode_prompt,
-                     "decode_budget_s": budget,
+        "settings": {"lengths": lengths, "contexts": contexts, "reps": reps, "long_reps": min(reps, args.long_reps),
+                     "decode_steps": steps, "decode_budget_s": budget,
                      "prompt_source": "chitchat-dataset messages joined by newlines, Tokenizer.from_gguf",
-                     "units": "tokens/s (samples too, one per repetition); bandwidth in GB/s (1e9 B/s)"},
+                     "units": "tokens/s (samples too, one per repetition, null = failed); bandwidth in GB/s (1e9 B/s)"},
         "bandwidth_gbs": bw,
         "engines": list(res.values()),
         "not_run": notes,
-        "goals": goals(res, lengths),
-        "int8_agreement": agreement,
+        "errors": errors,
+        "skipped": skipped,
+        "goals": goals(res, serve),
         "wall_s": time.perf_counter() - t_start,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
