@@ -41,6 +41,7 @@ The progress timeout is derived per request from the client's cloud estimates (s
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
@@ -54,7 +55,7 @@ from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop, Token
-from relayinfer.protocol.refine import TemplateMarkers, refine_pays, system_prefix_len
+from relayinfer.protocol.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
 
 from .settings import CatchUp, Timing, choose_settings
 from .speed import SpeedController
@@ -128,15 +129,38 @@ class GenerationResult:
         return asdict(self)
 
 
+def takes_positions(engine) -> bool:
+    """Whether `engine.prefill` takes `positions` (int64 RoPE positions of the new tokens, the KV
+    cache staying contiguous), so a refined prompt can keep its original positions. A wrapper
+    (`.engine`, e.g. `PacedEngine`) takes them only if the engine it wraps does."""
+    try:
+        own = "positions" in inspect.signature(engine.prefill).parameters
+    except (TypeError, ValueError):
+        return False
+    inner = vars(engine).get("engine") if hasattr(engine, "__dict__") else None
+    return own and (inner is None or takes_positions(inner))
+
+
+def prefill_at(engine, ids: Sequence[int], kv, positions: Sequence[int] | None):
+    """`engine.prefill(ids, kv)` with the new tokens at RoPE `positions` (len(ids) ints; None or
+    empty: the engine's own contiguous count). Returns (logits float32 [vocab], kv)."""
+    if not positions:
+        return engine.prefill(ids, kv)
+    return engine.prefill(ids, kv, positions=np.asarray(positions, dtype=np.int64))
+
+
 @dataclass
 class SplitOptions:
     """mode: one of MODES. target_tpot_ms: pace shown to the user. cloud_budget: most tokens the
     cloud may stream: 'auto' (the settings algorithm, `device.settings`, chooses it and the display
     interval from the device timing and the cloud estimates, and extends it during the request if
     needed), an int, or None (until the device takes over). connect_timeout_s: handshake bound.
-    prefill_chunk: prompt tokens per device prefill call. refine: keep ratio of prompt refinement
-    (None = off): the device prefills the system turn at once, then only the prompt tokens the
-    cloud keeps (`RefinedPrompt`, sent right after the first token). progress_timeout_s: longest
+    prefill_chunk: prompt tokens per device prefill call. refine: prompt refinement, None (off),
+    'auto' (a keep ratio by prompt length from the measured table, `protocol.refine.choose_refine`)
+    or a keep ratio in (0, 1] (used on prompts of at least `MIN_REFINE_TOKENS` tokens): the device
+    prefills the system turn at once, then only the prompt tokens the cloud keeps (`RefinedPrompt`,
+    sent right after the first token), at their original positions where its engine takes
+    `positions`. progress_timeout_s: longest
     wait for the next frame from the cloud before the device takes over (s); None derives it per
     wait from the cloud estimates: `progress_floor_s + progress_factor x` the expected TTFT (before
     the first token) or TPOT (after it)."""
@@ -146,7 +170,7 @@ class SplitOptions:
     cloud_budget: int | None | str = "auto"
     connect_timeout_s: float = 5.0
     prefill_chunk: int = 256
-    refine: float | None = None
+    refine: float | str | None = None
     progress_timeout_s: float | None = None
     progress_floor_s: float = 3.0
     progress_factor: float = 5.0
@@ -154,6 +178,7 @@ class SplitOptions:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        check_refine(self.refine)
         if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
             raise ValueError(f"progress_timeout_s must be > 0, got {self.progress_timeout_s}")
 
@@ -315,7 +340,7 @@ class _Run:
         if not self.auto:
             return
         n = len(self.prompt)
-        refine = opt.refine if refine_pays(n, opt.refine) else None  # off where it does not pay
+        refine = choose_refine(n, opt.refine)  # off where it does not pay
         self.device_prompt_est = max(1, int(n * refine)) if refine else n
         t = self.timing()
         if refine:  # the refined prompt comes right after the first cloud token
@@ -442,7 +467,7 @@ class _Run:
                                                        **({"ssl": s.ssl} if s.ssl is not None else {}))
             budget = self.budget if self.mode == "split" else None
             p = self.params
-            refine = s.opt.refine if self.mode == "split" and refine_pays(len(self.prompt), s.opt.refine) else None
+            refine = choose_refine(len(self.prompt), s.opt.refine) if self.mode == "split" else None
             await self.channel.send(Generate(self.request_id, self.prompt, p.max_new_tokens, p.temperature, p.top_p,
                                              p.top_k, p.seed, budget, refine, list(p.stop_ids),
                                              presence_penalty=p.presence_penalty,
@@ -540,6 +565,7 @@ class _Run:
         kv, chunk = None, self.s.opt.prefill_chunk
         t = time.perf_counter()
         prompt = self.prompt
+        at = None  # RoPE positions of `prompt` (None: the engine's contiguous count)
         if self.refine_wanted:  # the system turn is always kept: prefill it while the cloud scores
             head = system_prefix_len(prompt, TemplateMarkers.from_tokenizer(self.s.tokenizer))
             if head:
@@ -547,13 +573,16 @@ class _Run:
             await self.got_refined.wait()
             if self.kept is not None and self.kept[:head] == list(range(head)):
                 prompt = [self.prompt[i] for i in self.kept]
+                at = self.kept[head:] if takes_positions(eng) else None  # the kept tokens' own positions
             prompt = prompt[head:]
             await self.replan(len(prompt))
             self.device_prompt_tokens = head + len(prompt)
         for i in range(0, len(prompt), chunk):
             if self.complete:
                 return  # the cloud finished the answer first
-            logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[i:i + chunk], kv)
+            logits, kv = await loop.run_in_executor(ex, prefill_at, eng, prompt[i:i + chunk], kv,
+                                                    at and at[i:i + chunk])
+        base = len(self.prompt) if at is not None else None  # answer token k at position n + k after a gapped prompt
         await self.replan(0)
         rule = CatchUp()  # catch up: prefill every cloud token received so far in one batch
         while True:
@@ -563,7 +592,8 @@ class _Run:
             if batch is None:
                 break
             lo, n = batch
-            logits, kv = await loop.run_in_executor(ex, eng.prefill, self.answer[lo:n], kv)
+            logits, kv = await loop.run_in_executor(ex, prefill_at, eng, self.answer[lo:n], kv,
+                                                    None if base is None else list(range(base + lo, base + n)))
             rule.prefilled(n)
         covered = rule.covered
         self.device_prefill_ms = (time.perf_counter() - t) * 1e3
@@ -577,7 +607,10 @@ class _Run:
             self.append(tok, "device")
             if self.complete:
                 return
-            logits, kv = await loop.run_in_executor(ex, eng.decode, tok, kv)
+            if base is None:
+                logits, kv = await loop.run_in_executor(ex, eng.decode, tok, kv)
+            else:
+                logits, kv = await loop.run_in_executor(ex, prefill_at, eng, [tok], kv, [base + i])
 
     async def display(self) -> None:
         """Show answer tokens in order, paced by the speed controller."""

@@ -31,13 +31,13 @@ WINDOW = 16
 # Below this many prompt tokens the whole prompt is kept (bench refine: the attention method does
 # not beat the recency baseline beyond its standard error there; see `refine_pays`).
 MIN_REFINE_TOKENS = 512
-# `relayinfer bench refine --lengths 128,192,256,384,512,640,768,1024 --workers 3`
-# (bench/results/refine.json, SmolLM2-135M, 8 chitchat prompts of 118-929 tokens): log-likelihood of
-# the full-prompt greedy answer under the attention selection minus under the recency selection,
-# nats/token, mean and standard error over the prompts of each bucket (paired per prompt), by
-# (prompt-length bucket: 0 = below MIN_REFINE_TOKENS, else MIN_REFINE_TOKENS and longer; keep ratio).
-ATTENTION_MINUS_RECENCY = {(0, 0.25): (-0.166, 0.234), (0, 0.5): (-0.101, 0.124), (0, 0.75): (-0.084, 0.038),
-                           (1, 0.25): (-0.012, 0.046), (1, 0.5): (0.027, 0.010), (1, 0.75): (-0.012, 0.008)}
+# The selection the cloud uses (`bench refine` method name): SnapKV observation-window attention.
+SELECTION = "attention"
+# The keep ratio `refine='auto'` asks for, by prompt length: (lower bound in tokens, keep ratio or
+# None = off), ascending. Measured by `bench refine` (bench/results/refine.json, see README
+# "Settings, refinement, profiles"): a bucket gets a ratio only where the best selection method beat
+# the recency baseline by more than its standard error at that ratio with a loss <= 0.05 nats/token.
+REFINE_BY_LENGTH: tuple[tuple[int, float | None], ...] = ((0, None), (MIN_REFINE_TOKENS, 0.5))
 
 
 @dataclass(frozen=True)
@@ -186,22 +186,77 @@ def system_prefix_len(ids: Sequence[int], markers: TemplateMarkers) -> int:
     return 0
 
 
-def refine_pays(n: int, keep_ratio: float | None) -> bool:
-    """Whether refining an `n`-token prompt at `keep_ratio` is worth it: only where the attention
-    selection beat the recency baseline by more than its standard error in `ATTENTION_MINUS_RECENCY`
-    (the nearest measured keep ratio, the prompt's length bucket). Measured: prompts of at least
-    `MIN_REFINE_TOKENS` tokens at keep 0.5 (+0.027 ± 0.010 nats/token); everywhere else attention did
-    not beat recency, so the device prefills the whole prompt (as SnapKV compresses nothing below its
-    capacity, Li et al. 2024, arXiv 2404.14469, sec. 4)."""
-    if keep_ratio is None or not 0 < keep_ratio < 1:
-        return False
-    ratio = min((r for _, r in ATTENTION_MINUS_RECENCY), key=lambda r: abs(r - keep_ratio))
-    mean, se = ATTENTION_MINUS_RECENCY[(int(n >= MIN_REFINE_TOKENS), ratio)]
-    return mean > se
+def check_refine(refine) -> None:
+    """Check a `refine` setting: None (off), 'auto' (`choose_refine` picks from `REFINE_BY_LENGTH`) or
+    a keep ratio in (0, 1].
+
+    Raises:
+        ValueError: anything else, naming the value and what is allowed.
+    """
+    if refine is None or refine == "auto":
+        return
+    if isinstance(refine, bool) or not isinstance(refine, (int, float)) or not 0 < refine <= 1:
+        raise ValueError(f"refine must be None, 'auto' or a keep ratio in (0, 1], got {refine!r}")
+
+
+def choose_refine(n: int, refine) -> float | None:
+    """The keep ratio to ask the cloud for on an `n`-token prompt, or None (the device prefills the
+    whole prompt).
+
+    `refine`: None -> None; 'auto' -> the measured table `REFINE_BY_LENGTH` (the ratio of the longest
+    bucket whose lower bound is <= n; None where no selection method beat recency beyond its
+    standard error, see `bench/results/refine.json`); a float keep ratio -> that ratio on prompts of
+    at least `MIN_REFINE_TOKENS` tokens (1.0 and shorter prompts -> None: short prompts lost most and
+    are never refined, as SnapKV compresses nothing below its capacity, Li et al. 2024, arXiv
+    2404.14469, sec. 4).
+
+    Raises:
+        ValueError: `refine` is not None, 'auto' or a ratio in (0, 1] (`check_refine`).
+    """
+    check_refine(refine)
+    if refine is None:
+        return None
+    if refine == "auto":
+        keep = None
+        for lo, k in REFINE_BY_LENGTH:
+            if n >= lo:
+                keep = k
+        return keep
+    return float(refine) if refine < 1 and n >= MIN_REFINE_TOKENS else None
+
+
+def chunk_mean_scores(scores: np.ndarray, ids: Sequence[int], markers: TemplateMarkers) -> np.ndarray:
+    """Chunk-level scores: every token of a turn's content gets the mean score of that content, so
+    the selection keeps whole turns (most important first) and cuts only the last one it takes
+    (chunk-based selection as in ChunkKV, Liu et al. 2025, arXiv 2502.00299, with a turn as the
+    chunk). Tokens outside turns keep their own score. float64 [n] -> float64 [n]."""
+    s = np.asarray(scores, dtype=np.float64).copy()
+    for _, c0, c1, _ in turn_spans(ids, markers):
+        if c1 > c0:
+            s[c0:c1] = s[c0:c1].mean()
+    return s
+
+
+def mix_recency(scores: np.ndarray, weight: float = 0.5) -> np.ndarray:
+    """Attention ranks mixed with recency: (1 - weight) x rank(score) / n + weight x position / n,
+    float64 [n] in [0, 1) (the recency prior that StreamingLLM's window and H2O's recent budget
+    keep next to the heavy hitters, Zhang et al. 2023, arXiv 2306.14048, sec. 3)."""
+    s = np.asarray(scores, dtype=np.float64)
+    n = len(s)
+    rank = np.empty(n)
+    rank[np.argsort(s, kind="stable")] = np.arange(n)
+    return ((1 - weight) * rank + weight * np.arange(n)) / max(n, 1)
+
+
+def last_user_turn(ids: Sequence[int], markers: TemplateMarkers) -> tuple[int, int] | None:
+    """(content start, content end) of the prompt's last turn with content (the latest user
+    message before the generation prompt), or None."""
+    spans = [(c0, c1) for _, c0, c1, _ in turn_spans(ids, markers) if c1 > c0]
+    return spans[-1] if spans else None
 
 
 def refine_indices(scores: np.ndarray, ids: Sequence[int], keep_ratio: float, markers: TemplateMarkers,
-                   window: int = WINDOW, pool: int = 7) -> list[int]:
+                   window: int = WINDOW, pool: int = 7, keep_last_turn: bool = False) -> list[int]:
     """Sorted prompt positions to keep.
 
     Args:
@@ -212,6 +267,7 @@ def refine_indices(scores: np.ndarray, ids: Sequence[int], keep_ratio: float, ma
             exactly the forced tokens and their turns' scaffold are kept).
         markers: the chat template's scaffold (`TemplateMarkers.from_tokenizer`).
         window: the last `window` tokens are always kept. pool: max-pool width of the scores.
+        keep_last_turn: also force the whole last turn with content (the latest user message).
 
     Raises:
         ValueError: keep_ratio outside (0, 1] or scores/ids lengths differ.
@@ -230,6 +286,9 @@ def refine_indices(scores: np.ndarray, ids: Sequence[int], keep_ratio: float, ma
     forced = np.zeros(n, dtype=bool)
     forced[: system_prefix_len(ids, markers)] = True
     forced[max(0, n - window):] = True
+    last = last_user_turn(ids, markers) if keep_last_turn else None
+    if last is not None:
+        forced[last[0]:last[1]] = True
     forced |= np.isin(np.asarray(ids), list(markers.special_ids)) & ~scaffold  # BOS and the like
     keep = forced.copy()
     opened = np.zeros(len(spans), dtype=bool)

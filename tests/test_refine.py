@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from relayinfer.protocol.refine import (MIN_REFINE_TOKENS, TemplateMarkers, refine_indices, refine_pays,
-                                        system_prefix_len, turn_spans)
+from relayinfer.protocol.refine import (TemplateMarkers, chunk_mean_scores, last_user_turn, mix_recency,
+                                        refine_indices, system_prefix_len, turn_spans)
 from relayinfer.protocol.tokenizer import Tokenizer
 
 # Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template
@@ -102,9 +102,26 @@ def test_llama3_template_markers_system_role_and_scaffold(tokenizer, llama3):
     assert len(heads) >= 2 and heads == [s[0] for s in spans][-len(heads):] and not set(range(*spans[0][:2])) & set(kept)
 
 
-def test_refinement_pays_only_where_attention_beat_recency():
-    """bench refine: attention beat recency beyond its standard error only on prompts of at least
-    MIN_REFINE_TOKENS tokens at keep 0.5; elsewhere the device keeps the whole prompt."""
-    assert not refine_pays(MIN_REFINE_TOKENS - 1, 0.5) and refine_pays(MIN_REFINE_TOKENS, 0.5)
-    assert refine_pays(4096, 0.45) and not refine_pays(4096, 0.25) and not refine_pays(4096, 0.75)
-    assert not refine_pays(4096, None) and not refine_pays(4096, 1.0)
+def test_selection_variants(tokenizer):
+    """Chunk-level scores keep whole turns, the recency mix is a rank blend, the last user turn
+    can be forced whole."""
+    m = TemplateMarkers.from_tokenizer(tokenizer)
+    ids = tokenizer.encode_chat(CONV)
+    rng = np.random.default_rng(1)
+    s = rng.random(len(ids))
+    spans = turn_spans(ids, m)
+    c = chunk_mean_scores(s, ids, m)
+    for _, c0, c1, _ in spans:
+        if c1 > c0:
+            assert np.allclose(c[c0:c1], s[c0:c1].mean())
+    kept = set(refine_indices(c, ids, 0.5, m, pool=1))
+    partial = [(c0, c1) for _, c0, c1, _ in spans if c1 > c0 and 0 < len(kept & set(range(c0, c1))) < c1 - c0]
+    assert len(partial) <= 2  # whole turns, but for the last one taken (and the forced last window)
+    mix = mix_recency(s, 1.0)
+    assert np.allclose(mix, np.arange(len(ids)) / len(ids))  # all recency
+    assert np.argsort(mix_recency(s, 0.0)).tolist() == np.argsort(s).tolist()  # all attention
+    c0, c1 = last_user_turn(ids, m)
+    assert tokenizer.decode(ids[c0:c1]).strip() == CONV[-1]["content"]
+    old = -np.arange(len(ids), dtype=float)  # scores that prefer the oldest tokens
+    assert not set(range(c0, c1)) <= set(refine_indices(old, ids, 0.3, m, window=4, pool=1))
+    assert set(range(c0, c1)) <= set(refine_indices(old, ids, 0.3, m, window=4, pool=1, keep_last_turn=True))

@@ -71,8 +71,10 @@ class PacedEngine:
             time.sleep(wait)
         return out
 
-    def prefill(self, ids: Sequence[int], kv=None):
-        return self._paced(len(ids), self.engine.prefill, ids, kv)
+    def prefill(self, ids: Sequence[int], kv=None, positions=None):
+        if positions is None:
+            return self._paced(len(ids), self.engine.prefill, ids, kv)
+        return self._paced(len(ids), lambda i, k: self.engine.prefill(i, k, positions=positions), ids, kv)
 
     def decode(self, token_id: int, kv):
         return self._paced(1, self.engine.decode, token_id, kv)
