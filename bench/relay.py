@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/: the simulator beside this driver
-from relay_sim import SimConfig, Simulator, p99, poisson_requests  # noqa: E402
+from relay_sim import Request, SimConfig, Simulator, p99, poisson_requests  # noqa: E402,F401
 
 from relayinfer.cloud.models.hstu import HSTU, PRODUCTION_SHAPE, HSTUConfig, kv_bytes_per_token
 from relayinfer.cloud.relay.data import extend_history, load_ml100k
@@ -312,7 +312,9 @@ def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape
     thr = {m: max_rate(sim, data, m, L_ref, budget, n_req, seed=2) for m in curves}
     log(f"longest tail meeting P99: {best}; max rate at L={L_ref}: {thr}")
     lost = where_goodput_is_lost(sim, data, L_ref, budget, n_req, thr)
-    log("goodput variants (simulated, diagnosis only): " + "; ".join(f"{k}: {v['ratio']:.2f}x" for k, v in lost.items()))
+    log("goodput variants (simulated, diagnosis only): " + "; ".join(
+        f"{k}: {v['ratio']:.2f}x at utilisation {v['utilisation']:.0%}" for k, v in lost.items() if "ratio" in v)
+        + f"; baseline utilisation {lost['baseline']['utilisation']:.0%}")
 
     res = {
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": 1,

@@ -52,11 +52,11 @@ def test_ray_placed_instances_rank_like_local_ones(tmp_path):
     rts = {u: int(hist[u][1][-1]) + 3600 for u in users}
     cands = np.arange(1, 101)
     try:
-        via_ray, stats = asyncio.run(asyncio.wait_for(scores_through("ray", lat, data, users, hist, cands, rts), 240))
+        via_ray, stats = asyncio.run(asyncio.wait_for(scores_through("ray", lat, data, users, hist, cands, rts), 900))
         assert len(stats) == 2 and sum(s.get("rank_hbm", 0) + s.get("rank_recompute", 0) for s in stats) == len(users)
     finally:
         ray.shutdown()
-    local, _ = asyncio.run(asyncio.wait_for(scores_through("process", lat, data, users, hist, cands, rts), 120))
+    local, _ = asyncio.run(asyncio.wait_for(scores_through("process", lat, data, users, hist, cands, rts), 300))
     assert sum(v[1] == "hbm" for v in via_ray.values()) >= 4        # the relay worked through Ray too
     for u in users:
         assert via_ray[u][2] == local[u][2]                           # the same router places users alike

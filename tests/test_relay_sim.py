@@ -58,3 +58,19 @@ def test_live_vs_sim_error_is_relative_to_the_real_measurement():
     assert out["baseline"]["p50_ms"]["error"] == pytest.approx(0.10)
     assert out["baseline"]["p99_ms"]["error"] == pytest.approx(110 / 400 - 1)
     assert out["relay"]["p99_ms"]["sim"] == pytest.approx(300.0) and out["relay"]["p50_ms"]["error"] == pytest.approx(-0.5)
+
+
+def test_preinference_pieces_keep_their_fifo_place():
+    """Like the real Worker (cloud/relay/server.py): a chunked pre-inference runs its pieces back to back
+    unless a ranking waits, and then resumes ahead of later pre-inferences; two pre-inferences are not
+    interleaved, so the first user's prefix is ready after its own compute time (1 s here)."""
+    lat = LatencyModel(full=[0, 1.0, 0, 0], prefix=[0, 1.0, 0], cached=[10.0, 0, 0])   # prefix 1 ms/event
+    cfg = SimConfig(instances=1, delay_ms=1200, n_cands=100, hbm_bytes=1 << 30, chunk=100, layers=3,
+                    trigger=TriggerConfig(budget_ms=100, risk_fraction=0.0, n_cands=100, token_rate=1e9, token_burst=1e9))
+    reqs = [_bench.Request(0.0, 1, 1000), _bench.Request(0.001, 2, 1000, session=1)]
+    r = Simulator(lat, cfg).run(reqs, "relay")
+    assert r["counts"]["rank_hbm"] == 2
+    # user 1: prefix done at 1.0 s, its ranking at 1.2 s waits at most for the piece in progress (50 ms)
+    assert r["latency_ms"][0] < 10 + 50 + 1e-6
+    # user 2: its prefix (1.0-2.0 s, paused for user 1's ranking) is awaited, then ranked
+    assert 2000 - 1201 < r["latency_ms"][1] < 2000 - 1201 + 10 + 10 + 1e-6

@@ -12,11 +12,14 @@ relay_app = typer.Typer(help="RelayGR: HSTU ranking on ML-100K with pre-inferred
 @relay_app.command()
 def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut points x 31 negatives)"),
           quick: bool = typer.Option(False, help="150 steps instead of --steps"),
+          attn_norm: int = typer.Option(None, min=1, help="attention normaliser n (default: the training window + 1 "
+                                                          "= 101, sized to the data as the reference does; 8192 = the "
+                                                          "model's max_len, the shipped checkpoint's)"),
           out: Path = typer.Option(None, help="checkpoint path (default: the user cache; the shipped default "
                                               "checkpoint is only replaced if you name it)")) -> None:
     """Train the HSTU ranker on ML-100K, print HR@10 / NDCG@10 vs popularity, save the checkpoint."""
     from relayinfer.cloud.relay.train import TrainConfig, train_and_save
-    m = train_and_save(TrainConfig(steps=150 if quick else steps), path=out)
+    m = train_and_save(TrainConfig(steps=150 if quick else steps, attn_norm=attn_norm), path=out)
     typer.echo(f"HSTU        HR@10 {m['hr']:.4f}  NDCG@10 {m['ndcg']:.4f}")
     typer.echo(f"popularity  HR@10 {m['pop_hr']:.4f}  NDCG@10 {m['pop_ndcg']:.4f}")
     typer.echo(f"({m['users']} users, leave-last-out, full sort; trained in {m['train_s']:.0f} s) -> {m['path']}")

@@ -221,7 +221,7 @@ def train_and_save(cfg: TrainConfig | None = None, log=print, path: Path | None 
     t0 = time.perf_counter()
     model = train(data, cfg, log=log)
     metrics = {**evaluate(model, data, "test", cfg.max_len), "train_s": time.perf_counter() - t0,
-               "train": asdict(cfg)}
+               "train": {**asdict(cfg), "attn_norm": model.cfg.attn_norm}}   # the normaliser actually used
     out = save(model, metrics, path)
     metrics["path"] = str(out)
     if out.resolve() == DEFAULT_CHECKPOINT.resolve():
@@ -232,7 +232,11 @@ def train_and_save(cfg: TrainConfig | None = None, log=print, path: Path | None 
 def write_default_info(metrics: dict) -> None:
     """Record the shipped checkpoint's sha256, test metrics and the command that made it."""
     from relayinfer.protocol.model_file import file_sha256
-    info = {"sha256": file_sha256(DEFAULT_CHECKPOINT), "command": "relayinfer relay train --out cloud/relay/hstu_ml100k.pt",
+    t = metrics.get("train") or {}
+    cmd = "relayinfer relay train" + (f" --steps {t['steps']}" if t.get("steps", 500) != 500 else "") + \
+        (f" --attn-norm {t['attn_norm']}" if t.get("attn_norm") not in (None, t.get("max_len", 100) + 1) else "") + \
+        " --out cloud/relay/hstu_ml100k.pt"
+    info = {"sha256": file_sha256(DEFAULT_CHECKPOINT), "command": cmd,
             "metrics": {k: metrics[k] for k in ("hr", "ndcg", "pop_hr", "pop_ndcg", "users")},
             "train": metrics.get("train"), "torch": torch.__version__}
     DEFAULT_CHECKPOINT_INFO.write_text(json.dumps(info, indent=1) + "\n")
