@@ -224,6 +224,41 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def merged_summary(paths=None) -> dict:
+    """`summarize` over the rows of several result files (default: bench/results/refine*.json, e.g.
+    the main run and a long-context run), prompts kept apart per file."""
+    root = Path(__file__).resolve().parent / "results"
+    paths = sorted(root.glob("refine*.json")) if paths is None else [Path(p) for p in paths]
+    rows = []
+    for i, p in enumerate(paths):
+        rows += [{**r, "prompt": f"{i}:{r['prompt']}"} for r in json.loads(Path(p).read_text())["rows"]]
+    return summarize(rows)
+
+
+def markdown_table(summary: dict) -> str:
+    """Markdown: per length bucket and keep ratio, each method's log-likelihood change (mean ± SE,
+    nats/token) and its paired difference from recency, plus agreement and measured prefill saved."""
+    def f(st, d=3):
+        return "–" if not st else f"{st['mean']:+.{d}f} ± {st['se']:.{d}f}" if st["se"] is not None else f"{st['mean']:+.{d}f}"
+
+    cols = [m for m in METHODS + CONTIG if any(k.startswith(m + "@") for b in summary.values() for k in b)]
+    out = ["| prompts (n) | keep | " + " | ".join(cols) + " | best − recency | prefill time saved (attention) |",
+           "|---" * (len(cols) + 4) + "|"]
+    for lo, _ in BUCKETS:
+        b = summary.get(_bucket(lo), {})
+        for keep in RATIOS:
+            if f"recency@{keep}" not in b:
+                continue
+            n = b[f"recency@{keep}"]["ll_delta"]["n"]
+            diffs = {m: b.get(f"{m}-recency@{keep}") for m in cols if m not in ("recency", "recency/contig")}
+            best = max((m for m in diffs if diffs[m]), key=lambda m: diffs[m]["mean"], default=None)
+            ps = (b.get(f"attention@{keep}") or {}).get("prefill_saved")
+            out.append(f"| {_bucket(lo)} ({n}) | {keep} | " + " | ".join(f((b.get(f"{m}@{keep}") or {}).get("ll_delta"))
+                                                                       for m in cols)
+                       + f" | {best}: {f(diffs[best]) if best else '–'} | {f(ps, 2) if ps else '–'} |")
+    return "\n".join(out) + "\n"
+
+
 def refine_table(summary: dict, method: str | None = None, max_loss: float = 0.05) -> tuple:
     """`protocol.refine.REFINE_BY_LENGTH` from a summary: per length bucket (`BUCKETS`), the
     smallest keep ratio at which `method` (default `protocol.refine.SELECTION`, the cloud's) beat
@@ -244,14 +279,14 @@ def refine_table(summary: dict, method: str | None = None, max_loss: float = 0.0
     return tuple(table)
 
 
-def _score_prompts(work, answer_tokens: int, seed: int, threads: int, deadline: float) -> list[dict]:
+def _score_prompts(work, answer_tokens: int, seed: int, threads: int, deadline: float,
+                   methods=METHODS, ratios=RATIOS) -> list[dict]:
     """Rows for the (prompt index, prompt ids) pairs in `work` (one process; own engine); prompts
     not started before `deadline` (time.time()) are skipped (a row with method "skipped")."""
     import torch
 
     from relayinfer.cloud.engine.torch_engine import TorchEngine
-    from relayinfer.protocol.refine import (WINDOW, TemplateMarkers, chunk_mean_scores, mix_recency,
-                                            refine_indices)
+    from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
     from relayinfer.protocol.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
@@ -260,7 +295,7 @@ def _score_prompts(work, answer_tokens: int, seed: int, threads: int, deadline: 
     eng = TorchEngine(threads=threads)
     rows, t0 = [], time.time()
     for pi, ids in work:
-        n, rng = len(ids), np.random.default_rng(seed + pi)
+        n = len(ids)
         if time.time() > deadline:
             rows.append({"prompt": pi, "n": n, "method": "skipped", "keep": None})
             print(f"prompt {pi} ({n} tokens) skipped: past the time bound", file=sys.stderr, flush=True)
@@ -282,26 +317,20 @@ def _score_prompts(work, answer_tokens: int, seed: int, threads: int, deadline: 
         del kv
         full_ll = float(np.mean(full_lp))
         ref_text = tok.decode(ref, skip_special=True)
-        sel = {"attention": dict(scores=obs.raw, pool=7), "norm": dict(scores=obs.norm, pool=7),
-               "turns": dict(scores=chunk_mean_scores(obs.raw, ids, markers), pool=1),
-               "mix": dict(scores=mix_recency(obs.raw), pool=1),
-               "last": dict(scores=obs.raw, pool=7, keep_last_turn=True),
-               "recency": dict(scores=np.arange(n, dtype=np.float64), pool=1),
-               "random": dict(scores=rng.random(n), pool=1)}
-        if n <= H2O_MAX:  # accumulated attention of every query (H2O)
+        sel = {m: (m, obs.raw) for m in ("attention", "turns", "mix", "last", "recency", "random")}
+        sel["norm"] = ("attention", obs.norm)  # rank-normalised heads, selected like attention
+        if n <= H2O_MAX and "h2o" in methods:  # accumulated attention of every query (H2O)
             h2o = _Scores(n)
             eng.forward(ids, eng.new_cache(n + 8), obs=h2o)
-            sel["h2o"] = dict(scores=h2o.raw, pool=7)
+            sel["h2o"] = ("attention", h2o.raw)
         full_ms = _prefill_ms(eng, ids)
         done = {}  # (kept, positions) -> (ll, gen): methods that keep the same tokens are run once
-        for keep in RATIOS:
+        for keep in ratios:
             todo = []
-            for mth in METHODS:
+            for mth in methods:
                 if mth not in sel:
                     continue
-                kw = sel[mth]
-                kept = refine_indices(kw["scores"], ids, keep, markers, WINDOW, kw["pool"],
-                                      kw.get("keep_last_turn", False))
+                kept = select(sel[mth][1], ids, keep, markers, sel[mth][0], WINDOW, seed + pi)
                 todo.append((mth, kept, kept))
                 if keep == 0.5 and mth + "/contig" in CONTIG:
                     todo.append((mth + "/contig", kept, list(range(len(kept)))))
@@ -352,11 +381,12 @@ def make_prompts(lengths, per_length: int, seed: int) -> list[list[int]]:
 def bench_refine(lengths=LENGTHS, per_length: int = 1, answer_tokens: int = 32, seed: int = 0,
                  out: str | Path = "bench/results/refine.json", plot: str | Path | None = "bench/results/refine.png",
                  threads: int = 1, workers: int = 1, command: str | None = None, max_s: float = 1200.0,
-                 per_length_long: int | None = None) -> dict:
+                 per_length_long: int | None = None, methods=METHODS, ratios=RATIOS) -> dict:
     """Run the benchmark (see the module docstring) over `per_length` prompts near each of `lengths`
     tokens (`per_length_long` for multi-conversation lengths, default `per_length`), in `workers`
     processes of `threads` torch threads each (prompts dealt out by cost, longest first); a
-    worker starts no prompt after `max_s` seconds (skipped prompts are listed). Writes `out` (JSON:
+    worker starts no prompt after `max_s` seconds (skipped prompts are listed); `methods`/`ratios`
+    restrict the rows (long prompts on a busy machine). Writes `out` (JSON:
     command, commit, summary, per-prompt rows) and `plot` (PNG)."""
     t0 = time.time()
     prompts = make_prompts([x for x in lengths if x < MULTI_FROM], per_length, seed)
@@ -368,14 +398,15 @@ def bench_refine(lengths=LENGTHS, per_length: int = 1, answer_tokens: int = 32, 
         load[w] += len(prompts[i]) * (1 + len(prompts[i]) / 2048)  # attention grows with n^2
     deadline = t0 + max_s
     if workers == 1:
-        rows = _score_prompts(shards[0], answer_tokens, seed, threads, deadline)
+        rows = _score_prompts(shards[0], answer_tokens, seed, threads, deadline, methods, ratios)
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as ex:
             rows = [r for rs in ex.map(_score_prompts, shards, [answer_tokens] * workers, [seed] * workers,
-                                       [threads] * workers, [deadline] * workers) for r in rs]
+                                       [threads] * workers, [deadline] * workers, [methods] * workers,
+                                       [ratios] * workers) for r in rs]
     skipped = sorted(r["n"] for r in rows if r["method"] == "skipped")
     rows = [r for r in rows if r["method"] != "skipped"]
     rows.sort(key=lambda r: (r["prompt"], r["keep"], r["method"]))
@@ -386,6 +417,7 @@ def bench_refine(lengths=LENGTHS, per_length: int = 1, answer_tokens: int = 32, 
     res = {"command": command or " ".join(sys.argv), "commit": commit, "answer_tokens": answer_tokens,
            "lengths": list(lengths), "per_length": per_length, "per_length_long": per_length_long,
            "seed": seed, "workers": workers, "max_s": max_s, "multi_from": MULTI_FROM,
+           "methods": list(methods), "ratios": list(ratios),
            "prompt_tokens": sorted({r["n"] for r in rows}), "skipped_prompt_tokens": skipped,
            "wall_s": round(time.time() - t0, 1), "summary": summarize(rows), "rows": rows}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -437,8 +469,25 @@ if __name__ == "__main__":  # the CLI's options plus the time bound and long-con
     ap.add_argument("--max-s", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/refine.json")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap.add_argument("--merge", action="store_true",
+                    help="write bench/results/refine.md and refine.png from every bench/results/refine*.json")
     a = ap.parse_args()
+    if a.merge:
+        res = Path(__file__).resolve().parent / "results"
+        files = sorted(res.glob("refine*.json"))
+        rows = [{**r, "prompt": f"{i}:{r['prompt']}"} for i, p in enumerate(files) for r in json.loads(p.read_text())["rows"]]
+        summ = summarize(rows)
+        (res / "refine.md").write_text(
+            f"Merged from {', '.join(p.name for p in files)} (`python bench/refine.py --merge`); their commands:\n\n"
+            + "".join(f"- `{json.loads(p.read_text())['command']}`\n" for p in files) + "\n" + markdown_table(summ)
+            + f"\nREFINE_BY_LENGTH = {refine_table(summ)}\n")
+        _plot(rows, res / "refine.png")
+        print((res / "refine.md").read_text())
+        sys.exit(0)
     r = bench_refine([int(x) for x in a.lengths.split(",") if x.strip()], a.per_length, seed=a.seed, out=a.out,
                      plot=str(Path(a.out).with_suffix(".png")), workers=a.workers, max_s=a.max_s,
-                     per_length_long=a.per_length_long, command=shlex.join(["python", "bench/refine.py", *sys.argv[1:]]))
+                     per_length_long=a.per_length_long, methods=tuple(a.methods.split(",")),
+                     ratios=tuple(float(x) for x in a.ratios.split(",")), command=shlex.join(["python", "bench/refine.py", *sys.argv[1:]]))
     print(json.dumps({k: v for k, v in r["summary"].items()}, indent=1)[:4000])

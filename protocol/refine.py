@@ -326,3 +326,35 @@ def refine_indices(scores: np.ndarray, ids: Sequence[int], keep_ratio: float, ma
         budget -= 1 + open_turn(t)
         keep[i] = True
     return np.flatnonzero(keep).tolist()
+
+
+def select(scores: np.ndarray, ids: Sequence[int], keep_ratio: float, markers: TemplateMarkers,
+           method: str | None = None, window: int = WINDOW, seed: int = 0) -> list[int]:
+    """Sorted prompt positions to keep with a named selection method (`bench refine`'s names):
+
+    * ``attention``: `scores` max-pooled (width 7) (SnapKV, Li et al. 2024, arXiv 2404.14469, sec. 4);
+    * ``last``: the same with the last user turn always kept whole;
+    * ``turns``: whole turns by their mean score (`chunk_mean_scores`, ChunkKV);
+    * ``mix``: score rank mixed with recency (`mix_recency`, H2O's recent budget);
+    * ``recency``: the newest tokens; ``random``: uniform random (seeded by `seed`).
+
+    `scores`: float [n] (ignored by recency/random); `method` None = `SELECTION` (the cloud's).
+
+    Raises:
+        ValueError: an unknown method, or what `refine_indices` raises.
+    """
+    method = method or SELECTION
+    n = len(ids)
+    if method in ("attention", "last"):
+        return refine_indices(scores, ids, keep_ratio, markers, window, 7, keep_last_turn=method == "last")
+    if method == "turns":
+        s = chunk_mean_scores(scores, ids, markers)
+    elif method == "mix":
+        s = mix_recency(scores)
+    elif method == "recency":
+        s = np.arange(n, dtype=np.float64)
+    elif method == "random":
+        s = np.random.default_rng(seed).random(n)
+    else:
+        raise ValueError(f"unknown selection method {method!r}; choose attention, last, turns, mix, recency or random")
+    return refine_indices(s, ids, keep_ratio, markers, window, 1)

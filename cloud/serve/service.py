@@ -32,7 +32,7 @@ from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, Pong, RefinedPrompt, Stop,
                                           Token, encode)
-from relayinfer.protocol.refine import WINDOW, TemplateMarkers, refine_indices
+from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
 from relayinfer.protocol.security import bearer_token, server_context, token_matches
 
 log = logging.getLogger("relayinfer.cloud")
@@ -360,7 +360,7 @@ class CloudService:
             logits, kv = self.engine.prefill(msg.prompt_ids)
             return logits, kv, None
         logits, kv, scores = self.engine.prefill_scored(msg.prompt_ids, WINDOW)
-        return logits, kv, refine_indices(scores, msg.prompt_ids, msg.refine, self.markers)
+        return logits, kv, select(scores, msg.prompt_ids, msg.refine, self.markers)  # SELECTION
 
     @staticmethod
     def _params(msg: Generate) -> SamplingParams:
