@@ -462,6 +462,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.serve.service import ServiceThread
+    from relayinfer.device.calibrate import calibrated
     from relayinfer.device.profiles import load_profile
     from relayinfer.protocol.model_file import default_model_path
     from relayinfer.sdk import Client
@@ -483,6 +484,11 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
         device_engine = load_engine("onnx", mp, threads=1)
         device_engine.warmup()
+        # this run's calibration, on the device's core under the run's load (a cached one may come from
+        # another load: it sets the device fit of the settings and the display interval)
+        local = calibrated(device_engine, refresh=True)
+        print(f"[bench split] calibration: a {local.prefill_ms_base:.0f} ms, b {local.prefill_ms_per_token:.2f} ms/token, "
+              f"d {local.decode_ms_per_token:.0f} ms", flush=True)
         tok = device_engine.tokenizer()
         plist = _prompts(tok, per_bucket * len(BUCKET_TARGETS), seed, BUCKET_TARGETS)
         print(f"[bench split] prompts: {[len(ids) for _, ids in plist]}", flush=True)
@@ -527,6 +533,9 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
                               f"KV)), in-process ServiceThread, pinned to core {cores[0]}",
                      "device": f"OnnxEngine 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
+                     "calibration": {"prefill_ms_base": local.prefill_ms_base,
+                                     "prefill_ms_per_token": local.prefill_ms_per_token,
+                                     "decode_ms_per_token": local.decode_ms_per_token},
                      "git_commit": _git_commit(), "cores": os.cpu_count(), "load_avg_1m_end": os.getloadavg()[0],
                      "wall_s": time.perf_counter() - t_start}}
     outp = Path(out)
