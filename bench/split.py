@@ -437,13 +437,17 @@ def _goals(buckets: dict, capacity: dict | None, target_tpot_ms: float) -> dict:
     if capacity:
         r = capacity.get("ratio_split_over_cloud_only")
         g["capacity_ratio"] = {"value": r, "goal": ">= 15 (aim 20)", "met": r is not None and r >= 15}
+        if capacity.get("long_answers"):
+            r = capacity["long_answers"].get("ratio_split_over_cloud_only")
+            g["capacity_ratio_long_answers"] = {"value": r, "goal": ">= 15 (aim 20)", "met": r is not None and r >= 15}
     return g
 
 
 def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int = 0, target_tpot_ms: float = 50.0,
                       max_new_tokens: int = 256, ref_new_tokens: int = 2, capacity: bool = True,
                       capacity_rates=CAPACITY_RATES, capacity_window_s: float = 12.0, capacity_max_requests: int = 16,
-                      kv_cache_mb: int = 256, time_limit_s: float = 1500.0, command: str | None = None) -> dict:
+                      kv_cache_mb: int = 256, time_limit_s: float = 1500.0, long_answers: bool = True,
+                      command: str | None = None) -> dict:
     """The split benchmark of issue 11 part 5 (see bench/SPLIT.md): one batched cloud
     (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
     thread, its threads pinned to the first core this process may use) and, per device profile,
@@ -453,7 +457,9 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     (their TTFT is the reference; their later tokens do not matter to it). Then the capacity sweep:
     virtual devices (`device.virtual.capacity_sweep`, phone profile, ~64-token prompts,
     `max_new_tokens`) at the `capacity_rates` (x1.41 steps) against the same cloud, cloud-only and
-    split, each rate a window of `capacity_window_s` s and at most `capacity_max_requests` requests.
+    split, each rate a window of `capacity_window_s` s and at most `capacity_max_requests` requests;
+    with `long_answers`, again with every answer `max_new_tokens` long (`Generate.min_tokens`: the
+    decode-heavy regime, labelled as such).
     Bounded: prompts are skipped (and counted) once `time_limit_s` has passed. Writes `out` (JSON).
 
     Raises:
@@ -525,6 +531,16 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
             c, s = cap["cloud-only"]["capacity_rps"], cap["split"]["capacity_rps"]
             cap["ratio_split_over_cloud_only"] = (s / c) if c else None
             cap["rate_grid"] = list(capacity_rates)
+            if long_answers and time.perf_counter() - t_start < time_limit_s + 300:
+                # the decode-heavy regime of P/D-Device: every answer max_new_tokens long (min_tokens, no early EOS)
+                kw.update(min_tokens=max_new_tokens, timeout_s=120.0)
+                long = cap["long_answers"] = {}
+                for mode in ("cloud-only", "split"):
+                    long[mode] = asyncio.run(capacity_sweep(running.url, cloud_engine.fingerprint, load, mode, **kw))
+                    print(f"[bench split] capacity, {max_new_tokens}-token answers, {mode}: "
+                          f"{long[mode]['capacity_rps']} rps", flush=True)
+                c, s = long["cloud-only"]["capacity_rps"], long["split"]["capacity_rps"]
+                long["ratio_split_over_cloud_only"] = (s / c) if c else None
     buckets = bucket_summary(rows, target_tpot_ms)
     res = {"command": command, "profiles": profiles, "per_bucket": per_bucket, "max_new_tokens": max_new_tokens,
            "ref_new_tokens": ref_new_tokens, "target_tpot_ms": target_tpot_ms, "skipped_prompts": skipped,
@@ -541,7 +557,53 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
     outp.write_text(json.dumps(res, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    outp.with_suffix(".md").write_text(f"`{command}` (commit {res['setup']['git_commit']})\n\n" + handoff_markdown(res))
     return res
+
+
+def handoff_markdown(res: dict) -> str:
+    """The tables of a `run_handoff_bench` result (per bucket and profile; capacity per rate; goals)."""
+    f = lambda x, p=0: "-" if x is None else f"{x:,.{p}f}"  # noqa: E731
+    lines = ["| profile | bucket | n | prompt tokens | answer tokens | handed off | cloud tok/req | split TTFT p50 / p99 |"
+             " device-only p50 / p99 | cloud-only p50 / p99 | split / device-only p50 | split / cloud-only p50 |"
+             " TPOT p50 / max | interval | stalls | result modes | plans (re-planned) | fallbacks |",
+             "|" + "---|" * 18]
+    for b in res["buckets"].values():
+        lines.append(
+            f"| {b['profile']} | {b['bucket']} | {b['requests']} | {', '.join(map(str, b['prompt_tokens']))} | "
+            f"{', '.join(map(str, b['answer_tokens']))} | {b['handed_off']}/{b['requests']} | "
+            f"{f(b['cloud_tokens_per_request'], 1)} | {f(b['ttft_ms_p50'])} / {f(b['ttft_ms_p99'])} | "
+            f"{f(b['device_only_ttft_ms_p50'])} / {f(b['device_only_ttft_ms_p99'])} | "
+            f"{f(b['cloud_only_ttft_ms_p50'])} / {f(b['cloud_only_ttft_ms_p99'])} | {f(b['ttft_p50_over_device_only'], 2)} | "
+            f"{f(b['ttft_p50_over_cloud_only'], 2)} | {f(b['tpot_ms_p50'])} / {f(b['tpot_ms_max'])} | "
+            f"{', '.join(f(x) for x in b['interval_ms'])} | {b['stalls']} | "
+            f"{', '.join(f'{k} {v}' for k, v in b['result_modes'].items())} | "
+            f"{', '.join(f'{k} {v}' for k, v in b['plans'].items())} ({b['replanned']}) | {b['fallbacks']} |")
+    cap = res.get("capacity") or {}
+    if cap:
+        lines += ["", "| mode | rate (rps) | requests | ok | TTFT p50 | TTFT p99 | meets 1 s | cloud tok/req | cloud busy ms/req |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for mode in ("cloud-only", "split"):
+            for r in cap[mode]["runs"]:
+                lines.append(f"| {mode} | {r['offered_rps']} | {r['requests']} | {r['ok']} | {f(r['ttft_ms_p50'])} | "
+                             f"{f(r['ttft_ms_p99'])} | {'yes' if r['meets_slo'] else 'no'} | {f(r['cloud_tokens_mean'], 1)} | "
+                             f"{f(r['cloud_busy_ms_mean'])} |")
+        long = cap.get("long_answers") or {}
+        for mode in ("cloud-only", "split"):
+            for r in long.get(mode, {}).get("runs", []):
+                lines.append(f"| {mode}, {res['max_new_tokens']}-token answers | {r['offered_rps']} | {r['requests']} | "
+                             f"{r['ok']} | {f(r['ttft_ms_p50'])} | {f(r['ttft_ms_p99'])} | {'yes' if r['meets_slo'] else 'no'} | "
+                             f"{f(r['cloud_tokens_mean'], 1)} | {f(r['cloud_busy_ms_mean'])} |")
+        lines.append(f"\nCapacity at TTFT p99 <= 1 s, answers to EOS: cloud-only {cap['cloud-only']['capacity_rps']} rps, "
+                     f"split {cap['split']['capacity_rps']} rps, ratio {f(cap.get('ratio_split_over_cloud_only'), 1)}.")
+        if long:
+            lines.append(f"With {res['max_new_tokens']}-token answers: cloud-only {long['cloud-only']['capacity_rps']} rps, "
+                         f"split {long['split']['capacity_rps']} rps, ratio {f(long.get('ratio_split_over_cloud_only'), 1)}.")
+    lines += ["", "| goal | value | target | met |", "|---|---|---|---|"]
+    for k, g in res["goals"].items():
+        v = g["value"]
+        lines.append(f"| {k} | {f(v, 2) if isinstance(v, float) else v} | {g['goal']} | {'yes' if g['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
 
 
 def _git_commit() -> str | None:

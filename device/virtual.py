@@ -100,8 +100,10 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
                           profile: DeviceProfile | str = "phone", max_new_tokens: int = 64,
                           budget: int | None | str = "auto", refine: float | None = None,
                           target_tpot_ms: float = 50.0, token: str | None = None,
-                          timeout_s: float = 60.0) -> VirtualResult:
-    """Run one virtual device request against the cloud at `url` (see the module docstring)."""
+                          timeout_s: float = 60.0, min_tokens: int = 0) -> VirtualResult:
+    """Run one virtual device request against the cloud at `url` (see the module docstring).
+    min_tokens: no EOS before this many tokens (`Generate.min_tokens`; max_new_tokens: fixed-length
+    answers, a decode-heavy load)."""
     if mode not in LOAD_MODES:
         raise ValueError(f"unknown load mode {mode!r}; choose one of {', '.join(LOAD_MODES)}")
     prof = load_profile(profile) if isinstance(profile, str) else profile
@@ -164,7 +166,7 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
     t0 = time.perf_counter()
     try:
         await ch.send(Generate(rid, prompt, max_new_tokens, 0.0, 1.0, 0, None, budget if split else None,
-                               refine if split else None, []))
+                               refine if split else None, [], min_tokens=min_tokens))
         rx = asyncio.create_task(receive())
         dev = asyncio.create_task(device()) if split else None
         await asyncio.wait_for(asyncio.shield(rx), timeout_s)
@@ -222,7 +224,7 @@ async def run_load(url: str, fingerprint: str, prompts: Sequence[Sequence[int]],
                    duration_s: float = 20.0, max_requests: int | None = None, mode: str = "split",
                    profile: DeviceProfile | str = "phone", max_new_tokens: int = 64, seed: int = 0,
                    refine: float | None = None, target_tpot_ms: float = 50.0, timeout_s: float = 30.0,
-                   ttft_slo_ms: float = 1000.0) -> dict:
+                   ttft_slo_ms: float = 1000.0, min_tokens: int = 0) -> dict:
     """Poisson arrivals (the first at t = 0) at `rate_rps` (requests/s) of virtual devices, each on its own connection,
     prompts drawn at random (seeded) from `prompts`. Arrivals stop after `duration_s` seconds or
     `max_requests`; each request is abandoned after `timeout_s` (counted as failed), so the run
@@ -241,11 +243,12 @@ async def run_load(url: str, fingerprint: str, prompts: Sequence[Sequence[int]],
         p = prompts[rng.randrange(len(prompts))]
         tasks.append(asyncio.create_task(virtual_request(url, fingerprint, p, mode, prof, max_new_tokens,
                                                          refine=refine, target_tpot_ms=target_tpot_ms,
-                                                         timeout_s=timeout_s)))
+                                                         timeout_s=timeout_s, min_tokens=min_tokens)))
     results = list(await asyncio.gather(*tasks))
     wall = time.perf_counter() - t0
     out = summarize(results, rate_rps, wall, ttft_slo_ms)
     out.update(mode=mode if refine is None else f"{mode}+refine", profile=prof.name, max_new_tokens=max_new_tokens,
+               min_tokens=min_tokens,
                results=[asdict(r) for r in results])
     return out
 

@@ -24,3 +24,23 @@ def test_refine_saving_uses_prompts_where_both_handed_off():
     s = _refine_saving(rows)
     assert s["prompts"] == 1 and s["prefill_ms_saving"] == pytest.approx(0.4) and s["prompt_token_saving"] == 0.5
     assert _refine_saving(rows[2:]) is None
+
+
+def test_bucket_summary_counts_handoffs_fallbacks_and_ratios():
+    def row(mode, n, result, ttft, fault=None, shown=(0.0, 100.0, 180.0)):
+        return {"profile": "phone", "bench_mode": mode, "prompt_tokens": n, "mode": result, "ttft_ms": ttft,
+                "fault": fault, "plan": "split", "plan_reason": "", "token_ids": [1] * len(shown), "cloud_streamed": 2,
+                "cloud_tokens": 2, "handoff_index": 2 if result == "split" else None, "interval_ms": 80.0,
+                "stalls": 0, "shown_ms": [ttft + s for s in shown]}
+
+    rows = [row("split", 600, "split", 1000.0), row("split", 1100, "cloud-only", 3000.0),
+            row("split", 700, "device-only", 5000.0, fault="connection-lost"), row("split", 100, "split", 400.0),
+            row("device-only", 600, "device-only", 10000.0), row("device-only", 1100, "device-only", 20000.0),
+            row("cloud-only", 600, "cloud-only", 900.0), row("cloud-only", 1100, "cloud-only", 2900.0)]
+    b = _split.bucket_summary(rows, 50.0)
+    ge512, ge1024, short = b["phone >=512"], b["phone >=1024"], b["phone <256"]
+    assert ge512["requests"] == 3 and ge512["handed_off"] == 1 and ge512["fallbacks"] == 1  # a fallback is not a split
+    assert ge512["result_modes"] == {"cloud-only": 1, "device-only": 1, "split": 1}
+    assert ge512["ttft_ms_p50"] == 3000.0 and ge512["device_only_ttft_ms_p50"] == 15000.0
+    assert ge512["ttft_p50_over_device_only"] == pytest.approx(0.2) and ge512["tpot_ms_max"] == 100.0
+    assert ge1024["requests"] == 1 and short["handed_off_fraction"] == 1.0 and "phone 256-511" not in b
