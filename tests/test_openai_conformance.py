@@ -210,6 +210,36 @@ def test_stop_token_ids(base, torch_engine, tokenizer):
     error(comp(base, prompt="x", stop_token_ids=["a"]), 400, "stop_token_ids")
 
 
+def test_ignore_eos_runs_to_max_tokens_and_unknown_fields_are_refused(base, torch_engine, tokenizer):
+    prompt = tokenizer.encode_chat("Hi")
+    ref = torch_engine.generate(prompt, SamplingParams(max_new_tokens=48)).token_ids
+    assert ref[-1] == tokenizer.eos_id and len(ref) < 48  # the greedy answer is short and ends at EOS
+    short = comp(base, prompt=prompt, max_tokens=48, temperature=0).json()
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] == len(ref)
+    m = len(ref) + 6
+    for endpoint, body in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "Hi"}]})):
+        r = post(base, endpoint, {"model": MODEL, **body, "max_tokens": m, "temperature": 0, "ignore_eos": True})
+        ch = r.json()["choices"][0]
+        assert r.json()["usage"]["completion_tokens"] == m and ch["finish_reason"] == "length"
+        text = ch["text"] if "text" in ch else ch["message"]["content"]
+        assert text.startswith(tokenizer.decode(ref[:-1]))  # greedy: the same answer, then past EOS
+        chunks = sse(post(base, endpoint, {"model": MODEL, **body, "max_tokens": m, "temperature": 0,
+                                           "ignore_eos": True, "stream": True,
+                                           "stream_options": {"include_usage": True}}))
+        assert chunks[-1]["usage"]["completion_tokens"] == m
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        r = post(base, endpoint, {"model": MODEL, **body, "max_tokens": m, "temperature": 0, "ignore_eos": False})
+        assert r.json()["usage"]["completion_tokens"] == len(ref)
+    error(chat(base, max_tokens=2, ignore_eos="yes"), 400, "ignore_eos")
+    # a field this server does not read is refused by name, never silently ignored
+    for field in ("min_p", "skip_special_tokens", "guided_json"):
+        e = error(chat(base, max_tokens=2, **{field: 1}), 400, field)
+        assert e["code"] == "unsupported_parameter"
+    error(comp(base, prompt="x", max_tokens=2, messages=HI), 400, "messages")
+    error(chat(base, max_tokens=2, echo=True), 400, "echo")
+
+
 # --- 5: n > 1 ------------------------------------------------------------------------------------
 
 def test_n_choices_streamed_seeded(base, service, tokenizer):

@@ -58,6 +58,15 @@ _ROLES = {"system", "developer", "user", "assistant"}
 # accepted and ignored (they change nothing about the answer): documented in the README table
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
             "prompt_cache_key"}
+# every top-level request field this server reads (implemented, refused by name, or in _IGNORED); any
+# other field gets 400 naming it (as OpenAI's "Unrecognized request argument"), never silence
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
+                  "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "min_tokens", "logit_bias", "logprobs", "ignore_eos", "best_of", "tools", "tool_choice",
+                  "functions", "function_call", "response_format", "audio", "prediction", "web_search_options",
+                  "reasoning_effort", "suffix", "verbosity", "modalities"} | _IGNORED
+_FIELDS = {True: _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+           False: _COMMON_FIELDS | {"prompt", "echo"}}
 
 
 class APIError(Exception):
@@ -140,6 +149,7 @@ class _Request:
     echo: bool = False
     max_tokens_set: bool = True
     prompt_texts: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # vLLM's: EOS does not end the answer (it runs to max_tokens or a stop)
 
 
 def _require_text(body: dict, chat: bool) -> None:
@@ -167,6 +177,11 @@ def _parse_common(body, model_name: str, chat: bool,
     its `aliases` (the GGUF file's name). Raises APIError(400/404) naming the field."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in _FIELDS[chat])
+    if unknown:
+        where = "/v1/chat/completions" if chat else "/v1/completions"
+        raise APIError(400, f"Unrecognized request argument supplied: '{unknown[0]}' (not a field of {where} "
+                       "on this server)", unknown[0], "unsupported_parameter")
     bad = _bad_unicode(body, "")
     if bad:
         raise APIError(400, f"'{bad}' holds a lone surrogate: not valid Unicode text", bad, "invalid_value")
@@ -346,9 +361,9 @@ class _TextRun:
     """
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, request_id: str, ids: list[int],
-                 params: SamplingParams, stops: list[str]):
+                 params: SamplingParams, stops: list[str], ignore_eos: bool = False):
         self.engine, self.tok, self.request_id = engine, tokenizer, request_id
-        self.ids, self.params, self.stops = ids, params, stops
+        self.ids, self.params, self.stops, self.ignore_eos = ids, params, stops, ignore_eos
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.finish_reason = "length"
         self.completion_tokens = 0
@@ -356,7 +371,8 @@ class _TextRun:
     async def deltas(self) -> AsyncIterator[tuple[str, list]]:
         dec = self.tok.stream_decoder()
         text, sent, pending = "", 0, []
-        async for o in self.engine.generate(self.request_id, self.ids, self.params):
+        kw = {"ignore_eos": True} if self.ignore_eos else {}  # only AsyncLLMEngine takes it (parse() checks)
+        async for o in self.engine.generate(self.request_id, self.ids, self.params, **kw):
             self.completion_tokens += 1
             pending.append(o)
             if o.finish_reason not in ("eos", "stop"):
@@ -453,7 +469,13 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
             echo = bool(echo)
         if logprobs is not None:
             params = replace(params, logprobs=logprobs)
-        return _Request(prompts, params, stops, stream, include_usage, n, logprobs, echo, max_set, texts)
+        ignore_eos = body.get("ignore_eos")
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise APIError(400, "'ignore_eos' must be a boolean", "ignore_eos", "invalid_type")
+        if ignore_eos and not isinstance(engine, AsyncLLMEngine):
+            raise _unsupported("ignore_eos", "not on the P/D gateway")
+        return _Request(prompts, params, stops, stream, include_usage, n, logprobs, echo, max_set, texts,
+                        bool(ignore_eos))
 
     def params_for(req: _Request, ids: list[int], j: int) -> SamplingParams:
         p = req.params
@@ -478,7 +500,7 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
                     param = "messages" if chat else ("prompt" if len(req.prompts) == 1 else f"prompt[{i}]")
                     raise APIError(400, f"{e} (max_tokens {p.max_new_tokens})", param,
                                    "context_length_exceeded") from None
-                runs.append(_TextRun(engine, tokenizer, f"{rid}-{len(runs)}", ids, p, req.stops))
+                runs.append(_TextRun(engine, tokenizer, f"{rid}-{len(runs)}", ids, p, req.stops, req.ignore_eos))
         echo_lp: list = [None] * len(req.prompts)
         if req.echo and req.logprobs is not None:
             loop = asyncio.get_running_loop()

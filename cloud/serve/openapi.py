@@ -58,6 +58,7 @@ def _common(model_name: str) -> dict:
                                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
                                  {"type": "null"}]},
         "user": {"type": ["string", "null"]},
+        "ignore_eos": {"type": ["boolean", "null"]},
     }
 
 
@@ -97,12 +98,12 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
         "role": {"enum": ["system", "developer", "user", "assistant"]},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
         "name": {"type": "string"}}}
-    chat_req = {"type": "object", "required": ["model", "messages"], "properties": {
+    chat_req = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
         **_common(model_name), "messages": {"type": "array", "items": message, "minItems": 1},
         "max_completion_tokens": _range(_INT, 1), "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": _range(_INT, 0, 20)}}
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 49151}, "minItems": 1}
-    comp_req = {"type": "object", "required": ["model", "prompt"], "properties": {
+    comp_req = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         **_common(model_name),
         "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
@@ -136,7 +137,10 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
             "application/json": {"schema": req}}}, "responses": {
             "200": {"description": "the completion (JSON), or server-sent events when stream is true",
                     "content": {"application/json": {"schema": resp},
-                                "text/event-stream": {"schema": {"type": "string"}}}}, **errors}}}
+                                # one server-sent event (`data: <chunk JSON>` or `data: [DONE]`)
+                                "text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                                 "properties": {"data": {"type": "string"}}}}}},
+                      **errors}}}
 
     models = {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "items": {
