@@ -70,6 +70,27 @@ def test_batch_equals_single_with_chunked_prefill_and_mid_flight_join(torch_engi
     assert metric(engine, "relayinfer_engine_generation_tokens_total") == sum(map(len, reference))
 
 
+def test_concurrent_chitchat_prompts_batched_decode_token_identical(torch_engine, tokenizer, prompts, reference):
+    """Eight chat prompts of ~30-230 tokens at once: after their prefill every step decodes all of
+    them in one padded attention call per layer (keys of different lengths, key-padding mask);
+    each answer equals the per-request model's (`TorchEngine` alone), token for token."""
+    from relayinfer.sdk.datasets import chitchat_prompts_by_length
+
+    extra = chitchat_prompts_by_length(tokenizer, [50, 110, 230], per_length=1, seed=3)
+    every = list(prompts) + extra
+    refs = list(reference) + [torch_engine.generate(p, GREEDY).token_ids for p in extra]
+    assert len({len(p) for p in every}) == len(every)  # all lengths differ
+    engine = LLMEngine(torch_engine, kv_cache_bytes=96 << 20, block_size=BS, max_num_batched_tokens=1024,
+                       enable_prefix_caching=False)
+    out = run_all(engine, {0: [(f"r{i}", p) for i, p in enumerate(every)]})
+    for i, ref in enumerate(refs):
+        assert out[f"r{i}"] == ref, f"prompt {i} ({len(every[i])} tokens)"
+    # one step prefills all eight, then decode-only steps until the longest answer ends
+    assert metric(engine, "relayinfer_engine_batch_tokens_bucket", {"le": "1024.0"}) - \
+        metric(engine, "relayinfer_engine_batch_tokens_bucket", {"le": "16.0"}) == 1
+    assert metric(engine, "relayinfer_engine_batch_size_count") == max(map(len, refs))
+
+
 def test_prefix_reuse_counts_and_tokens(torch_engine, prompts, reference):
     engine = LLMEngine(torch_engine, kv_cache_bytes=32 << 20, block_size=BS)
     a, b = prompts[0], prompts[1]
