@@ -483,7 +483,9 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     mp = default_model_path()
     os.sched_setaffinity(0, {cores[0]})  # threads started from here on (the cloud's) inherit core 0
     cloud_engine = TorchEngine(mp, device="cpu", threads=1)
-    llm = AsyncLLMEngine(LLMEngine(cloud_engine, kv_cache_bytes=kv_cache_mb << 20))
+    # no prefix cache: every request is a new conversation here (a mode run after another on the same prompt
+    # would reuse its KV and show a TTFT without the prefill; multi-turn reuse is measured apart)
+    llm = AsyncLLMEngine(LLMEngine(cloud_engine, kv_cache_bytes=kv_cache_mb << 20, enable_prefix_caching=False))
     svc = _service_class()(cloud_engine, cloud_engine.fingerprint, llm=llm)
     rows, skipped, cap = [], 0, {}
     with ServiceThread(svc, http_port=None) as running:
@@ -498,12 +500,20 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         tok = device_engine.tokenizer()
         plist = _prompts(tok, per_bucket * len(BUCKET_TARGETS), seed, BUCKET_TARGETS)
         print(f"[bench split] prompts: {[len(ids) for _, ids in plist]}", flush=True)
+        # round robin over the buckets (one prompt of each, then the next), so a time cut keeps every bucket
+        by: dict = {}
+        for t, ids in plist:
+            by.setdefault(t, []).append((t, ids))
+        plist = [x for k in range(per_bucket) for t in BUCKET_TARGETS for x in by.get(t, [])[k:k + 1]]
+        clients = {}
         for prof in profiles:
-            client = Client(cloud_url=running.url, engine=device_engine, profile=prof, target_tpot_ms=target_tpot_ms)
+            clients[prof] = client = Client(cloud_url=running.url, engine=device_engine, profile=prof,
+                                            target_tpot_ms=target_tpot_ms)
             _pin(client._executor, cores[1])
-            client.complete(plist[0][1], max_new_tokens=8)  # warm-up: calibration + first cloud estimates
+            client.complete(plist[0][1], max_new_tokens=8)  # warm-up: first cloud estimates
             client.complete(plist[-1][1], max_new_tokens=8, mode="cloud-only")  # a second prompt length for the fit
-            for pi, (target, ids) in enumerate(plist):
+        for pi, (target, ids) in enumerate(plist):
+            for prof, client in clients.items():
                 if time.perf_counter() - t_start > time_limit_s:
                     skipped += 1
                     continue
@@ -531,7 +541,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
             c, s = cap["cloud-only"]["capacity_rps"], cap["split"]["capacity_rps"]
             cap["ratio_split_over_cloud_only"] = (s / c) if c else None
             cap["rate_grid"] = list(capacity_rates)
-            if long_answers and time.perf_counter() - t_start < time_limit_s + 300:
+            if long_answers and time.perf_counter() - t_start < time_limit_s + 200:
                 # the decode-heavy regime of P/D-Device: every answer max_new_tokens long (min_tokens, no early EOS)
                 kw.update(min_tokens=max_new_tokens, timeout_s=120.0)
                 long = cap["long_answers"] = {}
@@ -547,7 +557,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "buckets": buckets, "capacity": cap, "goals": _goals(buckets, cap, target_tpot_ms),
            "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
-                              f"KV)), in-process ServiceThread, pinned to core {cores[0]}",
+                              f"KV, no prefix cache)), in-process ServiceThread, pinned to core {cores[0]}",
                      "device": f"OnnxEngine 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
                      "calibration": {"prefill_ms_base": local.prefill_ms_base,
                                      "prefill_ms_per_token": local.prefill_ms_per_token,
