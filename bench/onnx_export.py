@@ -7,7 +7,8 @@ Variants (rows):
                (run with the v1 engine logic copied below; skipped otherwise).
   fp32         `cloud/onnx_graph.py`, dequantized fp32 weights, GroupQueryAttention, shared KV buffer.
   gguf         the same graph on the GGUF's own Q4_1/Q8_0 blocks (MatMulNBits, accuracy_level 0).
-  gguf-acc4    gguf with MatMulNBits accuracy_level 4 (int8 activations), a copy made here.
+  gguf-acc4    gguf with MatMulNBits accuracy_level 4 (int8 activations; the Q8_0 head as 8-bit
+               MatMulNBits), written to a temporary directory here.
 
 Prompts are token ids of real text (chitchat-dataset) cut to N tokens; decode runs greedy steps
 after a prefill of the context length. Each prompt length runs every variant back to back and
@@ -70,9 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "results" / "onnx_export.json"))
     args = ap.parse_args(argv)
-    import onnx
-
     from relayinfer.cloud.export import ensure_device_model
+    from relayinfer.cloud.onnx_graph import write_model
     from relayinfer.device.onnx_engine import OnnxEngine
     from relayinfer.protocol.model_file import default_model_path, model_cache_dir
 
@@ -88,14 +88,7 @@ def main(argv=None) -> int:
     try:
         for f in ("config.json", "tokenizer.json", "tokenizer_meta.json"):
             shutil.copy(d / f, tmp / f)
-        m = onnx.load(str(d / "model.gguf.onnx"))
-        for node in m.graph.node:
-            if node.op_type == "MatMulNBits":
-                for a in node.attribute:
-                    if a.name == "accuracy_level":
-                        a.i = 4
-        onnx.save(m, str(tmp / "model.gguf.onnx"))
-        del m
+        write_model(path, tmp / "model.gguf.onnx", "gguf", accuracy_level=4)
         engines["gguf-acc4"] = OnnxEngine(tmp, "gguf")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -156,10 +156,14 @@ class _Weights:
         return None
 
 
-def build_model(model_path: str | os.PathLike, weights: str = "gguf"):
+def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_level: int = ACCURACY_LEVEL):
     """The `onnx.ModelProto` of the GGUF at `model_path` (see the module docstring for its inputs
     and outputs). `weights`: 'gguf' (MatMulNBits over the file's own blocks; tensors of other
-    types, e.g. F16 or K-quants, fall back to dense fp32) or 'fp32'.
+    types, e.g. F16 or K-quants, fall back to dense fp32) or 'fp32'. `accuracy_level`: of the
+    MatMulNBits nodes (0: fp32 activations; 4: activations quantized to int8 per block). At level 0
+    an 8-bit (Q8_0) output head is stored dequantized (fp32 Gemm) because ORT 1.32 runs 8-bit
+    MatMulNBits at level 0 by dequantizing the whole matrix per call (about 70x slower); the
+    embedding still reads the Q8_0 blocks (GatherBlockQuantized).
 
     Raises:
         ValueError: unknown `weights`.
@@ -188,7 +192,7 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf"):
                 sc = b.init(f"{tag}.scales", np.concatenate([p[2] for p in parts]))
                 n = sum(p[1].shape[0] for p in parts)
                 y = b.op("MatMulNBits", [x, bq, sc], domain=MS, name=tag, K=k, N=n, bits=bits,
-                         block_size=_BLOCK, accuracy_level=ACCURACY_LEVEL)[0]
+                         block_size=_BLOCK, accuracy_level=accuracy_level)[0]
                 if parts[0][3] is None:
                     return y
                 if x not in block_sums:  # [.., K] -> [.., K/32]: the inputs summed per block
@@ -212,7 +216,6 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf"):
     if emb_blocks is not None and emb_blocks[0] == 8:
         _, eq, es, _ = emb_blocks
         b.init("embed.q", eq)
-        b.init("embed.scales", es)
         g = b.op("GatherBlockQuantized", ["embed.q", "input_ids", b.init("embed.scales3", es[..., None])],
                  domain=MS, name="embed", bits=8, block_size=_BLOCK, gather_axis=0, quantize_axis=2)[0]
         x = b.op("Reshape", [g, b.init("shape.embed", np.array([0, 0, dim], np.int64))], name="embed_flat")[0]
@@ -262,10 +265,14 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf"):
     xn = b.op("SimplifiedLayerNormalization", [last, b.init("output_norm", w.vector("output_norm.weight"))],
               name="output_norm", axis=-1, epsilon=eps, stash_type=1)[0]
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    if weights == "gguf" and cfg.tied_embeddings and emb_blocks is not None and emb_blocks[0] == 8:
+    q8_head = weights == "gguf" and cfg.tied_embeddings and emb_blocks is not None and emb_blocks[0] == 8
+    if q8_head and accuracy_level == 4:
+        b.init("embed.scales", emb_blocks[2])
         b.op("MatMulNBits", [xn, "embed.q", "embed.scales"], domain=MS, name="lm_head", outputs=["logits"],
-             K=dim, N=cfg.vocab_size, bits=8, block_size=_BLOCK, accuracy_level=ACCURACY_LEVEL)
-    elif weights == "fp32" and cfg.tied_embeddings:
+             K=dim, N=cfg.vocab_size, bits=8, block_size=_BLOCK, accuracy_level=accuracy_level)
+    elif cfg.tied_embeddings:
+        if q8_head:
+            b.init("embed.w", w.dense("token_embd.weight"))
         b.op("Gemm", [xn, "embed.w"], name="lm_head", outputs=["logits"], transB=1)
     else:
         b.op("Identity", [linear(xn, [head], dim, "lm_head")], name="logits_out", outputs=["logits"])
@@ -288,11 +295,12 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf"):
     return model, cfg
 
 
-def write_model(model_path: str | os.PathLike, out: str | os.PathLike, weights: str = "gguf") -> ModelConfig:
+def write_model(model_path: str | os.PathLike, out: str | os.PathLike, weights: str = "gguf",
+                accuracy_level: int = ACCURACY_LEVEL) -> ModelConfig:
     """Build the graph (`build_model`) and save it as one ONNX file `out` (must stay < 2 GiB).
     Returns the model's config."""
     import onnx
 
-    model, cfg = build_model(model_path, weights)
+    model, cfg = build_model(model_path, weights, accuracy_level)
     onnx.save_model(model, str(Path(out)))
     return cfg

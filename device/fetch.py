@@ -12,8 +12,9 @@ from pathlib import Path
 from relayinfer.protocol.errors import ErrorCode, ModelFileError, RemoteError
 from relayinfer.protocol.model_file import cache_dir, file_sha256
 from relayinfer.protocol.security import context_for_url
+from relayinfer.device.onnx_engine import FORMAT_VERSION, onnx_file_name
 
-DEVICE_FILES = ("model.fp32.onnx", "config.json", "tokenizer.json", "tokenizer_meta.json")
+DEVICE_FILES = (onnx_file_name(), "config.json", "tokenizer.json", "tokenizer_meta.json")
 
 
 def download_device_model(http_url: str, dest: str | os.PathLike, timeout_s: float = 120.0,
@@ -133,16 +134,20 @@ def fetch_manifest(http_url: str, token: str | None = None, timeout_s: float = 3
 def cached_device_model(http_url: str, token: str | None = None, ssl: _ssl.SSLContext | None = None,
                         timeout_s: float = 120.0, progress=None) -> Path:
     """The cloud's device model in the local cache, downloaded (or resumed) when missing:
-    `cache_dir()/models/<first 16 hex of the fingerprint>`, the directory `relayinfer export` uses
-    for the same model file, so a device that also has the GGUF shares it.
+    `cache_dir()/models/<first 16 hex of the fingerprint>/onnx-v<FORMAT_VERSION>`, the directory
+    `relayinfer export` uses for the same model file, so a device that also has the GGUF shares it.
 
-    Raises: as `fetch_manifest` and `download_device_model`.
+    Raises: as `fetch_manifest` and `download_device_model`; ModelFileError also when the cloud
+    serves another device-model format version than this device runs.
     """
     m = fetch_manifest(http_url, token, min(timeout_s, 30.0), ssl)
     fp = m["model_fingerprint"]
     if not all(c in "0123456789abcdef" for c in fp) or len(fp) < 16:
         raise ModelFileError(f"bad model_fingerprint {fp[:40]!r} in {http_url}/v1/device-model/manifest")
-    d = cache_dir() / "models" / fp[:16]
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ModelFileError(f"the service at {http_url} serves device-model format {m.get('format_version', 1)}; "
+                             f"this device runs format {FORMAT_VERSION} (upgrade the older side)")
+    d = cache_dir() / "models" / fp[:16] / f"onnx-v{FORMAT_VERSION}"
     have = d / "manifest.json"
     if have.is_file() and json.loads(have.read_text()) == m and all((d / n).is_file() for n in DEVICE_FILES):
         return d

@@ -82,7 +82,7 @@ def test_every_route_needs_the_token(cloud, path, method, body, ok, auth):
     if path == "/metrics":
         assert b"relayinfer_engine_requests_total" in data and b"relayinfer_active_sessions" in data
     elif path == "/v1/device-model/manifest":
-        assert "model.fp32.onnx" in json.loads(data)["files"]
+        assert "model.gguf.onnx" in json.loads(data)["files"]
     elif path == "/v1/device-model":
         assert len(headers["X-Content-SHA256"]) == 64
     elif path == "/v1/models":

@@ -296,7 +296,7 @@ def test_eight_concurrent_sessions(batched_cloud, onnx_engine, tokenizer):
 
 def test_http_side_health_metrics_and_device_model(cloud, onnx_engine, chat_prompt_ids, tmp_path, device_model_dir):
     from relayinfer.device.fetch import download_device_model
-    from relayinfer.device.onnx_engine import OnnxEngine
+    from relayinfer.device.onnx_engine import OnnxEngine, onnx_file_name
 
     client(cloud, onnx_engine).complete(chat_prompt_ids[0], max_new_tokens=4, mode="cloud-only")  # tokens to count
     base = f"http://127.0.0.1:{cloud.http_port}"
@@ -307,9 +307,9 @@ def test_http_side_health_metrics_and_device_model(cloud, onnx_engine, chat_prom
     assert tokens and float(tokens[0].split()[-1]) > 0
     assert "relayinfer_active_sessions" in metrics and "relayinfer_prefill_seconds_bucket" in metrics
     d = download_device_model(base, tmp_path / "dl")
-    onnx = (d / "model.fp32.onnx").read_bytes()
+    onnx = (d / onnx_file_name()).read_bytes()
     assert hashlib.sha256(onnx).hexdigest() == json.loads((device_model_dir / "manifest.json").read_text())[
-        "files"]["model.fp32.onnx"]
+        "files"][onnx_file_name()]
     eng = OnnxEngine(d)
     assert eng.fingerprint == cloud.fingerprint
     with pytest.raises(urllib.error.HTTPError) as e:

@@ -1,0 +1,183 @@
+"""The device ONNX model (cloud/onnx_graph.py) and its engine (device/onnx_engine.py): the GGUF's
+own blocks reproduce the file's weights, ONNX equals the torch reference for prefill, chunked
+prefill after a cached prefix and decode, RoPE positions are an input, and the cache API
+(truncate / kv_export / kv_import / growth) keeps the numbers."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from relayinfer.protocol.decoding import SamplingParams
+
+
+def _dequant_blocks(bits, q, scales, offsets):
+    """What MatMulNBits + the offset term compute as weights, float32 [N, K]."""
+    if bits == 4:
+        w = (q.astype(np.float32) - 8) * scales[..., None] + offsets[..., None]
+    else:
+        w = (q.astype(np.float32) - 128) * scales[..., None]
+    return w.reshape(q.shape[0], -1)
+
+
+def _unpack4(packed):
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+@pytest.fixture(scope="module")
+def gguf_weights(model_path):
+    from relayinfer.cloud.onnx_graph import _Weights
+    from relayinfer.protocol.model_file import open_gguf, read_config
+
+    reader = open_gguf(model_path)
+    return _Weights(reader, read_config(reader))
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"])
+def test_gguf_blocks_reproduce_the_file_weights(gguf_weights, name):
+    """Q4_1 / Q8_0 blocks repacked for MatMulNBits dequantize to what gguf.quants gives (the torch
+    model's weights), Q/K rows un-permuted the same way."""
+    import gguf
+
+    from relayinfer.cloud.models.llama import _unpermute
+
+    w, cfg = gguf_weights, gguf_weights.cfg
+    t = w.t[name]
+    k = int(t.shape[0])
+    bits, q, scales, offsets = w.blocks(name, k)
+    assert bits == (8 if t.tensor_type.name == "Q8_0" else 4) and scales.dtype == np.float32
+    if bits == 4:
+        assert q.shape == (int(t.shape[1]), k // 32, 16)
+        q = _unpack4(q)
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    if ".attn_q." in name:
+        ref = _unpermute(ref, cfg.n_heads)
+    ours = _dequant_blocks(bits, q, scales, offsets)
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-6 * max(1.0, np.abs(ref).max())
+
+
+def _torch_steps(model, ids, cuts, positions=None):
+    """Logits of the torch reference after each chunk ids[a:b] for consecutive cuts."""
+    from relayinfer.cloud.models.llama import StaticKV
+
+    kv, out = StaticKV(model.cfg, capacity=len(ids) + 8), []
+    with torch.no_grad():
+        for a, b in zip(cuts, cuts[1:]):
+            kv.reserve(b - a)
+            pos = None if positions is None else torch.tensor(positions[a:b])
+            out.append(model(torch.tensor([ids[a:b]]), kv, a, positions=pos)[0].numpy())
+            kv.commit()
+    return out, kv
+
+
+@pytest.fixture(scope="module")
+def torch_model(torch_engine):
+    return torch_engine.model
+
+
+def _check_steps(eng, model, ids, tol):
+    """Prefill, chunked prefill after a cached prefix (2 chunks), then 3 decode steps: logits
+    within `tol` of torch and equal argmax; the cache holds torch's post-RoPE keys and values."""
+    n = len(ids)
+    cuts = [0, n - 12, n - 7, n - 3, n - 2, n - 1, n]
+    ref, tkv = _torch_steps(model, ids, cuts)
+    kv = None
+    for (a, b), r in zip(zip(cuts, cuts[1:]), ref):
+        logits, kv = eng.prefill(ids[a:b], kv) if b - a > 1 or kv is None else eng.decode(ids[a], kv)
+        assert logits.dtype == np.float32 and logits.shape == r.shape
+        assert np.abs(logits - r).max() < tol, (a, b)
+        assert logits.argmax() == r.argmax()
+    assert kv.length == n
+    layers = eng.kv_export(kv)
+    for i in (0, len(layers) - 1):
+        assert np.abs(layers[i][0] - tkv.k[i, :, :, :n].numpy()).max() < 1e-4
+        assert np.abs(layers[i][1] - tkv.v[i, :, :, :n].numpy()).max() < 1e-4
+
+
+def test_gguf_engine_equals_torch_prefill_chunked_decode(onnx_engine, torch_model, chat_prompt_ids):
+    """The default (GGUF-blocks) engine; its greedy tokens on the chat prompts are checked against
+    torch in tests/test_runtimes.py::test_onnx_equals_torch."""
+    assert onnx_engine.weights == "gguf"
+    _check_steps(onnx_engine, torch_model, chat_prompt_ids[0], 1e-3)
+
+
+@pytest.mark.slow
+def test_fp32_engine_equals_torch(model_path, torch_model, torch_engine, chat_prompt_ids):
+    """The fp32-weights variant (exported here: ~15 s) within 1e-3 of torch, same greedy tokens."""
+    from relayinfer.cloud.export import ensure_device_model
+    from relayinfer.device.onnx_engine import OnnxEngine
+
+    eng = OnnxEngine(ensure_device_model(model_path, "fp32"), quantize="fp32")
+    _check_steps(eng, torch_model, chat_prompt_ids[1], 1e-3)
+    params = SamplingParams(max_new_tokens=24)
+    for ids in chat_prompt_ids:
+        assert eng.generate(ids, params).token_ids == torch_engine.generate(ids, params).token_ids
+
+
+def test_positions_input(onnx_engine, torch_model, chat_prompt_ids):
+    """positions=None equals explicit contiguous positions; other positions change the logits and
+    match torch run at the same positions with the cache contiguous."""
+    ids = chat_prompt_ids[2]
+    head = 9
+    _, kv = onnx_engine.prefill(ids[:head])
+    a, _ = onnx_engine.prefill(ids[head:], onnx_engine.fork(kv))
+    b, _ = onnx_engine.prefill(ids[head:], onnx_engine.fork(kv), positions=np.arange(head, len(ids)))
+    assert np.array_equal(a, b)
+    gap = list(range(head)) + list(range(head + 40, head + 40 + len(ids) - head))  # 40 dropped tokens
+    c, kv2 = onnx_engine.prefill(ids[head:], kv, positions=gap[head:])
+    assert kv2.length == len(ids)
+    assert np.abs(c - a).max() > 0.1
+    ref, _ = _torch_steps(torch_model, ids, [0, head, len(ids)], positions=gap)
+    assert np.abs(c - ref[-1]).max() < 1e-3
+    with pytest.raises(ValueError, match="positions"):
+        onnx_engine.prefill(ids[:3], positions=[0, 1])
+
+
+def test_truncate_export_import_and_growth(onnx_engine, chat_prompt_ids):
+    """truncate is O(1) and continuing from it equals a fresh prefill; kv_import(kv_export) round
+    trips; a prefill past the buffer's capacity (doubling) equals one long prefill."""
+    ids = chat_prompt_ids[0]
+    full, kv = onnx_engine.prefill(ids)
+    cut = onnx_engine.truncate(kv, 10)
+    assert cut.length == 10 and cut.buffers[0] is kv.buffers[0]  # no copy
+    again, _ = onnx_engine.prefill(ids[10:], cut)
+    assert np.abs(again - full).max() < 1e-4
+    with pytest.raises(ValueError, match="truncate"):
+        onnx_engine.truncate(kv, kv.length + 1)
+    _, kv = onnx_engine.prefill(ids[:-1])
+    layers = onnx_engine.kv_export(kv)
+    assert layers[0][0].shape == (1, onnx_engine.cfg.n_kv_heads, len(ids) - 1, onnx_engine.cfg.head_dim)
+    imported = onnx_engine.kv_import(layers, len(ids) - 1)
+    step, _ = onnx_engine.decode(ids[-1], imported)
+    assert np.abs(step - full).max() < 1e-4
+    with pytest.raises(ValueError, match="layer 0 key"):
+        onnx_engine.kv_import([(k[:, :, :3], v) for k, v in layers], len(ids) - 1)
+    long_ids = (ids * 12)[:300]
+    one, _ = onnx_engine.prefill(long_ids)
+    small = onnx_engine.new_cache(capacity=64)
+    _, small = onnx_engine.prefill(long_ids[:50], small)
+    two, grown = onnx_engine.prefill(long_ids[50:], small)
+    assert grown.capacity >= 300 and grown.length == 300
+    assert np.abs(one - two).max() < 1e-4
+
+
+def test_export_format_and_refused_options(model_path, device_model_dir):
+    """The export sits in a format-versioned directory, its manifest records the version and each
+    file's sha256; the former int8 option is refused with a clear error."""
+    from relayinfer.cloud.export import device_model_ready, ensure_device_model
+    from relayinfer.device.onnx_engine import FORMAT_VERSION, OnnxEngine, onnx_file_name
+    from relayinfer.protocol.model_file import file_sha256
+
+    assert device_model_dir.name == f"onnx-v{FORMAT_VERSION}"
+    m = json.loads((device_model_dir / "manifest.json").read_text())
+    assert m["format_version"] == FORMAT_VERSION and m["default_onnx"] == onnx_file_name() == "model.gguf.onnx"
+    assert m["files"]["model.gguf.onnx"] == file_sha256(device_model_dir / "model.gguf.onnx")
+    assert device_model_ready(model_path)
+    for bad in ("int8", "int4"):
+        with pytest.raises(ValueError, match="gguf"):
+            ensure_device_model(model_path, bad)
+        with pytest.raises(ValueError, match="gguf"):
+            OnnxEngine(device_model_dir, quantize=bad)
