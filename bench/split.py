@@ -125,6 +125,11 @@ def _prompts(tokenizer, n: int, seed: int, lengths=LENGTHS) -> list[tuple[int, l
 
 
 def _run_one(client, svc, ids, mode, max_new, refine):
+    """One generation; with `svc` None (a cloud in another process) no cloud busy/prefill times."""
+    if svc is None:
+        stream = client.generate(ids, max_new_tokens=max_new, mode="split" if mode.startswith("split") else mode)
+        events = list(stream)
+        return stream.result, events, None, None
     before, before_c = len(svc.busy), len(svc.completed)
     kw = {"mode": "split" if mode.startswith("split") else mode}
     if refine:
@@ -450,7 +455,8 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                       command: str | None = None) -> dict:
     """The split benchmark of issue 11 part 5 (see bench/SPLIT.md): one batched cloud
     (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
-    thread, its threads pinned to the first core this process may use) and, per device profile,
+    thread, in its own forked process pinned to the first core this process may use, `_CloudProcess`)
+    and, per device profile,
     the real `OnnxEngine` behind `Client(profile=...)` (one thread, pinned to the second core).
     `per_bucket` chitchat prompts per bucket of `BUCKET_TARGETS`; each prompt runs split with
     `max_new_tokens` (greedy, ends at EOS), then device-only and cloud-only with `ref_new_tokens`
@@ -465,9 +471,6 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     Raises:
         ValueError: fewer than 2 cores to pin to, or an unknown profile."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
-    from relayinfer.cloud.engine.torch_engine import TorchEngine
-    from relayinfer.cloud.serve.service import ServiceThread
     from relayinfer.device.calibrate import calibrated
     from relayinfer.device.profiles import load_profile
     from relayinfer.protocol.model_file import default_model_path
@@ -481,14 +484,9 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         raise ValueError(f"the benchmark pins cloud and device to two cores; this process may use {cores}")
     t_start = time.perf_counter()
     mp = default_model_path()
-    os.sched_setaffinity(0, {cores[0]})  # threads started from here on (the cloud's) inherit core 0
-    cloud_engine = TorchEngine(mp, device="cpu", threads=1)
-    # no prefix cache: every request is a new conversation here (a mode run after another on the same prompt
-    # would reuse its KV and show a TTFT without the prefill; multi-turn reuse is measured apart)
-    llm = AsyncLLMEngine(LLMEngine(cloud_engine, kv_cache_bytes=kv_cache_mb << 20, enable_prefix_caching=False))
-    svc = _service_class()(cloud_engine, cloud_engine.fingerprint, llm=llm)
+    cloud = _CloudProcess(mp, cores[0], kv_cache_mb, life_s=time_limit_s + 1800.0)
     rows, skipped, cap = [], 0, {}
-    with ServiceThread(svc, http_port=None) as running:
+    with cloud as (url, fingerprint):
         os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
         device_engine = load_engine("onnx", mp, threads=1)
         device_engine.warmup()
@@ -507,7 +505,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         plist = [x for k in range(per_bucket) for t in BUCKET_TARGETS for x in by.get(t, [])[k:k + 1]]
         clients = {}
         for prof in profiles:
-            clients[prof] = client = Client(cloud_url=running.url, engine=device_engine, profile=prof,
+            clients[prof] = client = Client(cloud_url=url, engine=device_engine, profile=prof,
                                             target_tpot_ms=target_tpot_ms)
             _pin(client._executor, cores[1])
             client.complete(plist[0][1], max_new_tokens=8)  # warm-up: first cloud estimates
@@ -518,7 +516,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                     skipped += 1
                     continue
                 for mode in ("split", "device-only", "cloud-only"):
-                    r, events, busy, cpre = _run_one(client, svc, ids, mode,
+                    r, events, busy, cpre = _run_one(client, None, ids, mode,
                                                       max_new_tokens if mode == "split" else ref_new_tokens, None)
                     rows.append({"profile": prof, "bench_mode": mode, "prompt_idx": pi, "target_len": target,
                                  "prompt_tokens": len(ids), "cloud_busy_ms": busy, "cloud_prefill_ms": cpre,
@@ -535,7 +533,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
             kw = dict(rates=capacity_rates, duration_s=capacity_window_s, max_requests=capacity_max_requests,
                       profile="phone", max_new_tokens=max_new_tokens, target_tpot_ms=target_tpot_ms, timeout_s=40.0)
             for mode in ("cloud-only", "split"):
-                cap[mode] = asyncio.run(capacity_sweep(running.url, cloud_engine.fingerprint, load, mode, **kw))
+                cap[mode] = asyncio.run(capacity_sweep(url, fingerprint, load, mode, **kw))
                 print(f"[bench split] capacity {mode}: {cap[mode]['capacity_rps']} rps", flush=True)
             cap["load_prompt_tokens"] = [len(p) for p in load]
             c, s = cap["cloud-only"]["capacity_rps"], cap["split"]["capacity_rps"]
@@ -546,7 +544,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                 kw.update(min_tokens=max_new_tokens, timeout_s=120.0)
                 long = cap["long_answers"] = {}
                 for mode in ("cloud-only", "split"):
-                    long[mode] = asyncio.run(capacity_sweep(running.url, cloud_engine.fingerprint, load, mode, **kw))
+                    long[mode] = asyncio.run(capacity_sweep(url, fingerprint, load, mode, **kw))
                     print(f"[bench split] capacity, {max_new_tokens}-token answers, {mode}: "
                           f"{long[mode]['capacity_rps']} rps", flush=True)
                 c, s = long["cloud-only"]["capacity_rps"], long["split"]["capacity_rps"]
@@ -557,7 +555,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "buckets": buckets, "capacity": cap, "goals": _goals(buckets, cap, target_tpot_ms),
            "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
-                              f"KV, no prefix cache)), in-process ServiceThread, pinned to core {cores[0]}",
+                              f"KV, no prefix cache)) in its own (forked) process pinned to core {cores[0]}",
                      "device": f"OnnxEngine 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
                      "calibration": {"prefill_ms_base": local.prefill_ms_base,
                                      "prefill_ms_per_token": local.prefill_ms_per_token,
@@ -614,6 +612,57 @@ def handoff_markdown(res: dict) -> str:
         v = g["value"]
         lines.append(f"| {k} | {f(v, 2) if isinstance(v, float) else v} | {g['goal']} | {'yes' if g['met'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+class _CloudProcess:
+    """The bench cloud in a forked child process pinned to `core` (no GIL shared with the device;
+    closer to a cloud on its own machine): `CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine,
+    1 thread, kv_cache_mb MiB, no prefix cache)))` on 127.0.0.1. A context manager yielding (ws URL,
+    fingerprint); it stops the child on exit, and the child stops by itself after `life_s` s.
+    Fork it before this process loads a model or starts a thread.
+
+    Raises:
+        RuntimeError: the child did not report its URL within 600 s."""
+
+    def __init__(self, model_path, core: int, kv_cache_mb: int, life_s: float):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=self._serve, args=(child, str(model_path), core, kv_cache_mb, life_s),
+                                 daemon=True, name="bench-cloud")
+
+    @staticmethod
+    def _serve(conn, model_path: str, core: int, kv_cache_mb: int, life_s: float) -> None:
+        os.sched_setaffinity(0, {core})
+        from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+        from relayinfer.cloud.engine.torch_engine import TorchEngine
+        from relayinfer.cloud.serve.service import CloudService, ServiceThread
+
+        engine = TorchEngine(model_path, device="cpu", threads=1)
+        # no prefix cache: every request is a new conversation here (a mode run after another on the same
+        # prompt would reuse its KV and show a TTFT without the prefill; multi-turn reuse is measured apart)
+        llm = AsyncLLMEngine(LLMEngine(engine, kv_cache_bytes=kv_cache_mb << 20, enable_prefix_caching=False))
+        with ServiceThread(CloudService(engine, engine.fingerprint, llm=llm), http_port=None) as running:
+            conn.send((running.url, engine.fingerprint))
+            conn.poll(life_s)  # until the parent says stop (or goes away), at most life_s
+
+    def __enter__(self) -> tuple[str, str]:
+        self._proc.start()
+        if not self._conn.poll(600):
+            self.__exit__()
+            raise RuntimeError("the bench cloud process did not start within 600 s")
+        return self._conn.recv()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._conn.send("stop")
+        except OSError:
+            pass
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(10)
 
 
 def _git_commit() -> str | None:
