@@ -211,6 +211,36 @@ def where_goodput_is_lost(sim, data, L, budget, n_req, thr) -> dict:
     return out
 
 
+def workload_variants(res: dict, variants=(("tail_frac", 0.3), ("p_return", 0.5)), log=print) -> dict:
+    """Diagnosis (SIMULATED) on a finished results dict: the goodput ratio at its throughput length when
+    the WORKLOAD differs in one respect (a larger share of long-history users; more users returning
+    within 1-5 s, whose prefix the DRAM tier serves again), with the run's latency model and settings.
+    Returns {"<field> <value>": {"baseline": req/s, "relay": req/s, "ratio": relay / baseline}}."""
+    global workload
+    st, lm = res["settings"], res["latency_model"]
+    lat = LatencyModel.fit(lm["samples"])
+    cfg = SimConfig(instances=st["instances"], delay_ms=st["delay_ms"], n_cands=st["n_cands"],
+                    hbm_bytes=st["hbm_bytes_per_instance"], dram_bytes=st["dram_bytes_per_instance"],
+                    ttl_s=st["ttl_s"], dram_window_s=st["dram_window_s"], chunk=res["model"]["query_chunk"],
+                    layers=res["model"]["layers"], bytes_per_token=res["model"]["kv_bytes_per_token"] + 8,
+                    trigger=TriggerConfig(**st["trigger"]))
+    sim, data, base = Simulator(lat, cfg), load_ml100k(), workload
+    out = {}
+    try:
+        for field_, value in variants:
+            def varied(data, rng, rate, n, tail_len, tail_frac=0.1, p_return=0.1):
+                kw = {"tail_frac": tail_frac, "p_return": p_return, field_: value}
+                return base(data, rng, rate, n, tail_len, **kw)
+            workload = varied                                 # max_rate() draws its requests from it
+            thr = {m: max_rate(sim, data, m, res["throughput_len"], st["budget_ms"], st["requests_per_run"], seed=2)
+                   for m in ("baseline", "relay")}
+            out[f"{field_} {value}"] = {**thr, "ratio": thr["relay"] / thr["baseline"] if thr["baseline"] else None}
+            log(f"workload {field_}={value}: goodput {thr} -> {out[f'{field_} {value}']['ratio']:.2f}x (simulated)")
+    finally:
+        workload = base
+    return out
+
+
 def run(out_json: Path, quick: bool = False, live: bool = True, log=print, shape: str = "trained",
         timings: Path | None = None) -> dict:
     """Run the whole benchmark; writes out_json, the plot next to it, and returns the results dict.
@@ -466,8 +496,15 @@ if __name__ == "__main__":
     p.add_argument("--no-live", action="store_true")
     p.add_argument("--shape", choices=("trained", "production"), default="trained")
     p.add_argument("--reuse-timings", action="store_true", help="reuse the latency samples of the existing --out JSON")
+    p.add_argument("--workload-variants", action="store_true",
+                   help="only add the simulated goodput under workload variants to the existing --out JSON")
     a = p.parse_args()
     out = a.out or Path(__file__).parent / "results" / ("relay.json" if a.shape == "trained" else "relay_production.json")
+    if a.workload_variants:
+        res = json.loads(out.read_text())
+        res["goodput_workload_variants"] = {**workload_variants(res), "command": " ".join(["bench/relay.py", *sys.argv[1:]])}
+        out.write_text(json.dumps(res, indent=1))
+        sys.exit(0)
     prev = None
     if a.reuse_timings:
         prev = out.with_name(out.stem + ".timings.json")
