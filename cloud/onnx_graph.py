@@ -156,14 +156,16 @@ class _Weights:
         return None
 
 
-def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_level: int = ACCURACY_LEVEL):
+def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_level: int = ACCURACY_LEVEL,
+                head_accuracy_level: int | None = None):
     """The `onnx.ModelProto` of the GGUF at `model_path` (see the module docstring for its inputs
     and outputs). `weights`: 'gguf' (MatMulNBits over the file's own blocks; tensors of other
     types, e.g. F16 or K-quants, fall back to dense fp32) or 'fp32'. `accuracy_level`: of the
     MatMulNBits nodes (0: fp32 activations; 4: activations quantized to int8 per block). At level 0
     an 8-bit (Q8_0) output head is stored dequantized (fp32 Gemm) because ORT 1.32 runs 8-bit
     MatMulNBits at level 0 by dequantizing the whole matrix per call (about 70x slower); the
-    embedding still reads the Q8_0 blocks (GatherBlockQuantized).
+    embedding still reads the Q8_0 blocks (GatherBlockQuantized). `head_accuracy_level`: that of
+    the output head alone (None: `accuracy_level`).
 
     Raises:
         ValueError: unknown `weights`.
@@ -266,10 +268,11 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_l
               name="output_norm", axis=-1, epsilon=eps, stash_type=1)[0]
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     q8_head = weights == "gguf" and cfg.tied_embeddings and emb_blocks is not None and emb_blocks[0] == 8
-    if q8_head and accuracy_level == 4:
+    head_level = accuracy_level if head_accuracy_level is None else head_accuracy_level
+    if q8_head and head_level == 4:
         b.init("embed.scales", emb_blocks[2])
         b.op("MatMulNBits", [xn, "embed.q", "embed.scales"], domain=MS, name="lm_head", outputs=["logits"],
-             K=dim, N=cfg.vocab_size, bits=8, block_size=_BLOCK, accuracy_level=accuracy_level)
+             K=dim, N=cfg.vocab_size, bits=8, block_size=_BLOCK, accuracy_level=head_level)
     elif cfg.tied_embeddings:
         if q8_head:
             b.init("embed.w", w.dense("token_embd.weight"))
@@ -296,11 +299,11 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_l
 
 
 def write_model(model_path: str | os.PathLike, out: str | os.PathLike, weights: str = "gguf",
-                accuracy_level: int = ACCURACY_LEVEL) -> ModelConfig:
+                accuracy_level: int = ACCURACY_LEVEL, head_accuracy_level: int | None = None) -> ModelConfig:
     """Build the graph (`build_model`) and save it as one ONNX file `out` (must stay < 2 GiB).
     Returns the model's config."""
     import onnx
 
-    model, cfg = build_model(model_path, weights, accuracy_level)
+    model, cfg = build_model(model_path, weights, accuracy_level, head_accuracy_level)
     onnx.save_model(model, str(Path(out)))
     return cfg
