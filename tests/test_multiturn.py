@@ -7,7 +7,7 @@ import pytest
 from relayinfer.sdk.datasets import chitchat_prompt
 
 TURNS = 3
-MAX_NEW = 12
+MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +48,26 @@ def test_conversation_reuse_equals_no_reuse(cloud, onnx_engine):
                     continue
                 prev = reuse.results[k - 1]
                 # at least the previous prompt is reused on both sides, and only the rest is prefilled
-                assert a.cloud_cached_tokens >= len(prev.prompt_ids)
                 if a.device_prompt_tokens:  # the device ran on this turn
                     assert a.device_cached_tokens >= len(prev.prompt_ids)
                     assert a.device_prompt_tokens == len(a.prompt_ids) - a.device_cached_tokens
+                assert cloud_done(cloud, a.request_id).cached_tokens >= len(prev.prompt_ids)
+            assert all(cloud_done(cloud, b.request_id).cached_tokens == 0 for b in fresh.results)
     finally:
         client.close()
+
+
+def cloud_done(cloud, request_id: str, timeout_s: float = 30.0):
+    """The cloud's Done of a request (it may still be finishing after the device took over)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = next((d for d in list(cloud.completed) if d.request_id == request_id), None)
+        if done is not None:
+            return done
+        time.sleep(0.05)
+    raise AssertionError(f"no Done for request {request_id} within {timeout_s} s")
 
 
 def test_device_reuse_truncates_to_common_prefix(onnx_engine):
