@@ -172,6 +172,10 @@ class Generate(_Msg, tag="generate"):
     (0, 1] for prompt refinement (None = off); ``stop_ids``: token ids that end generation;
     ``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty`` / ``min_tokens``: as in
     ``decoding.SamplingParams`` (defaults: off), so both sides sample the same answer.
+    ``kv_from``: None, or ask for the KV hand-off: right after the first ``Token`` the cloud sends
+    one ``KVTransfer`` with the KV of prompt tokens [kv_from, len(prompt_ids) - 1) (fp16; the
+    device already holds the first ``kv_from``, e.g. from the previous turn of a conversation, and
+    prefills the last prompt token itself for its logits). Not combined with ``refine``.
     """
 
     request_id: str
@@ -188,16 +192,20 @@ class Generate(_Msg, tag="generate"):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    kv_from: Union[int, None] = None
 
 
 class Token(_Msg, tag="token"):
     """Cloud -> device: one generated token. ``index``: 0-based position in the generated answer;
-    ``t_cloud_ms``: cloud wall-clock milliseconds since the Generate was received."""
+    ``t_cloud_ms``: cloud wall-clock milliseconds since the Generate was received;
+    ``cached_tokens`` (first token only, omitted when 0): prompt tokens whose KV the cloud reused
+    (prefix cache or the session's previous turn) instead of prefilling them."""
 
     request_id: str
     token_id: int
     index: int
     t_cloud_ms: float
+    cached_tokens: int = 0
 
 
 class RefinedPrompt(_Msg, tag="refined_prompt"):
@@ -229,12 +237,15 @@ class Cancel(_Msg, tag="cancel"):
 
 class Done(_Msg, tag="done"):
     """Cloud -> device: the cloud stream ended. ``reason``: "eos", "length", "stop", "budget" or "cancel";
-    ``cloud_tokens``: tokens the cloud sent; ``prefill_ms``: cloud prefill time in milliseconds."""
+    ``cloud_tokens``: tokens the cloud sent; ``prefill_ms``: cloud prefill time in milliseconds;
+    ``cached_tokens``: prompt tokens whose KV the cloud reused from an earlier request (prefix
+    cache or the session's previous turn) instead of prefilling them."""
 
     request_id: str
     reason: str
     cloud_tokens: int
     prefill_ms: float
+    cached_tokens: int = 0
 
 
 class Error(_Msg, tag="error"):
@@ -271,6 +282,10 @@ class KVTransfer(_Msg, tag="kv_transfer"):
     P/D hand-off (``relayinfer.cloud.pd.kv``): ``kv`` is [layers, 2 (K, V), kv_heads, tokens, head_dim].
     ``block_index`` -1: contiguous, the whole request in one message; >= 0: block-fixed, this
     message holds block ``block_index`` (tokens [i * block_size, ...)) of ``num_blocks``.
+
+    Cloud -> device KV hand-off (answer to ``Generate.kv_from``): ``kv`` float16 [layers, 2,
+    kv_heads, num_tokens, head_dim] of prompt tokens [token_start, token_start + num_tokens), keys
+    after RoPE: layer i's K and V are the ONNX past-KV inputs [1, kv_heads, tokens, head_dim].
     """
 
     request_id: str
@@ -279,6 +294,7 @@ class KVTransfer(_Msg, tag="kv_transfer"):
     num_tokens: int
     block_index: int = -1
     num_blocks: int = 1
+    token_start: int = 0
 
 
 class PreInfer(_Msg, tag="pre_infer"):

@@ -100,6 +100,22 @@ class _Channel:
             self.session.close()
             raise self._closed_error(exc) from None
 
+    async def send_large(self, msgs: list[Message], limit: int = MAX_FRAME_BYTES) -> None:
+        """Send messages larger than this session's own limit (sized for what the peer sends; a
+        KV hand-off to a device) but within `limit`, the frame size every peer accepts. The limit
+        is lifted only while they are encoded (no await in between: receives keep their limit)."""
+        own, self.session.max_frame_bytes = self.session.max_frame_bytes, max(limit, self.session.max_frame_bytes)
+        try:
+            frames = [self.session.send(m) for m in msgs]
+        finally:
+            self.session.max_frame_bytes = own
+        for frame in frames:
+            try:
+                await self.ws.send(frame)
+            except ConnectionClosed as exc:
+                self.session.close()
+                raise self._closed_error(exc) from None
+
     async def recv(self) -> Message:
         """Next message from the peer (only one task may call recv at a time).
 
