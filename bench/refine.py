@@ -446,13 +446,13 @@ def _plot(rows, path):
             if pts:
                 k, m, e = zip(*pts)
                 ax.errorbar(k, m, yerr=e, marker="o" if "/" not in mth else "x", capsize=3, label=mth,
-                            ls="-" if "/" not in mth else ":")
+                            ls="-" if "/" not in mth else ":", color=f"C{(METHODS + CONTIG).index(mth)}")
         n = len({r["prompt"] for r in rows if _bucket(r["n"]) == bucket})
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_title(f"prompts of {bucket} tokens ({n})")
         ax.set_xlabel("keep ratio")
-    axes[0][0].set_ylabel("log-likelihood change of the full-prompt answer (nats/token)")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][0].set_ylabel("log-lik. change of the full-prompt answer (nats/token)")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -12,13 +12,13 @@ kept only for turns whose content keeps at least one token, and its tokens are c
 when that turn is opened, so no empty turns remain. The markers are read from the tokenizer's chat
 template (`TemplateMarkers.from_tokenizer`), so any template works, not only ChatML.
 
-The device prefills the kept tokens as a shorter prompt (contiguous positions), like
-selective-context compression (Li et al. 2023, "Compressing Context to Enhance Inference Efficiency
-of LLMs"). The device asks for refinement only where it paid in `bench refine` (`refine_pays`:
-prompts of at least `MIN_REFINE_TOKENS` tokens at keep ratios near 0.5; elsewhere the attention
-selection did not beat keeping the newest tokens, so the device prefills the whole prompt, as SnapKV
-compresses nothing below its capacity). Table: README "Settings, refinement, profiles",
-`bench/results/refine.json`.
+The device prefills the kept tokens as a shorter prompt, like selective-context compression (Li et
+al. 2023, "Compressing Context to Enhance Inference Efficiency of LLMs"), at their original RoPE
+positions when its engine takes `positions` (`device.split.prefill_at`). Prompts below
+`MIN_REFINE_TOKENS` tokens are never refined (as SnapKV compresses nothing below its capacity);
+`refine='auto'` takes the keep ratio by prompt length from
+`REFINE_BY_LENGTH` (`choose_refine`). Table: README "Settings, refinement, profiles",
+`bench/results/refine.md`.
 """
 from __future__ import annotations
 
@@ -28,16 +28,20 @@ from typing import Sequence
 import numpy as np
 
 WINDOW = 16
-# Below this many prompt tokens the whole prompt is kept (bench refine: the attention method does
-# not beat the recency baseline beyond its standard error there; see `refine_pays`).
+# Below this many prompt tokens the whole prompt is kept (bench refine: short prompts lost most and
+# the attention selection did not beat recency there; see `choose_refine`).
 MIN_REFINE_TOKENS = 512
 # The selection the cloud uses (`bench refine` method name): SnapKV observation-window attention.
 SELECTION = "attention"
 # The keep ratio `refine='auto'` asks for, by prompt length: (lower bound in tokens, keep ratio or
-# None = off), ascending. Measured by `bench refine` (bench/results/refine.json, see README
-# "Settings, refinement, profiles"): a bucket gets a ratio only where the best selection method beat
-# the recency baseline by more than its standard error at that ratio with a loss <= 0.05 nats/token.
-REFINE_BY_LENGTH: tuple[tuple[int, float | None], ...] = ((0, None), (MIN_REFINE_TOKENS, 0.5))
+# None = off), ascending; derived by `bench/refine.py` `refine_table` from bench/results/refine*.json
+# (`python bench/refine.py --merge`, table in bench/results/refine.md): a bucket gets the smallest
+# keep ratio at which SELECTION beat the recency baseline by more than its standard error (paired per
+# prompt) with a loss <= 0.05 nats/token. Measured (SmolLM2-135M, original positions): 512-1199
+# tokens at keep 0.25, attention -0.017 +- 0.011 vs recency -0.039 +- 0.019 nats/token (3 prompts);
+# at keep 0.5 and 0.75 and on the 2,018-token multi-conversation context (keep 0.5 only) attention did
+# not beat recency; below 512 tokens one prompt (265 tokens) was measured, so short prompts stay off.
+REFINE_BY_LENGTH: tuple[tuple[int, float | None], ...] = ((0, None), (MIN_REFINE_TOKENS, 0.25), (1200, None))
 
 
 @dataclass(frozen=True)
