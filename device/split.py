@@ -37,6 +37,13 @@ for), and `mode` what happened. A split whose answer ended before the device cau
 
 The progress timeout is derived per request from the client's cloud estimates (see
 `SplitOptions.progress_timeout`).
+
+Multi-turn reuse (`SplitSession.run(..., past=DeviceCache)`, used by `sdk.client.Conversation`):
+the device starts from the previous turn's KV cut to the longest common prefix of its ids and the
+new prompt, and prefills (and plans with) only the rest. KV hand-off (`SplitOptions.kv_handoff`,
+`protocol.kvhandoff`): the Generate asks for the KV of the uncached prompt tokens but the last
+(`kv_from`); the device waits for the `KVTransfer` (bounded by the progress timeout; without it
+the device prefills as usual), imports it and prefills only the last prompt token.
 """
 from __future__ import annotations
 
@@ -54,7 +61,9 @@ import numpy as np
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
-from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, RefinedPrompt, Stop, Token
+from relayinfer.protocol.kvhandoff import common_prefix, kv_bytes_per_token, kv_handoff_pays, kv_layers
+from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
+                                         Token)
 from relayinfer.protocol.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
 
 from .settings import CatchUp, Timing, choose_settings
@@ -124,9 +133,32 @@ class GenerationResult:
     error: str | None = None
     plan: str = "split"
     plan_reason: str = ""
+    device_cached_tokens: int = 0
+    kv_imported_tokens: int = 0
+    device_prompt_ms: float = 0.0
+    cloud_cached_tokens: int = 0
+    request_id: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# GenerationResult, multi-turn and KV hand-off fields: device_cached_tokens: prompt tokens whose KV the
+# device reused from the conversation's previous turn; kv_imported_tokens: prompt tokens whose KV came
+# from the cloud (`Generate.kv_from`) instead of a device prefill; device_prompt_ms: wall ms of the
+# device's prompt work (prefill of the uncached tokens, or waiting for and importing the KV), before
+# the catch-up; cloud_cached_tokens: prompt tokens the cloud reused (its first `Token.cached_tokens`;
+# 0 when the device answered before that token arrived: the cloud's `Done.cached_tokens` then has it);
+# request_id: the id of the request on the wire (the cloud's logs and `Done` name it).
+
+
+@dataclass
+class DeviceCache:
+    """The device KV cache kept between the turns of a conversation: `kv` (the engine's cache) holds
+    the K/V of `ids` (len(ids) == kv.length: the previous prompt and the answer tokens decoded)."""
+
+    ids: list[int]
+    kv: object
 
 
 def takes_positions(engine) -> bool:
@@ -163,7 +195,11 @@ class SplitOptions:
     `positions`. progress_timeout_s: longest
     wait for the next frame from the cloud before the device takes over (s); None derives it per
     wait from the cloud estimates: `progress_floor_s + progress_factor x` the expected TTFT (before
-    the first token) or TPOT (after it)."""
+    the first token) or TPOT (after it). kv_handoff: the cloud sends the uncached prompt's KV
+    (`Generate.kv_from`) instead of the device prefilling it: 'auto' where the link is fast enough
+    (`protocol.kvhandoff.kv_handoff_pays`: `link_bytes_per_s`, the measured link bandwidth in
+    bytes/s, None = unknown = never; `kv_overhead_ms`, encode + decode + import), True always,
+    False never."""
 
     mode: str = "split"
     target_tpot_ms: float = 50.0
@@ -174,6 +210,9 @@ class SplitOptions:
     progress_timeout_s: float | None = None
     progress_floor_s: float = 3.0
     progress_factor: float = 5.0
+    kv_handoff: bool | str = "auto"
+    link_bytes_per_s: float | None = None
+    kv_overhead_ms: float = 20.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -181,6 +220,10 @@ class SplitOptions:
         check_refine(self.refine)
         if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
             raise ValueError(f"progress_timeout_s must be > 0, got {self.progress_timeout_s}")
+        if self.kv_handoff not in (True, False, "auto"):
+            raise ValueError(f"kv_handoff must be True, False or 'auto', got {self.kv_handoff!r}")
+        if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
+            raise ValueError(f"link_bytes_per_s must be > 0 (bytes/s), got {self.link_bytes_per_s}")
 
     def progress_timeout(self, cloud: "CloudEstimate", prompt_tokens: int, first: bool) -> float:
         """Seconds to wait for the next cloud frame (see the class docstring)."""
@@ -241,12 +284,17 @@ class SplitSession:
             for the settings algorithm (`cloud_budget='auto'`); None turns the algorithm off.
         cloud: the client's running cloud estimates, updated after the request.
         ssl: `ssl.SSLContext` used for a wss:// cloud (CA and verification chosen by the caller).
+        link: a `device.link.CloudLink` whose websocket the request uses (kept open across the
+            turns of a conversation); None opens one websocket for the request.
+
+    After `run`, `cache` is the device KV cache to pass as `past` to the conversation's next turn.
     """
 
     def __init__(self, engine, tokenizer, cloud_url: str | None, fingerprint: str, token: str | None = None,
                  options: SplitOptions | None = None, executor: ThreadPoolExecutor | None = None,
                  device_timing: tuple[float, float, float] | None = None, cloud: CloudEstimate | None = None,
-                 ssl=None):
+                 ssl=None, link=None):
+        self.link, self.cache = link, None
         self.engine, self.tokenizer = engine, tokenizer
         self.ssl = ssl  # ssl.SSLContext for wss:// (None: the default context for wss, none for ws)
         self.cloud_url, self.fingerprint, self.token = cloud_url, fingerprint, token
@@ -255,8 +303,13 @@ class SplitSession:
         self.device_timing, self.cloud = device_timing, cloud or CloudEstimate()
 
     async def run(self, prompt_ids: Sequence[int], params: SamplingParams,
-                  on_token: Callable[[TokenEvent], None] | None = None) -> GenerationResult:
+                  on_token: Callable[[TokenEvent], None] | None = None,
+                  past: DeviceCache | None = None) -> GenerationResult:
         """Generate the answer to `prompt_ids`; `on_token` is called for each token as it is shown.
+
+        `past`: the device cache of the conversation's previous turn (`self.cache` after it): the
+        device keeps the K/V of the longest common prefix of `past.ids` and the prompt (at most all
+        prompt tokens but the last) and prefills only the rest; refinement is then off.
 
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed the model's context.
@@ -267,15 +320,29 @@ class SplitSession:
         if params.logit_bias or params.logprobs is not None:  # not carried by the split protocol
             raise ValueError("logit_bias and logprobs are not supported by SplitSession "
                              "(use the cloud's OpenAI API for them)")
-        run = _Run(self, list(prompt_ids), params, on_token)
-        return await run.go()
+        run = _Run(self, list(prompt_ids), params, on_token, past)
+        try:
+            return await run.go()
+        finally:
+            self.cache = run.cache()
 
 
 class _Run:
     """State of one request (see the module docstring for the three coroutines)."""
 
-    def __init__(self, s: SplitSession, prompt: list[int], params: SamplingParams, on_token):
+    def __init__(self, s: SplitSession, prompt: list[int], params: SamplingParams, on_token,
+                 past: DeviceCache | None = None):
         self.s, self.prompt, self.params, self.on_token = s, prompt, params, on_token
+        self.past = past if past is not None and past.kv is not None else None
+        self.reused = min(common_prefix(self.past.ids, prompt), len(prompt) - 1) if self.past else 0
+        self.kv = None  # the device cache after the last engine call (`_KeepKV`)
+        self.kv_from: int | None = None  # Generate.kv_from: the cloud sends the KV of the prompt from there
+        self.kv_parts: list[KVTransfer] = []
+        self.got_kv = asyncio.Event()
+        self.kv_imported = 0
+        self.device_prompt_ms = 0.0
+        self.cloud_cached = 0  # Token 0's cached_tokens
+        self.waiting_kv = False  # the device worker waits for the cloud's KV (not working on its own)
         self.mode = s.opt.mode if s.cloud_url or s.opt.mode == "device-only" else "device-only"
         self.planned = self.mode  # 'cloud-to-the-end' once the settings find the device cannot catch up
         self.plan_reason = (f"asked for (mode {s.opt.mode!r})" if s.opt.mode != "split" else
@@ -295,7 +362,7 @@ class _Run:
         self.fault: str | None = None
         self.error: str | None = None
         self.device_prefill_ms = 0.0
-        self.device_prompt_tokens = len(prompt)  # fewer once a refined prompt is used
+        self.device_prompt_tokens = len(prompt) - self.reused  # fewer once a refined prompt is used
         self.channel = None
         self.budget: int | None = None
         self.auto = False
@@ -339,10 +406,13 @@ class _Run:
         self.auto = opt.cloud_budget == "auto" and self.s.device_timing is not None and self.mode == "split"
         if not self.auto:
             return
-        n = len(self.prompt)
-        refine = choose_refine(n, opt.refine)  # off where it does not pay
+        n = len(self.prompt) - self.reused  # multi-turn: only the uncached tokens cost device prefill
+        refine = choose_refine(n, opt.refine) if not self.reused and self.kv_from is None else None
         self.device_prompt_est = max(1, int(n * refine)) if refine else n
         t = self.timing()
+        if self.kv_from is not None:  # the KV hand-off: after the first token and the transfer, 1 token to prefill
+            self.device_prompt_est = 1
+            t = self.timing(start_ms=t.cloud_ttft_ms + self.kv_transfer_ms())
         if refine:  # the refined prompt comes right after the first cloud token
             t = self.timing(start_ms=t.cloud_ttft_ms)
         st = choose_settings(t, self.device_prompt_est, self.params.max_new_tokens, opt.target_tpot_ms)
@@ -397,8 +467,48 @@ class _Run:
                              f"{self.ready_ms[0]:.0f} ms, TPOT {tpot or 0:.0f} ms): the device takes over when it catches up")
         self.start_device()
 
+    def kv_bpt(self) -> int:
+        """KV bytes per token on the wire (fp16) for the device model."""
+        c = self.s.engine.cfg
+        return kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
+
+    def kv_transfer_ms(self) -> float:
+        """Expected ms from the cloud's first token to the imported KV: bytes over the measured link
+        (`SplitOptions.link_bytes_per_s`; none known: only the overhead) plus `kv_overhead_ms`."""
+        opt, n = self.s.opt, len(self.prompt) - 1 - self.reused
+        return (n * self.kv_bpt() / opt.link_bytes_per_s * 1e3 if opt.link_bytes_per_s else 0.0) + opt.kv_overhead_ms
+
+    def choose_kv(self) -> int | None:
+        """`Generate.kv_from` (the first prompt token whose KV the cloud sends) or None (the device
+        prefills). Only in split mode, without refinement, with an engine that imports KV; with
+        kv_handoff 'auto' only where `protocol.kvhandoff.kv_handoff_pays` (measured link bandwidth,
+        device prefill fit, expected cloud TTFT); True always, False never."""
+        s, opt = self.s, self.s.opt
+        n = len(self.prompt) - 1 - self.reused  # tokens to send: all uncached prompt tokens but the last
+        if (opt.kv_handoff is False or self.mode != "split" or n <= 0 or not hasattr(s.engine, "kv_import")
+                or (not self.reused and choose_refine(len(self.prompt), opt.refine) is not None)):
+            return None
+        if opt.kv_handoff is True:
+            return self.reused
+        if s.device_timing is None:
+            return None
+        a, b, _ = s.device_timing
+        pays = kv_handoff_pays(n, self.kv_bpt(), opt.link_bytes_per_s, s.cloud.ttft_ms(n + 1), a, b, opt.kv_overhead_ms)
+        return self.reused if pays else None
+
+    def cache(self) -> DeviceCache | None:
+        """The device cache after this request, for the next turn: the last KV the engine returned
+        and the ids it holds; the previous turn's cache when the device never ran; None after a
+        refined (gapped) prompt."""
+        if self.kv is None:
+            return self.past
+        if self.refine_wanted:
+            return None
+        return DeviceCache((self.prompt + self.answer)[:self.kv.length], self.kv)
+
     async def go(self) -> GenerationResult:
         self.t0 = time.perf_counter()
+        self.kv_from = self.choose_kv()
         self.plan()
         if self.mode != "device-only":
             await self.connect()
@@ -433,6 +543,9 @@ class _Run:
             return False
 
     async def close_channel(self) -> None:
+        if self.s.link is not None:  # the conversation's websocket stays open unless this request failed on it
+            self.s.link.release(self.request_id, broken=self.fault is not None and self.fault != "device-error")
+            return
         try:  # a black-holed peer never answers the close handshake: bounded
             await asyncio.wait_for(self.channel.close(), SEND_TIMEOUT_S)
         except (RelayInferError, asyncio.TimeoutError, OSError):
@@ -462,17 +575,23 @@ class _Run:
             if wait_ms > 0:  # the cloud said OVERLOADED: honour its retry-after hint
                 raise RemoteError(ErrorCode.OVERLOADED, f"the cloud asked to retry after {wait_ms:.0f} more ms",
                                   retry_after_ms=wait_ms)
-            self.channel = await proto_ws.open_channel(s.cloud_url, s.fingerprint, s.token, client="relayinfer-device",
-                                                       open_timeout=s.opt.connect_timeout_s,
-                                                       **({"ssl": s.ssl} if s.ssl is not None else {}))
+            if s.link is not None:  # the conversation's websocket, opened once
+                self.channel = await s.link.request(self.request_id)
+            else:
+                self.channel = await proto_ws.open_channel(s.cloud_url, s.fingerprint, s.token,
+                                                           client="relayinfer-device",
+                                                           open_timeout=s.opt.connect_timeout_s,
+                                                           **({"ssl": s.ssl} if s.ssl is not None else {}))
             budget = self.budget if self.mode == "split" else None
             p = self.params
-            refine = choose_refine(len(self.prompt), s.opt.refine) if self.mode == "split" else None
+            refine = (choose_refine(len(self.prompt), s.opt.refine)
+                      if self.mode == "split" and not self.reused and self.kv_from is None else None)
             await self.channel.send(Generate(self.request_id, self.prompt, p.max_new_tokens, p.temperature, p.top_p,
                                              p.top_k, p.seed, budget, refine, list(p.stop_ids),
                                              presence_penalty=p.presence_penalty,
                                              frequency_penalty=p.frequency_penalty,
-                                             repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens))
+                                             repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+                                             kv_from=self.kv_from))
             self.refine_wanted = refine is not None
         except Exception as e:  # unreachable (OSError, TimeoutError), refused (RemoteError), ...
             overloaded = isinstance(e, RemoteError) and e.code is ErrorCode.OVERLOADED
@@ -485,7 +604,7 @@ class _Run:
             self.error = f"{type(e).__name__}: {e}"
             if self.channel is not None:
                 await self.close_channel()
-            self.mode, self.channel = "device-only", None
+            self.mode, self.channel, self.kv_from = "device-only", None, None  # no cloud: no KV to wait for
 
     async def receive(self) -> None:
         """Cloud tokens into the answer until the hand-off. Every way the stream can end early
@@ -497,16 +616,22 @@ class _Run:
                 try:
                     msg = await asyncio.wait_for(self.channel.recv(), timeout)
                 except asyncio.TimeoutError:
-                    if self.device_task is not None and not self.device_task.done():
+                    if self.device_task is not None and not self.device_task.done() and not self.waiting_kv:
                         continue  # the device is working and hands off without the cloud: no harm yet
                     self.cloud_fault("cloud-stalled", f"no frame from the cloud for {timeout:.1f} s")
                     await self.send_quietly(Cancel(self.request_id))
                     return
                 if isinstance(msg, Token) and msg.request_id == self.request_id:
                     self.cloud_streamed += 1
+                    if msg.index == 0:
+                        self.cloud_cached = msg.cached_tokens
                     if self.handoff is None and not self.complete and msg.index == len(self.answer):
                         self.append(msg.token_id, "cloud")
                         self.replan_idle()
+                elif isinstance(msg, KVTransfer) and msg.request_id == self.request_id:
+                    self.kv_parts.append(msg)
+                    if len(self.kv_parts) >= (msg.num_blocks if msg.block_index >= 0 else 1):
+                        self.got_kv.set()
                 elif isinstance(msg, RefinedPrompt) and msg.request_id == self.request_id:
                     n = len(self.prompt)
                     if msg.kept_indices and all(0 <= i < n for i in msg.kept_indices):
@@ -538,6 +663,7 @@ class _Run:
             self.cloud_fault("connection-lost", f"{type(e).__name__}: {e}")
         finally:
             self.got_refined.set()  # nothing more will come: the device uses the full prompt
+            self.got_kv.set()  # nor a KV hand-off: the device prefills
 
     async def device(self) -> None:
         """The device worker; a runtime failure hands the answer back to the cloud if it can."""
@@ -561,11 +687,17 @@ class _Run:
 
     async def _device(self) -> None:
         """Prefill prompt, catch up on cloud tokens, hand off, decode locally."""
-        loop, eng, ex = asyncio.get_running_loop(), self.s.engine, self.s.executor
+        loop, eng, ex = asyncio.get_running_loop(), _KeepKV(self.s.engine, self), self.s.executor
         kv, chunk = None, self.s.opt.prefill_chunk
         t = time.perf_counter()
         prompt = self.prompt
         at = None  # RoPE positions of `prompt` (None: the engine's contiguous count)
+        if self.reused:  # multi-turn: the previous turn's cache holds the first `reused` prompt tokens
+            kv = self.past.kv if self.past.kv.length == self.reused else \
+                await loop.run_in_executor(ex, eng.truncate, self.past.kv, self.reused)
+            prompt = prompt[self.reused:]
+        if self.kv_from is not None:  # the cloud sends the KV of the rest but the last token
+            kv, prompt = await self.import_kv(kv, prompt)
         if self.refine_wanted:  # the system turn is always kept: prefill it while the cloud scores
             head = system_prefix_len(prompt, TemplateMarkers.from_tokenizer(self.s.tokenizer))
             if head:
@@ -582,6 +714,7 @@ class _Run:
                 return  # the cloud finished the answer first
             logits, kv = await loop.run_in_executor(ex, prefill_at, eng, prompt[i:i + chunk], kv,
                                                     at and at[i:i + chunk])
+        self.device_prompt_ms = (time.perf_counter() - t) * 1e3
         base = len(self.prompt) if at is not None else None  # answer token k at position n + k after a gapped prompt
         await self.replan(0)
         rule = CatchUp()  # catch up: prefill every cloud token received so far in one batch
@@ -611,6 +744,42 @@ class _Run:
                 logits, kv = await loop.run_in_executor(ex, eng.decode, tok, kv)
             else:
                 logits, kv = await loop.run_in_executor(ex, prefill_at, eng, [tok], kv, [base + i])
+
+    async def import_kv(self, kv, prompt: list[int]):
+        """Wait for the cloud's KV of `prompt[:-1]` and import it after `kv`: returns (kv, [last
+        prompt token]). The wait is bounded by the receiver's progress timeout (a cloud that sends no
+        frame for that long is a stalled cloud, which ends the stream). When the KV does not come
+        (cloud fault, the stream ended without it, a malformed transfer) returns (kv, prompt)
+        unchanged: the device prefills."""
+        loop, eng, ex = asyncio.get_running_loop(), self.s.engine, self.s.executor
+        self.waiting_kv = True  # the receiver's progress timeout now applies: a stalled cloud ends the wait
+        try:
+            await self.got_kv.wait()  # set by the last KV part, or when the cloud stream ends
+        finally:
+            self.waiting_kv = False
+        if not self.kv_parts:
+            log.info("request %s: the cloud sent no KV (%s); the device prefills", self.request_id, self.error)
+            return kv, prompt
+        try:
+            start, layers = kv_layers(self.kv_parts)
+            n = len(prompt) - 1
+            if start != self.reused or layers[0][0].shape[2] != n:
+                raise ValueError(f"KV of {layers[0][0].shape[2]} tokens from {start}, expected {n} from {self.reused}")
+
+            def merge():
+                old = eng.kv_export(kv) if kv is not None and kv.length else None
+                full = layers if old is None else [(np.concatenate([ok, k], axis=2), np.concatenate([ov, v], axis=2))
+                                                   for (ok, ov), (k, v) in zip(old, layers)]
+                return eng.kv_import(full, self.reused + n)
+
+            kv = await loop.run_in_executor(ex, merge)
+        except ValueError as e:
+            log.warning("request %s: bad KV hand-off (%s); the device prefills", self.request_id, e)
+            return kv, prompt
+        finally:
+            self.kv_parts = []  # the arrays are imported (copied): free the frames
+        self.kv_imported, self.device_prompt_tokens = n, 1
+        return kv, prompt[-1:]
 
     async def display(self) -> None:
         """Show answer tokens in order, paced by the speed controller."""
@@ -656,4 +825,27 @@ class _Run:
             finish_reason=self.finish_reason, prompt_ids=self.prompt, cloud_streamed=self.cloud_streamed,
             device_prefill_ms=self.device_prefill_ms, device_prompt_tokens=self.device_prompt_tokens,
             cloud_budget=self.budget, budget_extensions=self.extended, interval_ms=self.speed.interval_ms, fault=self.fault, error=self.error,
-            plan=self.planned, plan_reason=self.plan_reason)
+            plan=self.planned, plan_reason=self.plan_reason, device_cached_tokens=self.reused,
+            kv_imported_tokens=self.kv_imported, device_prompt_ms=self.device_prompt_ms,
+            cloud_cached_tokens=self.cloud_cached, request_id=self.request_id)
+
+
+class _KeepKV:
+    """The device engine, noting on the run the cache each prefill/decode returns (the run's last
+    KV is the next turn's `DeviceCache`). Same interface as the engine it wraps."""
+
+    def __init__(self, engine, run: _Run):
+        self.engine, self._run = engine, run
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill(self, ids, kv=None, positions=None):
+        out = self.engine.prefill(ids, kv) if positions is None else self.engine.prefill(ids, kv, positions=positions)
+        self._run.kv = out[1]
+        return out
+
+    def decode(self, token_id, kv):
+        out = self.engine.decode(token_id, kv)
+        self._run.kv = out[1]
+        return out

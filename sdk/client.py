@@ -30,9 +30,23 @@ class Stream:
     """Iterator of `TokenEvent`s as they are shown; `result` (a `GenerationResult`) once exhausted.
     Errors raised by the generation are re-raised from the iteration."""
 
-    def __init__(self, run):
+    def __init__(self, run, loop: asyncio.AbstractEventLoop | None = None):
         self._q: queue.Queue = queue.Queue()
         self.result: GenerationResult | None = None
+        self._thread = None
+        if loop is not None:  # on a running loop (a conversation's): no thread of its own
+            fut = asyncio.run_coroutine_threadsafe(run(self._q.put), loop)
+
+            def done(f):
+                if f.cancelled():
+                    self._q.put(asyncio.CancelledError())
+                elif f.exception() is not None:
+                    self._q.put(f.exception())
+                else:
+                    self.result = f.result()
+                    self._q.put(_END)
+            fut.add_done_callback(done)
+            return
 
         def target():
             try:
@@ -48,7 +62,8 @@ class Stream:
         while True:
             item = self._q.get()
             if item is _END:
-                self._thread.join()
+                if self._thread is not None:
+                    self._thread.join()
                 return
             if isinstance(item, BaseException):
                 raise item
@@ -156,6 +171,11 @@ class Client:
             file's sha256 checked, an interrupted download resumed (`device.fetch`). Without it the
             model must already be exported locally (`relayinfer export`). Neither path imports torch.
         progress: `progress(file_name, done_bytes, total_bytes)` during a download (the CLI's bar).
+        kv_handoff: the cloud sends the prompt's KV instead of the device prefilling it: 'auto'
+            (where the link bandwidth makes it faster, `protocol.kvhandoff.kv_handoff_pays`), True
+            or False (`SplitOptions.kv_handoff`).
+        link_bytes_per_s: the link's bandwidth (bytes/s) for that choice; None = unknown (no KV
+            hand-off under 'auto') until `measure_link()` measures it.
 
     A wss:// cloud whose certificate does not verify is treated like an unreachable one: the
     answer comes from the device (`fault` 'cloud-unreachable', `error` naming the certificate
@@ -178,7 +198,8 @@ class Client:
                  target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int = 1,
                  quantize: str | None = None, cloud_budget: int | None | str = "auto", connect_timeout_s: float = 5.0,
                  profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True,
-                 cloud_http_url: str | None = None, progress=None):
+                 cloud_http_url: str | None = None, progress=None, kv_handoff: bool | str = "auto",
+                 link_bytes_per_s: float | None = None):
         from relayinfer.protocol.security import context_for_url
 
         if cloud_url is not None:
@@ -187,7 +208,10 @@ class Client:
         self._cloud_down = False  # a cloud fault was logged and the cloud has not answered since
         self.ssl = context_for_url(cloud_url, ca, verify)  # ssl.SSLContext for wss://, None for ws://
         self.options = SplitOptions(mode=mode, target_tpot_ms=target_tpot_ms, cloud_budget=cloud_budget,
-                                    connect_timeout_s=connect_timeout_s)
+                                    connect_timeout_s=connect_timeout_s, kv_handoff=kv_handoff,
+                                    link_bytes_per_s=link_bytes_per_s)
+        self.cloud_http_url, self._ca, self._verify = cloud_http_url, ca, verify
+        self._loop: asyncio.AbstractEventLoop | None = None  # conversations' event loop (`_conversation_loop`)
         if cloud_http_url is not None and not cloud_http_url.startswith(("http://", "https://")):
             raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
         if engine is None:
@@ -267,21 +291,29 @@ class Client:
             self._cloud_down = True
             log.warning("cloud unreachable at %s: falling back to the device (%s)", self.cloud_url, problem)
 
-    def _runner(self, prompt, sampling: dict):
+    def _runner(self, prompt, sampling: dict, link=None, past=None, keep=None):
+        """The coroutine function of one generation; `link`/`past`/`keep` (a conversation's shared
+        websocket, its device cache, and where to put the new one) come from `Conversation`."""
         check_prompt_text(prompt)  # one rule for empty input (CLI, Client, HTTP API): raises here, not in the stream
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.prompt_ids(prompt)
         opts = dict(vars(self.options))
-        for k in ("mode", "target_tpot_ms", "cloud_budget", "refine"):
+        for k in ("mode", "target_tpot_ms", "cloud_budget", "refine", "kv_handoff"):
             if k in sampling:
                 opts[k] = sampling.pop(k)
         params = SamplingParams(**{**sampling, "stop_ids": tuple(sampling.get("stop_ids", ()))})
         options = SplitOptions(**opts)
-        timing = self.device_timing() if options.cloud_budget == "auto" and options.mode == "split" else None
+        auto = options.mode == "split" and (options.cloud_budget == "auto" or
+                                            (options.kv_handoff == "auto" and options.link_bytes_per_s is not None))
+        timing = self.device_timing() if auto else None
         session = SplitSession(self.engine, self.tokenizer, self.cloud_url, self.fingerprint, self.token,
-                               options, self._executor, timing, self.cloud, ssl=self.ssl)
+                               options, self._executor, timing, self.cloud, ssl=self.ssl, link=link)
 
         async def run(on_token):
-            res = await session.run(ids, params, on_token)
+            try:
+                res = await session.run(ids, params, on_token, past=past)
+            finally:
+                if keep is not None:
+                    keep(session.cache)
             if self.cloud_url is not None and options.mode != "device-only":
                 self._note_cloud(res.error if res.fault in CLOUD_FAULTS else None)
             return res
@@ -300,6 +332,55 @@ class Client:
             fit = lambda x: (x.prefill_ms_base, x.prefill_ms_per_token, x.decode_ms_per_token)  # noqa: E731
             self._device_timing = device_fit(fit(local), fit(self.profile) if self.profile else None)
         return self._device_timing
+
+    def measure_link(self, name: str = "tokenizer.json", timeout_s: float = 30.0) -> float:
+        """Measure the link's bandwidth (bytes/s) by downloading one device-model file (default
+        the tokenizer, ~3.5 MB) from `cloud_http_url` (or where the cloud's Welcome says); sets `link_bytes_per_s` for the KV hand-off
+        choice and returns it. The time includes the HTTP round trip, so a small file reads low
+        (the hand-off is then chosen less often, not wrongly more often).
+
+        Raises:
+            ValueError: no `cloud_http_url` and the cloud names no device-model URL.
+            urllib.error.URLError / RemoteError: the file cannot be fetched.
+        """
+        import time
+        import urllib.request
+
+        from relayinfer.protocol.security import context_for_url
+
+        base = self.cloud_http_url or (device_model_url(self.cloud_url, self.token, self.ssl) if self.cloud_url else None)
+        if base is None:
+            raise ValueError("measure_link needs a cloud that serves the device model (cloud_http_url, or a "
+                             "cloud_url whose Welcome names its device_model_url)")
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        req = urllib.request.Request(f"{base}/v1/device-model/{name}", headers=headers)
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=timeout_s,
+                                    context=context_for_url(base, self._ca, self._verify)) as r:
+            n = len(r.read())
+        bw = n / max(time.perf_counter() - t0, 1e-6)
+        self.options.link_bytes_per_s = bw
+        return bw
+
+    def _conversation_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop (a daemon thread) on which conversations run, so a conversation's
+        websocket outlives each turn."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="relayinfer-conversations", daemon=True).start()
+        return self._loop
+
+    def conversation(self, system: str | None = None, reuse: bool = True, **sampling) -> "Conversation":
+        """A multi-turn chat (`Conversation`): one websocket for all its turns, and with `reuse`
+        the device's KV cache of the previous turns (the cloud keeps its own per session). `system`:
+        an optional system message; `sampling`: defaults for every turn (as for `generate`)."""
+        return Conversation(self, system, reuse, sampling)
+
+    def close(self) -> None:
+        """Stop the conversations' event loop (open conversations stop working)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
 
     def generate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> Stream:
         """Start generating; returns a `Stream` of `TokenEvent`s (its `.result` once exhausted).
@@ -323,6 +404,68 @@ class Client:
     def complete(self, prompt, **sampling) -> GenerationResult:
         """Generate to the end and return the `GenerationResult`."""
         return self.generate(prompt, **sampling).collect()
+
+
+class Conversation:
+    """A multi-turn chat over one `Client` (from `Client.conversation`).
+
+    `send(text)` appends the user turn, generates the answer to the whole conversation (chat
+    template over `messages`) and appends it. With `reuse` the device keeps its KV cache from turn
+    to turn: turn k+1 prefills only the tokens after the longest common prefix of the cached ids
+    (turn k's prompt and answer) and the new prompt, and the settings algorithm plans with those
+    uncached tokens only; the cloud reuses its own cache the same way (the session's last KV on the
+    per-request path, the prefix cache of the batched engine). Greedy answers equal the answers
+    without reuse (tested). All turns use one websocket (`link`); without `reuse` each turn opens
+    its own websocket and prefills everything, as `Client.generate` does.
+
+    Attributes: messages ({role, content} dicts), results (one `GenerationResult` per turn), link
+    (the `device.link.CloudLink`, None without a cloud or without reuse).
+    """
+
+    def __init__(self, client: Client, system: str | None, reuse: bool, sampling: dict):
+        from relayinfer.device.link import CloudLink
+
+        self.client, self.reuse, self.sampling = client, reuse, dict(sampling)
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.results: list[GenerationResult] = []
+        self.cache = None  # the device's `DeviceCache` after the last turn
+        self.link = (CloudLink(client.cloud_url, client.fingerprint, client.token, client.ssl,
+                               client.options.connect_timeout_s) if client.cloud_url and reuse else None)
+
+    def _keep(self, cache) -> None:
+        self.cache = cache if self.reuse else None
+
+    def stream(self, text: str, **sampling) -> Stream:
+        """Send the user turn `text`; a `Stream` of the answer's `TokenEvent`s. The answer joins
+        `messages` once the stream is exhausted. Raises as `Client.generate` (empty text, ...)."""
+        check_prompt_text(text)
+        msgs = self.messages + [{"role": "user", "content": text}]
+        ids = self.client.prompt_ids(msgs)
+        run = self.client._runner(ids, {**self.sampling, **sampling}, link=self.link,
+                                  past=self.cache if self.reuse else None, keep=self._keep)
+
+        async def turn(on_token):
+            res = await run(on_token)
+            self.messages[:] = msgs + [{"role": "assistant", "content": res.text}]
+            self.results.append(res)
+            return res
+        return Stream(turn, loop=self.client._conversation_loop())
+
+    def send(self, text: str, **sampling) -> GenerationResult:
+        """`stream(text)` to the end: the turn's `GenerationResult`."""
+        return self.stream(text, **sampling).collect()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close the conversation's websocket and drop its device cache."""
+        self.cache = None
+        if self.link is not None and self.client._loop is not None:
+            asyncio.run_coroutine_threadsafe(self.link.aclose(), self.client._loop).result(timeout_s)
+
+    def __enter__(self) -> "Conversation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def cloud_problem(e: BaseException) -> str:
