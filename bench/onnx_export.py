@@ -64,19 +64,41 @@ class V1Engine:
         return self.prefill([tok], kv)
 
 
+def markdown(res: dict) -> str:
+    """A markdown table of a results JSON, with ratios to v1-fp32 and to the fp32 variant."""
+    names = list(res["file_bytes"])
+    order = [n for n in ("v1-fp32", "fp32", "gguf", "gguf-acc4") if n in res["prefill_tok_s"]["128"] or n in names]
+    rows = ["| variant | file MB | " + " | ".join(f"prefill {n} tok/s" for n in res["prefill_tok_s"])
+            + " | " + " | ".join(f"decode @{n} tok/s" for n in res["decode_tok_s"]) + " |"]
+    rows.append("|" + "---|" * (2 + len(res["prefill_tok_s"]) + len(res["decode_tok_s"])))
+    for v in order:
+        mb = res["file_bytes"].get(v)
+        cells = [f"{res['prefill_tok_s'][n].get(v)}" for n in res["prefill_tok_s"]]
+        cells += [f"{res['decode_tok_s'][n].get(v)}" for n in res["decode_tok_s"]]
+        rows.append(f"| {v} | {mb / 1e6:.0f} | " if mb else f"| {v} | - | ")
+        rows[-1] += " | ".join(cells) + " |"
+    return (f"`{res['command']}` (1 thread, pinned; medians of {res['reps']} paired repetitions; "
+            "see the JSON for the load caveat)\n\n" + "\n".join(rows) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "results" / "onnx_export.json"))
+    ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md of an existing --out JSON")
     args = ap.parse_args(argv)
+    if args.markdown_only:
+        Path(args.out).with_suffix(".md").write_text(markdown(json.loads(Path(args.out).read_text())))
+        return 0
     from relayinfer.cloud.export import ensure_device_model
     from relayinfer.cloud.onnx_graph import write_model
     from relayinfer.device.onnx_engine import OnnxEngine
     from relayinfer.protocol.model_file import default_model_path, model_cache_dir
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    load0 = round(os.getloadavg()[0], 1)  # the machine is shared: ratios within a run only
     path = default_model_path()
     export_s = {}
     for w in ("gguf", "fp32"):
@@ -131,6 +153,7 @@ def main(argv=None) -> int:
     res = {
         "command": "python bench/onnx_export.py" + (" --quick" if args.quick else "") + f" --reps {args.reps}",
         "threads": 1, "pinned_core": sorted(os.sched_getaffinity(0)),
+        "loadavg_1min_start_end": [load0, round(os.getloadavg()[0], 1)],
         "model": path.name, "reps": args.reps, "decode_steps": args.decode_steps,
         "file_bytes": sizes, "export_s": export_s,
         "prefill_tok_s": {n: {k: med(v) for k, v in row.items()} for n, row in prefill.items()},
@@ -142,6 +165,7 @@ def main(argv=None) -> int:
     }
     out = Path("/tmp/onnx_export.json" if args.quick else args.out)
     out.write_text(json.dumps(res, indent=1))
+    out.with_suffix(".md").write_text(markdown(res))
     print(json.dumps({k: res[k] for k in ("prefill_tok_s", "decode_tok_s", "file_bytes")}, indent=1))
     return 0
 
