@@ -16,26 +16,19 @@ from relayinfer.sdk import Client
 from test_refine import CONV  # tests/ is on sys.path
 
 
-class PositionsEngine:
-    """The torch model as a device engine whose `prefill` takes `positions` (the interface of the
-    ONNX engine with a position input); records every call's ids, positions and logits."""
+class Recorder:
+    """A device engine that records every prefill's ids, positions and logits (decode is a
+    one-token prefill, as in `OnnxEngine`)."""
 
-    def __init__(self, torch_engine, tokenizer):
-        self.t, self.tok, self.calls = torch_engine, tokenizer, []
-        self.eos_id, self.context_length, self.fingerprint = torch_engine.eos_id, torch_engine.context_length, \
-            torch_engine.fingerprint
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.eos_id, self.context_length, self.fingerprint = engine.eos_id, engine.context_length, engine.fingerprint
 
     def tokenizer(self):
-        return self.tok
+        return self.engine.tokenizer()
 
     def prefill(self, ids, kv=None, positions=None):
-        kv = kv if kv is not None else self.t.new_cache(1024)
-        x = torch.tensor([list(ids)], dtype=torch.long)
-        pos = None if positions is None else torch.as_tensor(np.asarray(positions), dtype=torch.long)
-        with torch.inference_mode():
-            kv.reserve(x.shape[1])
-            logits = self.t.model(x, kv, kv.length, last_only=True, positions=pos)[0].float().numpy()
-            kv.commit()
+        logits, kv = self.engine.prefill(ids, kv, positions=positions)
         self.calls.append((list(ids), None if positions is None else list(map(int, positions)), logits))
         return logits, kv
 
@@ -62,13 +55,13 @@ def test_refine_setting_checked_and_table_from_results():
             SplitOptions(refine=bad)
 
 
-def test_device_refined_prefill_at_original_positions(torch_engine, tokenizer, monkeypatch):
-    """Split generation with refinement on a positions-aware device engine: the kept prompt tokens
-    are prefilled at their original positions, the cloud's tokens and the device's own at n + k,
-    and the device's logits and tokens equal the torch reference run at the same positions."""
+def test_device_refined_prefill_at_original_positions(torch_engine, onnx_engine, tokenizer, monkeypatch):
+    """Split generation with refinement on the ONNX device engine: the kept prompt tokens are
+    prefilled at their original positions, the cloud's tokens and the device's own at n + k, and
+    the device's logits and tokens equal the torch reference run at the same positions."""
     monkeypatch.setattr(refine_mod, "MIN_REFINE_TOKENS", 0)
-    eng = PositionsEngine(torch_engine, tokenizer)
-    assert takes_positions(eng) and not takes_positions(torch_engine)
+    eng = Recorder(onnx_engine)
+    assert takes_positions(eng) and takes_positions(onnx_engine) and not takes_positions(torch_engine)
     svc = CloudService(torch_engine, torch_engine.fingerprint, step_delay_ms=20.0, max_frame_bytes=1 << 20)
     prompt = tokenizer.encode_chat(CONV)
     n = len(prompt)
@@ -77,6 +70,7 @@ def test_device_refined_prefill_at_original_positions(torch_engine, tokenizer, m
         with pytest.raises(ValueError, match="refine must be"):
             c.complete(prompt, max_new_tokens=4, refine="half")  # refused before anything runs
         auto = c.complete(prompt, max_new_tokens=4, refine="auto")  # a short prompt: never refined
+        eng.calls.clear()
         res = c.complete(prompt, max_new_tokens=16, refine=0.5)
         c.close()
     assert choose_refine(n, "auto") is None and auto.device_prompt_tokens == n
