@@ -54,10 +54,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--profile", default=None, help="device profile pacing the engine (default: none, local speed)")
     ap.add_argument("--time-limit-s", type=float, default=1500.0, help="stop starting conversations after this")
+    ap.add_argument("--cloud-budget", default="auto",
+                    help="'auto' (the settings algorithm), 'none' (the cloud streams until the device takes over) or N")
     ap.add_argument("--out", default=str(OUT / "multiturn.json"))
     args = ap.parse_args(argv)
     if args.conversations < 1 or args.max_new_tokens < 1:
         print("--conversations and --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        budget = {"auto": "auto", "none": None}.get(args.cloud_budget) if args.cloud_budget in ("auto", "none") \
+            else int(args.cloud_budget)
+    except ValueError:
+        print(f"--cloud-budget must be auto, none or an int, got {args.cloud_budget!r}", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -74,7 +82,7 @@ def main(argv=None) -> int:
     convs = conversations(args.conversations)
     rows, t_start = [], time.perf_counter()
     with ServiceThread(svc, http_port=None) as s:
-        client = Client(cloud_url=s.url, engine=eng, profile=args.profile, kv_handoff=False)
+        client = Client(cloud_url=s.url, engine=eng, profile=args.profile, kv_handoff=False, cloud_budget=budget)
         pin(client._executor, 1)
         client.complete("Hello!", max_new_tokens=4)  # warm: cloud estimates, calibration
         for ci, turns in enumerate(convs):
@@ -85,23 +93,31 @@ def main(argv=None) -> int:
                 for k, text in enumerate(turns):
                     ra, rb = a.send(text), b.send(text)
                     for reuse, r in ((True, ra), (False, rb)):
-                        rows.append({"conversation": ci, "turn": k + 1, "reuse": reuse,
+                        rows.append({"conversation": ci, "turn": k + 1, "reuse": reuse, "request_id": r.request_id,
                                      "prompt_tokens": len(r.prompt_ids), "fault": r.fault,
                                      **{f: getattr(r, f) for f in FIELDS}})
                     rows[-1]["same_answer"] = rows[-2]["same_answer"] = ra.token_ids == rb.token_ids
                 websockets = a.link.connections
             print(f"conversation {ci}: {len(turns)} turns, reuse websockets {websockets}", flush=True)
         client.close()
+        time.sleep(1.0)  # the last turns' Done records (the cloud finishes after the device took over)
+        done = {d.request_id: d for d in list(s.completed)}
+        for r in rows:  # the cloud's own count (the device sees it only when the cloud's first token came first)
+            d = done.get(r["request_id"])
+            r["cloud_cached_tokens"] = d.cached_tokens if d is not None else r["cloud_cached_tokens"]
+            r["cloud_prefill_ms"] = d.prefill_ms if d is not None else None
 
     table = summarize(rows)
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "note": "2 cores shared with other work; ratios within the run are what counts"},
               "profile": args.profile or "local", "max_new_tokens": args.max_new_tokens,
+              "cloud_budget": args.cloud_budget,
               "conversations": len({r["conversation"] for r in rows}), "by_turn": table, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
     md = [f"Multi-turn reuse on chitchat conversations (`{result['command']}`; profile {result['profile']}, "
-          f"{result['conversations']} conversations, medians per turn).", "",
+          f"cloud budget {args.cloud_budget}, {result['conversations']} conversations, medians per turn; "
+          "cloud cached: from the cloud's Done records).", "",
           "| turn | n | prompt tokens | device cached | cloud cached | device prompt ms, reuse | no reuse | ratio | "
           "TTFT ms, reuse | no reuse | cloud tokens, reuse | no reuse | same answers |",
           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
