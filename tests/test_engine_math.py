@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from relayinfer.cloud.engine.block_manager import BlockManager
 from relayinfer.cloud.engine.sampler import sample_batch
 from relayinfer.cloud.engine.sequence import Sequence
-from relayinfer.cloud.models.llama import ConcatKV, StaticKV, gqa_attention
+from relayinfer.cloud.models.llama import CAUSAL, ConcatKV, StaticKV, causal_mask, gqa_attention
 from relayinfer.protocol.decoding import SamplingParams, draw, sample, top_p_keep
 
 
@@ -30,7 +30,8 @@ def expanded_attention64(q, k, v, mask):
     return s.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("b,s,t,padded", [(1, 1, 300, False), (5, 1, 40, True), (1, 17, 50, False), (2, 9, 9, False)])
+@pytest.mark.parametrize("b,s,t,padded", [(1, 1, 300, False), (5, 1, 40, True), (1, 17, 50, False), (2, 9, 9, False),
+                                          (1, 33, 33, False)])
 def test_gqa_attention_equals_expanded_float64(b, s, t, padded):
     g = torch.Generator().manual_seed(b * 1000 + s * 10 + t)
     q = torch.randn(b, 9, s, 64, generator=g)
@@ -44,6 +45,9 @@ def test_gqa_attention_equals_expanded_float64(b, s, t, padded):
         mask = None
     got = gqa_attention(q, k, v, mask)
     assert got.shape == (b, 9, s, 64) and got.dtype == torch.float32
+    if s == t:  # no cached keys: the CAUSAL shortcut (is_causal) gives the same values
+        torch.testing.assert_close(gqa_attention(q, k, v, CAUSAL), got, atol=1e-6, rtol=1e-6)
+        assert torch.equal(causal_mask(s, t), mask)
     torch.testing.assert_close(got.double(), expanded_attention64(q, k, v, mask), atol=2e-6, rtol=1e-5)
 
 

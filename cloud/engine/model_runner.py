@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from relayinfer.cloud.models.llama import Llama, gqa_attention, rope
+from relayinfer.cloud.models.llama import CAUSAL, Llama, gqa_attention, rope
 from relayinfer.protocol.model_file import ModelConfig
 
 from .scheduler import ScheduledSeq
@@ -53,7 +53,8 @@ class PagedKV:
             int64 [B * L] slots of their keys, padded to L = max length with slot 0;
             dec_mask: bool [B, 1, 1, L] key-padding mask, or None when nothing is padded.
         spans: (first row, end row, key count, slots int64 [key count], causal mask bool
-            [rows, key count]) of each multi-token chunk.
+            [rows, key count], or `llama.CAUSAL` for a chunk from position 0) of each multi-token
+            chunk.
     """
 
     def __init__(self, kv: list[torch.Tensor], slots: torch.Tensor, dec_rows: torch.Tensor | None,
@@ -157,7 +158,8 @@ class ModelRunner:
                 dec_lens.append(b)
             else:
                 g = self._table_slots([table], b)[0]
-                mask = torch.arange(b, device=dev)[None, :] <= torch.arange(a, b, device=dev)[:, None]
+                mask = CAUSAL if a == 0 else \
+                    torch.arange(b, device=dev)[None, :] <= torch.arange(a, b, device=dev)[:, None]
                 spans.append((row, row + s.n, b, g, mask))  # causal over cached + new keys
             row += s.n
             if s.sample:
