@@ -54,11 +54,11 @@ def cloud(torch_engine):
         yield svc
 
 
-@pytest.mark.parametrize("k", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("k", [0, 1, 2])
 def test_kv_handoff_equals_reprefill(cloud, onnx_engine, chat_prompt_ids, k):
-    """The suite's chat prompts (the first in the fast suite, all with -m slow): the device imports
-    the KV of all prompt tokens but the last and its greedy tokens equal those of the device's own
-    prefill (fp16 rounding flips no token on these prompts)."""
+    """The suite's chat prompts: the device imports the KV of all prompt tokens but the last and
+    its greedy tokens equal those of the device's own prefill (fp16 rounding flips no token on
+    these prompts)."""
     from relayinfer.sdk.client import Client
 
     common = dict(cloud_url=cloud.url, engine=onnx_engine, cloud_budget=None)
