@@ -3,7 +3,7 @@
 One readable model file in the style of gpt-fast: the KV cache is an object with one method,
 `attend(layer, q, k, v, mask, obs)` (store the new K/V, attend over what the queries may see), so
 the same blocks serve the single-request engine (`StaticKV`, a pre-allocated cache written in
-place), the ONNX export (`ConcatKV`, past/present tensors concatenated) and the batching engine
+place), one-off forwards (`ConcatKV`, past/present tensors concatenated) and the batching engine
 (`cloud.engine.model_runner.PagedKV`, block tables over a paged cache): the layer math is written
 once, here. Grouped-query attention never expands K/V (`gqa_attention`).
 
@@ -87,27 +87,12 @@ class _ContiguousAttend:
 
 
 class ConcatKV(_ContiguousAttend):
-    """Past tensors in, present tensors out (concatenation along the sequence axis); the ONNX
-    export's cache. `past[i]` is (k, v) of layer i, each [B, kv_heads, P, head_dim] float32.
-
-    Under `torch.onnx.export` the attention expands K/V to every query head and calls plain SDPA,
-    the graph the exporter and ONNX Runtime's fusions know (no shape branch, no `enable_gqa`);
-    eagerly it is `gqa_attention` like every other cache (same values: the tests check it)."""
+    """Past tensors in, present tensors out (concatenation along the sequence axis), for one-off
+    full forwards (prompt logprobs). `past[i]` is (k, v) of layer i, each [B, kv_heads, P,
+    head_dim]; `present[i]` holds them with the new tokens appended."""
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]]):
         self.past, self.present = past, [None] * len(past)
-
-    def attend(self, layer, q, k, v, mask, obs=None):
-        if not torch.onnx.is_in_onnx_export():
-            return super().attend(layer, q, k, v, mask, obs)
-        k, v = self.update(layer, k, v)
-        b, kvh, t, hd = k.shape
-        h = q.shape[1]
-        if isinstance(mask, str):
-            mask = causal_mask(q.shape[2], t, q.device)
-        k = k[:, :, None].expand(b, kvh, h // kvh, t, hd).reshape(b, h, t, hd)
-        v = v[:, :, None].expand(b, kvh, h // kvh, t, hd).reshape(b, h, t, hd)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def update(self, layer, k, v):
         pk, pv = self.past[layer]
