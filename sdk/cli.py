@@ -158,7 +158,7 @@ def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    total = EXPORT_SECONDS * (1.3 if quantize else 1.0)
+    total = EXPORT_SECONDS
     t0, done = time.monotonic(), threading.Event()
     usual = f"(about {total:.0f} s on 2 cores, once per model)"
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
@@ -188,7 +188,7 @@ def generate(
     prompt: str = typer.Argument(..., help="User message (chat template applied) or raw text with --raw."),
     engine: str = typer.Option("torch", help="torch (cloud runtime) or onnx (device runtime)."),
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF file; default SmolLM2-135M-Instruct."),
-    quantize: Optional[str] = typer.Option(None, help="int8 weights (onnx engine only)."),
+    quantize: Optional[str] = typer.Option(None, help="Device weights, gguf (default: the GGUF's own blocks) or fp32 (onnx engine only)."),
     max_new_tokens: int = typer.Option(128, help="Generated tokens at most (EOS included), at least 1."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus filter, in (0, 1]; 1 = off."),
@@ -234,13 +234,11 @@ def generate(
 @app.command("export")
 def export_cmd(
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF file; default SmolLM2-135M-Instruct."),
-    quantize: Optional[str] = typer.Option(None, help="Also write int8 weights."),
+    quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own 4/8-bit blocks) or fp32."),
 ):
     """Export the device model (ONNX + tokenizer + config) into the user cache, once per model hash."""
     _need_cloud("`relayinfer export`")
     try:
-        if quantize not in (None, "int8"):
-            raise ValueError(f"--quantize {quantize!r} is not supported; choose int8 (or leave it out for fp32)")
         d = _ensure_device_model(model, quantize)
     except (RelayInferError, ValueError) as e:
         fail(e)
@@ -578,6 +576,20 @@ def bench_split(
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
     if out and len(links) > 1:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
+    if per_bucket is not None:
+        if links:
+            fail(ValueError("--per-bucket runs on the direct loopback: leave out --link"))
+        profiles = [x.strip() for x in profile.split(",") if x.strip()]
+        try:
+            res = bench_module("split").run_handoff_bench(
+                profiles, per_bucket, out or "bench/results/split-handoff.json", seed=seed,
+                max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command)
+        except ValueError as e:
+            fail(e)
+        print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
+                                                             "stalls", "tpot_ms_max", "result_modes")}
+                                      for k, v in res["buckets"].items()}, "goals": res["goals"]}, indent=1, default=str))
+        return
     if per_bucket is not None:
         if links:
             fail(ValueError("--per-bucket runs on the direct loopback: leave out --link"))

@@ -215,7 +215,7 @@ class Client:
         if cloud_http_url is not None and not cloud_http_url.startswith(("http://", "https://")):
             raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
         if engine is None:
-            from relayinfer.device.onnx_engine import OnnxEngine, device_model_dir
+            from relayinfer.device.onnx_engine import OnnxEngine, device_model_dir, onnx_file_name
             from relayinfer.protocol.errors import ModelFileError
 
             if cloud_http_url is not None and model is None:
@@ -228,6 +228,8 @@ class Client:
             else:  # a local export (`relayinfer export`); the Client never exports (that needs torch)
                 try:
                     d = device_model_dir(model)
+                    if not (d / onnx_file_name(quantize)).is_file():  # the model file but no export
+                        raise ModelFileError(f"no exported device model in {d}; run `relayinfer export`")
                 except ModelFileError as e:
                     if model is not None:
                         raise

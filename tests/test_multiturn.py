@@ -53,8 +53,20 @@ def test_conversation_reuse_equals_no_reuse(cloud, onnx_engine):
                     assert a.device_prompt_tokens == len(a.prompt_ids) - a.device_cached_tokens
                 assert cloud_done(cloud, a.request_id).cached_tokens >= len(prev.prompt_ids)
             assert all(cloud_done(cloud, b.request_id).cached_tokens == 0 for b in fresh.results)
+            assert 0 < cloud.kept_tokens <= cloud.max_kept_tokens  # the open conversation's last KV
     finally:
         client.close()
+    wait_for(lambda: cloud.num_sessions == 0)
+    assert cloud.kept_tokens == 0  # the sessions ended: their kept KV caches are freed
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def cloud_done(cloud, request_id: str, timeout_s: float = 30.0):

@@ -30,8 +30,9 @@ from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
-from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, Pong, RefinedPrompt, Stop,
-                                          Token, encode)
+from relayinfer.protocol.kvhandoff import common_prefix, kv_messages
+from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, KVTransfer,
+                                          Pong, RefinedPrompt, Stop, Token, encode)
 from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
 from relayinfer.protocol.security import bearer_token, server_context, token_matches
 
@@ -39,6 +40,7 @@ log = logging.getLogger("relayinfer.cloud")
 
 MAX_REQUEST_ID = 64  # characters
 MAX_STOP_IDS = 64
+REUSE_WAIT_S = 1.0  # longest wait of a new turn for the previous, stopping turn's KV (per-request path)
 KEEPALIVE_S = 10.0  # websocket ping interval and timeout: a black-holed device is dropped within ~20 s
 
 
@@ -75,6 +77,18 @@ class _Request:
     stop_reason: str = "stop"
     batched: bool = False
     pending: int = 0  # prompt tokens counted in CloudService.pending_tokens until the first token
+    cached: int = 0  # prompt tokens whose KV came from the session's previous turn
+    session_kv: list | None = None  # the session's slot for its last KV (per-request path), see `_run`
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task is over
+
+
+@dataclass
+class _SessionKV:
+    """The KV cache of a session's last finished request on the per-request path (multi-turn
+    reuse): `ids` are the tokens whose K/V `kv` holds (prompt + the answer tokens the cloud decoded)."""
+
+    ids: list[int]
+    kv: object
 
 
 class CloudService:
@@ -108,6 +122,9 @@ class CloudService:
             the queue. Not applied before the rate is known, nor on the per-request path.
         retry_after_ms: the back-off hint sent with OVERLOADED (ms).
         history: Done messages kept in `completed` (the most recent ones; for tests and benches).
+        max_kept_tokens: multi-turn reuse on the per-request path keeps each session's last KV
+            cache for its next turn; at most this many tokens of such caches are kept over all
+            sessions (beyond it a turn's cache is freed and the next turn prefills in full).
         special_ids: chat-template token ids that prompt refinement always keeps (default: the
             CONTROL tokens of the engine's model file).
         llm: an `AsyncLLMEngine` (continuous batching over a paged KV cache). When given, requests
@@ -132,7 +149,7 @@ class CloudService:
                  llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False,
                  max_sessions: int = 256, max_requests_per_session: int = 4, retry_after_ms: float = 5000.0,
                  max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
-                 history: int = 1000):
+                 history: int = 1000, max_kept_tokens: int = 8192):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.metrics_public = metrics_public
         self._ssl, self._host = None, "127.0.0.1"
@@ -152,6 +169,8 @@ class CloudService:
         self.ws_port = self.http_port = None
         self._ws_server = self._http_runner = None
         self.completed: deque[Done] = deque(maxlen=history)  # the last Done of recent requests
+        self.max_kept_tokens = max_kept_tokens  # multi-turn reuse: session KV kept at most (tokens, all sessions)
+        self.kept_tokens = 0
 
     # --- websockets side ------------------------------------------------------------------------
 
@@ -163,6 +182,7 @@ class CloudService:
         self.num_sessions += 1
         requests: dict[str, _Request] = {}
         tasks: set[asyncio.Task] = set()
+        kept: list[_SessionKV] = []  # at most one: the last turn's KV (per-request path), taken by the next
         try:
             async for msg in channel:
                 if isinstance(msg, Generate):
@@ -172,9 +192,10 @@ class CloudService:
                         await channel.send(err)
                         continue
                     req = requests[msg.request_id] = _Request(msg, budget=msg.cloud_budget)
-                    req.batched = self.llm is not None and msg.refine is None
+                    req.batched = self._batched(msg)
                     req.pending = len(msg.prompt_ids)
                     self.pending_tokens += req.pending
+                    req.session_kv = kept
                     run = self._run_batched if req.batched else self._run
                     task = asyncio.create_task(run(channel, req, requests))
                     tasks.add(task)
@@ -210,6 +231,8 @@ class CloudService:
                 self._stop(req, "cancel")
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            self.kept_tokens -= sum(len(s.ids) for s in kept)
+            kept.clear()  # the session's kept KV cache is freed with it
             self.num_sessions -= 1
             self.metrics.active_sessions.dec()
 
@@ -247,7 +270,12 @@ class CloudService:
             return Error(ErrorCode.BAD_REQUEST.value, f"{len(msg.stop_ids)} stop_ids; at most {MAX_STOP_IDS}", rid)
         if msg.cloud_budget is not None and msg.cloud_budget < 0:
             return Error(ErrorCode.BAD_REQUEST.value, f"cloud_budget must be >= 0, got {msg.cloud_budget}", rid)
-        batched = self.llm is not None and msg.refine is None
+        if msg.kv_from is not None and not 0 <= msg.kv_from <= n - 1:
+            return Error(ErrorCode.BAD_REQUEST.value, f"kv_from must be in [0, {max(n - 1, 0)}] (prompt of {n} tokens), "
+                         f"got {msg.kv_from}", rid)
+        if msg.kv_from is not None and msg.refine is not None:
+            return Error(ErrorCode.BAD_REQUEST.value, "kv_from and refine cannot be combined", rid)
+        batched = self._batched(msg)
         limit = self.max_request_tokens(batched)
         if n + msg.max_new_tokens > limit:
             what = (f"the limit of {limit} tokens per request (min of the context length, {self.engine.context_length}, "
@@ -278,6 +306,11 @@ class CloudService:
                              self.retry_after_ms)
         return None
 
+    def _batched(self, msg: Generate) -> bool:
+        """Whether a request joins the continuous batch: not with refinement (the batched runner
+        computes no attention scores) nor with a KV hand-off (its KV lives in paged blocks)."""
+        return self.llm is not None and msg.refine is None and msg.kv_from is None
+
     def _dequeue(self, req: _Request) -> None:
         """The request got its first token (or ended): its prompt no longer waits for prefill."""
         self.pending_tokens -= req.pending
@@ -307,14 +340,17 @@ class CloudService:
                 if sent == 0:
                     prefill_ms = (time.perf_counter() - t0) * 1e3
                     self.metrics.prefill.observe(prefill_ms / 1e3)
-                await channel.send(Token(msg.request_id, out.token_id, out.index, (time.perf_counter() - t0) * 1e3))
+                    stats = self.llm.engine.request_stats(msg.request_id)
+                    req.cached = stats.prefix_hit_tokens if stats is not None else 0
+                await channel.send(Token(msg.request_id, out.token_id, out.index, (time.perf_counter() - t0) * 1e3,
+                                         req.cached if sent == 0 else 0))
                 sent += 1
                 self.metrics.cloud_tokens.inc()
                 if out.finish_reason:
                     reason = out.finish_reason
             if req.stop.is_set():
                 reason = req.stop_reason
-            done = Done(msg.request_id, reason, sent, prefill_ms)
+            done = Done(msg.request_id, reason, sent, prefill_ms, req.cached)
             self.completed.append(done)
             outcome = reason
             await channel.send(done)
@@ -354,13 +390,36 @@ class CloudService:
             self._markers = m if self._special_ids is None else replace(m, special_ids=frozenset(self._special_ids))
         return self._markers
 
-    def _prefill(self, msg: Generate):
-        """Prefill; with refinement also the kept prompt indices (SnapKV-style scores)."""
+    def _prefill(self, msg: Generate, past: _SessionKV | None = None):
+        """Prefill; with refinement also the kept prompt indices (SnapKV-style scores). Returns
+        (logits, kv, kept indices or None, reused tokens). Without refinement the KV of the session's
+        previous turn (`past`) is reused for the longest common prefix of its ids and the prompt
+        (at most all prompt tokens but the last, whose logits are needed); only the rest is prefilled."""
         if msg.refine is None:
-            logits, kv = self.engine.prefill(msg.prompt_ids)
-            return logits, kv, None
+            ids = msg.prompt_ids
+            k = min(common_prefix(past.ids, ids), len(ids) - 1) if past is not None else 0
+            if k > 0 and hasattr(past.kv, "length"):
+                kv = past.kv
+                kv.length = k  # keep the first k cached tokens (StaticKV is overwritten from `length` on)
+                logits, kv = self.engine.prefill(ids[k:], kv)
+            else:
+                k = 0
+                logits, kv = self.engine.prefill(ids)
+            return logits, kv, None, k
         logits, kv, scores = self.engine.prefill_scored(msg.prompt_ids, WINDOW)
-        return logits, kv, select(scores, msg.prompt_ids, msg.refine, self.markers)  # SELECTION
+        return logits, kv, select(scores, msg.prompt_ids, msg.refine, self.markers), 0  # SELECTION
+
+    def _kv_transfer(self, msg: Generate, kv) -> list[KVTransfer]:
+        """The KV hand-off to the device: prompt tokens [kv_from, n - 1) as float16 [layers, 2,
+        kv_heads, tokens, head_dim] (the ONNX past-KV layout per layer, keys after RoPE) in
+        `KVTransfer` messages of at most MAX_FRAME_BYTES each, the limit every device accepts."""
+        import torch
+
+        start, end = msg.kv_from, len(msg.prompt_ids) - 1
+        with torch.inference_mode():
+            t = torch.stack([kv.k[:, 0, :, start:end], kv.v[:, 0, :, start:end]], dim=1)
+            arr = t.to(torch.float16).cpu().numpy()
+        return kv_messages(msg.request_id, arr, start, MAX_FRAME_BYTES)
 
     @staticmethod
     def _params(msg: Generate) -> SamplingParams:
@@ -370,15 +429,29 @@ class CloudService:
                               repetition_penalty=msg.repetition_penalty, min_tokens=msg.min_tokens)
 
     async def _run(self, channel, req: _Request, requests: dict) -> None:
-        """Prefill, stream tokens until Stop/Cancel/budget/EOS/length, send Done, free the KV cache."""
-        msg, loop = req.msg, asyncio.get_running_loop()
+        """Prefill, stream tokens until Stop/Cancel/budget/EOS/length, send Done; keep the KV cache
+        for the session's next turn (`req.session_kv`, one slot) when the request ended normally,
+        else free it."""
+        msg, loop, session_kv = req.msg, asyncio.get_running_loop(), req.session_kv
         params, t0 = self._params(msg), time.perf_counter()
         ms = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
         self.metrics.active_requests.inc()
         kv, sent, reason, prefill_ms, outcome = None, 0, "length", 0.0, "error"
         out_ids: list[int] = []
         try:
-            logits, kv, kept = await loop.run_in_executor(self.worker, self._prefill, msg)
+            ending = [r.ended for r in requests.values() if r is not req and not r.batched and r.stop.is_set()]
+            if session_kv is not None and not session_kv and ending:  # the previous turn is stopping: its KV comes
+                waits = [asyncio.create_task(e.wait()) for e in ending]
+                try:
+                    await asyncio.wait(waits, timeout=REUSE_WAIT_S)
+                finally:
+                    for w in waits:
+                        w.cancel()
+            past = session_kv.pop() if session_kv else None  # taken: no two requests share a cache
+            if past is not None:
+                self.kept_tokens -= len(past.ids)
+            logits, kv, kept, req.cached = await loop.run_in_executor(self.worker, self._prefill, msg, past)
+            del past
             self._dequeue(req)
             prefill_ms = ms()
             self.metrics.prefill.observe(prefill_ms / 1e3)
@@ -392,9 +465,11 @@ class CloudService:
                 tok = sample(logits, params, i, msg.prompt_ids + out_ids if params.adjusts_logits else (),
                              len(msg.prompt_ids), self.engine.eos_id)
                 out_ids.append(tok)
-                await channel.send(Token(msg.request_id, tok, i, ms()))
+                await channel.send(Token(msg.request_id, tok, i, ms(), req.cached if i == 0 else 0))
                 if kept is not None and i == 0:  # right after the first token
                     await channel.send(RefinedPrompt(msg.request_id, kept))
+                if msg.kv_from is not None and i == 0:  # the KV hand-off, right after the first token
+                    await channel.send_large(await loop.run_in_executor(self.worker, self._kv_transfer, msg, kv))
                 sent += 1
                 self.metrics.cloud_tokens.inc()
                 end = is_stop(tok, self.engine.eos_id, params)
@@ -406,9 +481,14 @@ class CloudService:
                 if self.step_delay_ms:
                     await asyncio.sleep(self.step_delay_ms / 1e3)
                 logits, kv = await loop.run_in_executor(self.worker, self.engine.decode, tok, kv)
-            done = Done(msg.request_id, reason, sent, prefill_ms)
+            done = Done(msg.request_id, reason, sent, prefill_ms, req.cached)
             self.completed.append(done)
             outcome = reason
+            keep = (msg.prompt_ids + out_ids)[:kv.length]
+            if (session_kv is not None and msg.refine is None and not session_kv
+                    and self.kept_tokens + len(keep) <= self.max_kept_tokens):
+                session_kv.append(_SessionKV(keep, kv))  # the next turn's prefix
+                self.kept_tokens += len(keep)
             await channel.send(done)
         except RelayInferError:
             outcome = "disconnected"  # the device hung up (it may have finished on its own)
@@ -421,8 +501,9 @@ class CloudService:
                 pass
         finally:
             self._dequeue(req)
-            del kv  # the request's KV cache is freed here
+            del kv  # the request's KV cache is freed here (unless kept for the session's next turn)
             requests.pop(msg.request_id, None)
+            req.ended.set()
             self.metrics.requests.labels(outcome).inc()
             self.metrics.active_requests.dec()
 
@@ -508,7 +589,7 @@ class CloudService:
 
     async def _device_model(self, request):
         files = self._manifest_data()["files"]
-        name = request.match_info.get("name", "model.fp32.onnx")
+        name = request.match_info.get("name") or self._manifest_data().get("default_onnx", "model.fp32.onnx")
         if name not in files:
             raise web.HTTPNotFound(text=f"no device file {name!r}; available: {sorted(files)}")
         return web.FileResponse(self.device_model_dir / name, headers={"X-Content-SHA256": files[name]})
