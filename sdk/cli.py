@@ -590,20 +590,6 @@ def bench_split(
                                                              "stalls", "tpot_ms_max", "result_modes")}
                                       for k, v in res["buckets"].items()}, "goals": res["goals"]}, indent=1, default=str))
         return
-    if per_bucket is not None:
-        if links:
-            fail(ValueError("--per-bucket runs on the direct loopback: leave out --link"))
-        profiles = [x.strip() for x in profile.split(",") if x.strip()]
-        try:
-            res = bench_module("split").run_handoff_bench(
-                profiles, per_bucket, out or "bench/results/split-handoff.json", seed=seed,
-                max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command)
-        except ValueError as e:
-            fail(e)
-        print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
-                                                             "stalls", "tpot_ms_max", "result_modes")}
-                                      for k, v in res["buckets"].items()}, "goals": res["goals"]}, indent=1, default=str))
-        return
     run_split_bench = bench_module("split").run_split_bench
     if not links:
         res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed,
