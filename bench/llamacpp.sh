@@ -7,7 +7,7 @@
 # -march=native build can die with an illegal instruction on the benchmark hosts).
 #
 # Idempotent: re-running skips the download/extract/configure/build steps already done.
-# Usage: bench/llamacpp.sh [--print]   (--print: only print the binary dir, exit 1 if not built)
+# Usage: [LLAMACPP_JOBS=2] [LLAMACPP_NICE=10] bench/llamacpp.sh [--print]   (--print: only print the binary dir, exit 1 if not built)
 # Output: build/llamacpp/bin/{llama-server,llama-quantize,llama-bench}; the last line printed
 # is the bin directory.
 set -euo pipefail
@@ -16,8 +16,9 @@ OUT="$ROOT/build/llamacpp"
 SRC="$OUT/src"
 BUILD="$OUT/build"
 BIN="$OUT/bin"
-JOBS="${LLAMACPP_JOBS:-2}"
-TARGETS=(llama-server llama-quantize llama-bench)
+JOBS="${LLAMACPP_JOBS:-2}"   # parallel compile jobs
+NICE="${LLAMACPP_NICE:-10}"  # niceness of the compile (10: stay out of the way of other jobs)
+TARGETS=(llama-bench llama-quantize llama-server)  # small tools first; the server also builds mtmd
 
 have_all() { for t in "${TARGETS[@]}"; do [ -x "$BIN/$t" ] || return 1; done; }
 
@@ -52,7 +53,7 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
     -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON
 fi
-nice -n 10 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
+nice -n "$NICE" cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
 mkdir -p "$BIN"
 for t in "${TARGETS[@]}"; do cp -f "$BUILD/bin/$t" "$BIN/$t"; done
 echo "llama.cpp built from $(cat "$OUT/SOURCE" 2>/dev/null || echo vendored source)"

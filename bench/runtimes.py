@@ -345,7 +345,7 @@ def write_markdown(path: Path, report: dict) -> None:
              f"{report['machine']['cores']} cores shared with other jobs, load avg before "
              f"{report['machine']['loadavg_before']}, wall {report['wall_s']:.0f} s).", "",
              f"Tokens/s, median of {st['reps']} interleaved repetitions ({st['long_reps']} for prefill/context "
-             f">= {LONG} tokens); prompts are chitchat-dataset text cut to exactly N tokens (llama.cpp: llama-bench, "
+             f">= {LONG} tokens, measured at {st['long_threads']} thread(s) only); prompts are chitchat-dataset text cut to exactly N tokens (llama.cpp: llama-bench, "
              f"random ids of the same count); decode = {st['decode_steps']} greedy steps at batch 1 after a "
              f"C-token context (fewer if past {st['decode_budget_s']:.0f} s). MB/token = weights + KV cache at the "
              f"context read per decoded token; bound = those bytes / numpy read bandwidth (1 GiB buffer, best over "
@@ -404,6 +404,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="repetitions (default 2, 1 with --quick)")
     ap.add_argument("--long-reps", type=int, default=1, help=f"repetitions of prefill lengths and decode contexts "
                     f">= {LONG} (at most --reps; default 1)")
+    ap.add_argument("--long-threads", default="1,2", help=f"thread counts measured at prefill lengths and decode "
+                    f"contexts >= {LONG} (default 1,2; rows at other counts skip them)")
     ap.add_argument("--decode-budget", type=float, default=5.0, help="wall seconds per decode measurement")
     ap.add_argument("--max-wall-s", type=float, default=3600.0, help="no new measurement after this (s)")
     ap.add_argument("--model", type=Path, help="GGUF file (default: SmolLM2-135M-Instruct)")
@@ -440,7 +442,8 @@ def main(argv=None) -> int:
         if not isinstance(r, LlamaBenchRow):
             r.prefill(prompt[:32])
             r.decode(prompt[:32], 2, budget)
-    keys = [f"p{n}" for n in lengths] + [f"d{c}" for c in contexts]
+    keys = sorted([f"p{n}" for n in lengths] + [f"d{c}" for c in contexts], key=lambda k: (int(k[1:]), k))
+    long_threads = {int(x) for x in args.long_threads.split(",") if x.strip()}  # smallest first: a budget cut drops the largest
     samples = {r.name: {k: [] for k in keys} for r in rows}
     errors: dict[str, str] = {}
     skipped: list[str] = []
@@ -463,13 +466,16 @@ def main(argv=None) -> int:
         for key in keys:
             if int(key[1:]) >= LONG and rep >= args.long_reps:
                 continue
-            if time.perf_counter() - t_start > args.max_wall_s:
-                skipped.append(f"{key} rep {rep + 1} (past --max-wall-s {args.max_wall_s:.0f})")
-                continue
             order = rows[rep % len(rows):] + rows[:rep % len(rows)]  # back to back, order rotated per rep
             for r in order[::-1] if rep % 2 else order:
+                if int(key[1:]) >= LONG and r.threads not in long_threads:
+                    continue
+                if time.perf_counter() - t_start > args.max_wall_s:
+                    skipped.append(f"{r.name} {key} rep {rep + 1} (past --max-wall-s {args.max_wall_s:.0f})")
+                    continue
                 samples[r.name][key].append(measure(r, key))
-            log(f"rep {rep + 1}/{reps} {key}: " + ", ".join(f"{r.name} {fmt(samples[r.name][key][-1])}" for r in rows))
+            log(f"rep {rep + 1}/{reps} {key}: " + ", ".join(f"{r.name} {fmt(samples[r.name][key][-1])}" for r in rows
+                                                             if samples[r.name][key]))
 
     def med(xs):
         xs = [x for x in xs if x is not None]
@@ -503,7 +509,7 @@ def main(argv=None) -> int:
                     "loadavg_before": [round(x, 2) for x in loadavg], "python": platform.python_version(),
                     "versions": {p: _version(p) for p in ("torch", "onnxruntime", "transformers", "numpy")}},
         "model": model_info,
-        "settings": {"lengths": lengths, "contexts": contexts, "reps": reps, "long_reps": min(reps, args.long_reps),
+        "settings": {"lengths": lengths, "contexts": contexts, "long_threads": sorted(long_threads), "reps": reps, "long_reps": min(reps, args.long_reps),
                      "decode_steps": steps, "decode_budget_s": budget,
                      "prompt_source": "chitchat-dataset messages joined by newlines, Tokenizer.from_gguf",
                      "units": "tokens/s (samples too, one per repetition, null = failed); bandwidth in GB/s (1e9 B/s)"},
