@@ -56,8 +56,8 @@ step "split generation in the device venv (fetches the model from the cloud)"
 echo
 "$DEV/python" "$ROOT/.ci/device_check.py" "ws://127.0.0.1:$WS_PORT" "http://127.0.0.1:$HTTP_PORT"
 
-step "relayinfer chat in the device venv (model from the cache)"
-out=$(printf 'Say hello.\n' | "$DEV/relayinfer" chat --cloud "ws://127.0.0.1:$WS_PORT" --cloud-http "http://127.0.0.1:$HTTP_PORT" \
+step "relayinfer chat in the device venv (no --cloud-http: the model URL from the handshake, the files from the cache)"
+out=$(printf 'Say hello.\n' | "$DEV/relayinfer" chat --cloud "ws://127.0.0.1:$WS_PORT" \
       --max-new-tokens 8 --temperature 0 2>&1) || { echo "FAILED:"; echo "$out"; exit 1; }
 echo "$out" | grep -q "^\[" || { echo "FAILED (no answer line):"; echo "$out"; exit 1; }
 echo ok

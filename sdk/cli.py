@@ -69,15 +69,18 @@ def bench_module(name: str):
 CLOUD_EXTRA_HINT = "pip install torch==2.13.0, then pip install 'relayinfer[cloud]'"
 
 
-def _need_cloud(what: str, module: str = "relayinfer.cloud.export"):
-    """Import and return the cloud `module` (torch) for the sub-command `what`; on a device-only
-    install (no torch or no [cloud] extra) exit 2 with one line naming what to install."""
+def _need_cloud(what: str, module: str = "relayinfer.cloud.export", *also: str):
+    """Import and return the cloud `module` for the sub-command `what` (after importing the
+    modules `also` it needs at run time, e.g. onnx for the export); on a device-only install (no
+    [cloud] extra) exit 2 with one line naming what to install."""
     import importlib
 
     try:
+        for m in also:
+            importlib.import_module(m)
         return importlib.import_module(module)
     except ImportError as e:
-        fail(ValueError(f"{what} needs the cloud side (torch), which this install lacks ({e}); "
+        fail(ValueError(f"{what} needs the cloud side, which this install lacks ({e}); "
                         f"install it with: {CLOUD_EXTRA_HINT}"))
 
 
@@ -237,7 +240,7 @@ def export_cmd(
     quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own 4/8-bit blocks) or fp32."),
 ):
     """Export the device model (ONNX + tokenizer + config) into the user cache, once per model hash."""
-    _need_cloud("`relayinfer export`")
+    _need_cloud("`relayinfer export`", "relayinfer.cloud.export", "onnx")
     try:
         d = _ensure_device_model(model, quantize)
     except (RelayInferError, ValueError) as e:
@@ -482,9 +485,13 @@ def chat(
     insecure: bool = typer.Option(False, "--insecure", help="Do not verify the cloud's TLS certificate."),
     cloud_http: Optional[str] = typer.Option(None, "--cloud-http", help="http(s):// URL of the cloud's HTTP side "
                                              "(`cloud serve --http-port`): without --model, fetch the device model "
-                                             "from there (cached by fingerprint, resumed when interrupted)."),
+                                             "from there (cached by fingerprint, resumed when interrupted). "
+                                             "Default: on a device-only install, where the cloud's handshake says."),
 ):
-    """Interactive chat against a running cloud service (an empty line or Ctrl-D ends the chat)."""
+    """Interactive chat against a running cloud service (an empty line or Ctrl-D ends the chat).
+
+    The chat is one `Conversation`: one websocket for all turns, and each turn prefills only what
+    the previous turns did not (the device keeps its KV cache, the cloud its own)."""
     from relayinfer.device.profiles import load_profile
     from relayinfer.protocol.checks import check_cloud_url
     from relayinfer.protocol.decoding import SamplingParams
@@ -502,7 +509,12 @@ def chat(
 
     import urllib.error
 
-    fetch = cloud_http is not None and model is None
+    import importlib.util
+
+    # the device model: from --cloud-http, exported here (full install), or, on a device-only
+    # install without a model file, from where the cloud's Welcome says (the Client asks)
+    local = model is not None or importlib.util.find_spec("onnx") is not None
+    fetch = model is None and (cloud_http is not None or not local)
     progress, stop = _download_progress() if fetch else (None, lambda: None)
     try:
         if not fetch:
@@ -518,7 +530,7 @@ def chat(
     stop()
     client.check_cloud()  # an unreachable cloud is announced once: "warning: cloud unreachable at ..."
     typer.echo(_sampling_line(sampling) + "; an empty line or Ctrl-D ends the chat", err=True)
-    history: list[dict] = []
+    conv = client.conversation(**sampling)
     while True:
         try:
             line = input("> ").strip()
@@ -526,17 +538,23 @@ def chat(
             break
         if not line:
             break
-        history.append({"role": "user", "content": line})
         try:
-            stream = client.generate(history, **sampling)
+            stream = conv.stream(line)
             _print_stream(stream, sys.stdout.isatty())
         except (RelayInferError, ValueError) as e:  # e.g. the conversation outgrew the context
             fail(e)
         res = stream.result
-        history.append({"role": "assistant", "content": res.text})
         note = f"; {_outcome(res)}" if res.fault or res.plan != res.mode else ""
-        typer.echo(f"[{res.mode} TTFT {res.ttft_ms:.0f} ms, cloud {res.cloud_tokens} / device {res.device_tokens}{note}]",
-                   err=True)
+        typer.echo(f"[{res.mode} TTFT {res.ttft_ms:.0f} ms, cloud {res.cloud_tokens} / device {res.device_tokens}"
+                   f"{_reuse_note(res)}{note}]", err=True)
+    conv.close()
+    client.close()
+
+
+def _reuse_note(res) -> str:
+    """', reused 120 device / 118 cloud' for a later turn of a conversation, else ''."""
+    dev, cloud = getattr(res, "device_cached_tokens", 0), getattr(res, "cloud_cached_tokens", 0)
+    return f", reused {dev} device / {cloud} cloud" if dev or cloud else ""
 
 
 bench_app = typer.Typer(help="Benchmarks (results under bench/results/).", no_args_is_help=True)

@@ -220,7 +220,8 @@ class Client:
 
             if cloud_http_url is not None and model is None:
                 if quantize:
-                    raise ValueError("quantize applies to a locally exported model; the cloud serves fp32")
+                    raise ValueError("quantize applies to a locally exported model; the cloud serves its default device "
+                                         "model (the GGUF's own blocks)")
                 from relayinfer.device.fetch import cached_device_model
 
                 d = cached_device_model(cloud_http_url, token, context_for_url(cloud_http_url, ca, verify),
@@ -239,7 +240,8 @@ class Client:
                                              "Client(cloud_url=...) of a cloud that serves it, or "
                                              "Client(cloud_http_url=...), `relayinfer chat --cloud-http URL`") from None
                     if quantize:
-                        raise ValueError("quantize applies to a locally exported model; the cloud serves fp32")
+                        raise ValueError("quantize applies to a locally exported model; the cloud serves its default device "
+                                         "model (the GGUF's own blocks)")
                     from relayinfer.device.fetch import cached_device_model
 
                     d = cached_device_model(url, token, context_for_url(url, ca, verify), progress=progress)
