@@ -20,7 +20,7 @@ slot count is fixed at start); relayinfer runs once for all N (it has no slot co
 
 Per server and N: output tokens/s (completion tokens / wall seconds of the level), TTFT (send to
 first non-empty streamed content delta, ms) p50/p99 and TPOT ((last delta - first delta) / (tokens - 1), ms)
-p50/p99. Each level sends `--requests` requests (default max(4, 2N), N at 64) and stops sending
+p50/p99. Each level sends `--requests` requests (default `--waves` x N, at least 2; N at 64) and stops sending
 after `--level-budget-s`; a request still running at 2 x budget is cancelled and counted as such.
 The levels of all servers run back to back per N, so their ratios are paired within one run.
 
@@ -222,7 +222,9 @@ async def run_level(base: str, prompts: list[list[dict]], n: int, count: int, ma
             i = queue.pop(0)
             results.append(await one_request(session, base, prompts[i % len(prompts)], max_tokens, 2 * budget_s))
 
-    conn = aiohttp.TCPConnector(limit=n + 4)
+    # a fresh connection per request: llama-server closes idle keep-alive connections, and a pooled
+    # connection it closed fails the next request ("Can not write request body")
+    conn = aiohttp.TCPConnector(limit=n + 4, force_close=True)
     async with aiohttp.ClientSession(connector=conn) as session:
         tasks = [asyncio.create_task(worker(session)) for _ in range(n)]
         done, pending = await asyncio.wait(tasks, timeout=2 * budget_s + 5)
@@ -296,7 +298,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma list of N (default 1,4,16,64)")
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma list from {','.join(SERVERS)}")
-    ap.add_argument("--requests", type=int, help="requests per level (default max(4, 2N), N at N >= 64)")
+    ap.add_argument("--requests", type=int, help="requests per level (default: --waves x N, at least 2; N at N >= 64)")
+    ap.add_argument("--waves", type=int, default=2, help="requests per worker and level (default 2)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt", type=int, default=384, help="prompt tokens at most")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every server")
@@ -344,7 +347,7 @@ def main(argv=None) -> int:
     models = {"q4_1": str(q_path)}
     if "llama-f32" in servers:
         models["f32"] = str(f32_gguf(q_path, bindir, log))
-    count_for = lambda n: args.requests or (2 if args.quick else (n if n >= 64 else max(4, 2 * n)))
+    count_for = lambda n: args.requests or (2 if args.quick else (n if n >= 64 else max(2, args.waves * n)))
     prompts = workload(tok, max(count_for(n) for n in levels) + 1, args.max_prompt)
     plens = [len(tok.encode_chat(m)) for m in prompts]
     os.sched_setaffinity(0, client_cpus)
