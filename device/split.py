@@ -502,9 +502,10 @@ class _Run:
         refined (gapped) prompt."""
         if self.kv is None:
             return self.past
-        if self.refine_wanted:
+        length = getattr(self.kv, "length", None)  # an engine whose cache has no length is not reused
+        if self.refine_wanted or length is None:
             return None
-        return DeviceCache((self.prompt + self.answer)[:self.kv.length], self.kv)
+        return DeviceCache((self.prompt + self.answer)[:length], self.kv)
 
     async def go(self) -> GenerationResult:
         self.t0 = time.perf_counter()

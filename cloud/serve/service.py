@@ -340,7 +340,8 @@ class CloudService:
                 if sent == 0:
                     prefill_ms = (time.perf_counter() - t0) * 1e3
                     self.metrics.prefill.observe(prefill_ms / 1e3)
-                    stats = self.llm.engine.request_stats(msg.request_id)
+                    stats_of = getattr(self.llm.engine, "request_stats", None)  # the P/D view has none
+                    stats = stats_of(msg.request_id) if stats_of is not None else None
                     req.cached = stats.prefix_hit_tokens if stats is not None else 0
                 await channel.send(Token(msg.request_id, out.token_id, out.index, (time.perf_counter() - t0) * 1e3,
                                          req.cached if sent == 0 else 0))
