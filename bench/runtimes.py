@@ -505,7 +505,7 @@ def main(argv=None) -> int:
     report = {
         "command": " ".join([".venv/bin/python", "bench/runtimes.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"cpu": _cpu_name() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name() or platform.machine(), "cores": os.cpu_count(),
                     "loadavg_before": [round(x, 2) for x in loadavg], "python": platform.python_version(),
                     "versions": {p: _version(p) for p in ("torch", "onnxruntime", "transformers", "numpy")}},
         "model": model_info,
@@ -536,7 +536,8 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def _cpu_name() -> str | None:
+def cpu_name() -> str | None:
+    """The CPU model from /proc/cpuinfo (None where it cannot be read); also used by serve_compare.py."""
     try:
         return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):

@@ -45,13 +45,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
+
+from runtimes import cpu_name  # bench/runtimes.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
 SERVERS = ("relayinfer", "llama-f32", "llama-q4_1")
 
 
-def _die(msg: str) -> "NoReturn":  # noqa: F821
+def _die(msg: str) -> NoReturn:
     print(f"serve_compare: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -400,7 +403,7 @@ def main(argv=None) -> int:
     rep = {
         "command": " ".join([".venv/bin/python", "bench/serve_compare.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"cpu": _cpu_name() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name() or platform.machine(), "cores": os.cpu_count(),
                     "loadavg_before": [round(x, 2) for x in loadavg]},
         "llama_cpp": llama_ver, "model": models,
         "weights": {"relayinfer": "fp32 (GGUF dequantized)", "llama-f32": "F32 GGUF", "llama-q4_1": "Q4_1 GGUF"},
@@ -418,13 +421,6 @@ def main(argv=None) -> int:
     log(f"wrote {out} and {out.with_suffix('.md')}")
     print(out.with_suffix(".md").read_text())
     return 0
-
-
-def _cpu_name() -> str | None:
-    try:
-        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return None
 
 
 if __name__ == "__main__":
