@@ -30,7 +30,11 @@ RETRY_AFTER_MS = 1000.0
 def soak_cloud(torch_engine):
     llm = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=64 << 20))  # 91 blocks of 16 tokens (1456)
     svc = CloudService(torch_engine, torch_engine.fingerprint, auth_token=TOKEN, llm=llm,
-                       max_sessions=MAX_SESSIONS, retry_after_ms=RETRY_AFTER_MS)
+                       max_sessions=MAX_SESSIONS, retry_after_ms=RETRY_AFTER_MS,
+                       # the queue-wait admission follows the measured prefill rate, which a loaded
+                       # machine lowers until nearly every request is refused; this test is about the
+                       # session cap and the faults, so that admission is set out of the way
+                       max_queue_wait_ms=600_000.0)
     with ServiceThread(svc) as running:
         yield running
 
