@@ -1,4 +1,4 @@
-"""The 60-second soak (issue 9): 20 virtual devices with faults mixed in against an in-process cloud
+"""The 60-second soak: 20 virtual devices with faults mixed in against an in-process cloud
 service with continuous batching, a token, a small KV cache and a session cap below the device
 count (handshake OVERLOADED, honoured); answers of 8-32 tokens. Nothing lost or duplicated, every
 fault answered as specified, nothing left behind in the service afterwards. Measured: 78 s of
