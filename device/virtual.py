@@ -36,6 +36,7 @@ import numpy as np
 
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Stop, Token
+from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
 from .profiles import DeviceProfile, load_profile
 from .settings import CatchUp, Timing, choose_settings
@@ -118,26 +119,31 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
     except Exception as e:  # refused or unreachable
         res.error = f"{type(e).__name__}: {e}"
         return res
-    received, first, last = 0, None, None
+    table = RequestTable(Role.DEVICE)  # the request's protocol state: token order, crossings, its end
+    first, last = None, None
     kept: list[int] | None = None
     done: Done | None = None
     got_first, got_refined, got_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    received = lambda: table.tokens(rid)  # noqa: E731  cloud tokens received so far
 
     async def receive():
-        nonlocal received, first, last, kept, done
+        nonlocal first, last, kept, done
         try:
             async for msg in ch:
-                if isinstance(msg, Token) and msg.request_id == rid:
-                    received += 1
+                ev = table.receive(msg)
+                if isinstance(ev, RequestViolation):
+                    res.error = f"protocol violation: {ev.message}"
+                    return
+                if isinstance(msg, Token):
                     if first is None:
                         first = msg
                         res.ttft_ms = (time.perf_counter() - t0) * 1e3
                         got_first.set()
                     last = msg
-                elif isinstance(msg, RefinedPrompt) and msg.request_id == rid:
+                elif isinstance(msg, RefinedPrompt):
                     kept = list(msg.kept_indices)
                     got_refined.set()
-                elif isinstance(msg, Done) and msg.request_id == rid:
+                elif isinstance(msg, Done):
                     done = msg
                     return
                 elif isinstance(msg, Error):
@@ -153,20 +159,22 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
             await got_refined.wait()
             n = len(kept) if kept else n
         res.device_prompt_tokens = n
-        ended = lambda: received >= max_new_tokens or (done is not None and done.reason != "budget")  # noqa: E731
-        h = await device_loop(profile_timing(prof), n, lambda: received, ended)
+        ended = lambda: received() >= max_new_tokens or (done is not None and done.reason != "budget")  # noqa: E731
+        h = await device_loop(profile_timing(prof), n, received, ended)
         if h is None:
             return  # the cloud finished the answer first: no hand-off
         res.handoff = h
         if h == 0 and res.ttft_ms is None:  # ready before the first cloud token: the device answers alone
             res.ttft_ms = (time.perf_counter() - t0) * 1e3
-        if done is None:
+        if not table.send(Stop(rid, h)).ignored:  # ignored: the cloud's Done came first
             await ch.send(Stop(rid, h))
 
     t0 = time.perf_counter()
     try:
-        await ch.send(Generate(rid, prompt, max_new_tokens, 0.0, 1.0, 0, None, budget if split else None,
-                               refine if split else None, [], min_tokens=min_tokens))
+        g = Generate(rid, prompt, max_new_tokens, 0.0, 1.0, 0, None, budget if split else None,
+                     refine if split else None, [], min_tokens=min_tokens)
+        table.send(g)
+        await ch.send(g)
         rx = asyncio.create_task(receive())
         dev = asyncio.create_task(device()) if split else None
         await asyncio.wait_for(asyncio.shield(rx), timeout_s)
@@ -185,7 +193,7 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
             t.cancel()
         await ch.close()
     res.total_ms = (time.perf_counter() - t0) * 1e3
-    res.cloud_tokens = done.cloud_tokens if done is not None else received
+    res.cloud_tokens = done.cloud_tokens if done is not None else received()
     if done is not None:  # no Token at all: a hand-off at 0 (the cloud held the request for its prefill)
         res.cloud_busy_ms = done.prefill_ms + (last.t_cloud_ms - first.t_cloud_ms if first is not None else 0.0)
     res.ok = done is not None and (first is not None or res.handoff == 0) and res.error is None
