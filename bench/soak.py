@@ -41,7 +41,9 @@ Checks per request (every stream, faults included, as far as it got): token indi
 with no gap (`tokens_lost`) and no repeat (`tokens_duplicated`); a `Done` whose `cloud_tokens`
 differs from the tokens received counts the difference as lost (fewer received) or duplicated
 (more). Tokens after a `Stop` are received but not shown (`tokens_shown` counts indices below the
-hand-off). Must be 0 and 0.
+hand-off). Must be 0 and 0. Every request message sent and received goes through the connection's
+`protocol.requests.RequestTable` (device side): a violation (a gap or repeat, a miscounting `Done`,
+anything after a request's end, an unknown request id) fails the request as unexpected, naming it.
 
 Server side: RSS (`VmRSS` of /proc/<pid>/status, MiB) sampled every `sample_s` seconds; `start` is
 the sample after `warmup_s`, `end` the sample after the run settled. After the run the driver waits
@@ -77,6 +79,7 @@ from pathlib import Path
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.messages import HANDSHAKE_MAX_BYTES, Cancel, Done, Error, Generate, Stop, Token, encode
+from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
 FAULTS = ("disconnect", "stall", "oversize", "oversize_hello", "garbage", "garbage_tcp", "prompt_too_long",
           "bad_token", "cancel", "burst")
@@ -284,6 +287,7 @@ class _Device:
         self.idx, self.run, self.cfg = idx, run, run.cfg
         self.rng = random.Random(run.cfg.seed * 100_003 + idx)
         self.req_deadline = 0.0
+        self.table = RequestTable(Role.DEVICE)  # the open connection's requests (protocol/requests.py)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _prompt(self) -> list[int]:
@@ -301,11 +305,23 @@ class _Device:
         return Generate(**kw)
 
     async def _send(self, ch, msg) -> None:
+        """Send a request message through the connection's table (a Stop/Cancel that crossed the
+        request's Done is not sent)."""
         if isinstance(msg, Generate):
             if self.run.max_reached():
                 raise _Exhausted()
             self.run.tally.generates += 1
-        await ch.send(msg)
+        if not self.table.send(msg).ignored:
+            await ch.send(msg)
+
+    def _check(self, msg):
+        """Feed a received message to the connection's table; a violation (a token gap or repeat, a
+        Done miscounting the tokens, anything after a request's end, an unknown request) is an
+        unexpected failure naming the request, its state and the message. Returns the message."""
+        ev = self.table.receive(msg)
+        if isinstance(ev, RequestViolation):
+            raise Unexpected(f"protocol violation: {ev.message}")
+        return msg
 
     async def _recv(self, ch, timeout_s: float | None = None):
         """The next message, waiting at most `timeout_s` s, and never past the request's deadline
@@ -357,6 +373,14 @@ class _Device:
                     raise Unexpected(f"{e} ({len(idx)} of max {g.max_new_tokens} tokens received, "
                                      f"{time.perf_counter() - t0:.1f} s after the Generate{first}, "
                                      f"{len(g.prompt_ids)} prompt tokens)") from None
+                try:
+                    self._check(msg)
+                except Unexpected:
+                    if isinstance(msg, Token) and msg.request_id == rid:
+                        idx.append(msg.index)  # counted lost / duplicated below
+                    elif isinstance(msg, Done) and msg.request_id == rid:
+                        done = msg  # its cloud_tokens against the tokens received, below
+                    raise
                 if isinstance(msg, Token) and msg.request_id == rid:
                     if not idx:
                         t_first = time.perf_counter() - t0
@@ -366,9 +390,9 @@ class _Device:
                     k = len(idx)
                     if stop_after is not None and k == stop_after and handoff is None:
                         handoff = k
-                        await ch.send(Stop(rid, k))
+                        await self._send(ch, Stop(rid, k))
                     if cancel_after is not None and k == cancel_after:
-                        await ch.send(Cancel(rid))
+                        await self._send(ch, Cancel(rid))
                         cancel_after = None
                     if stall_after is not None and k == 1:
                         secs, close = stall_after
@@ -422,6 +446,7 @@ class _Device:
             run.tally.connect_failures[_group(f"{type(e).__name__}: {e}")] += 1
             return 1.0
         run.tally.connections += 1
+        self.table = RequestTable(Role.DEVICE)  # a fresh connection: no requests yet
         wait = 0.0
         try:
             for _ in range(r.randint(1, 3)):
@@ -484,7 +509,7 @@ class _Device:
             after = r.choice([0, 1, 2, 3])
             got = []
             while len(got) < after:
-                msg = await self._recv(ch)
+                msg = self._check(await self._recv(ch))
                 if isinstance(msg, Done):
                     break
                 if isinstance(msg, Error) and msg.code == ErrorCode.OVERLOADED.value and msg.retry_after_ms and not got:
@@ -531,7 +556,7 @@ class _Device:
                 p[r.randrange(len(p))] = r.choice([self.run.vocab_size, self.run.vocab_size + 12345, -1])
                 g = self._generate(p)
             await self._send(ch, g)
-            msg = await self._recv(ch, 30.0)
+            msg = self._check(await self._recv(ch, 30.0))
             if not (isinstance(msg, Error) and msg.request_id == g.request_id):
                 raise Unexpected(f"{fault}: got {type(msg).__name__} instead of a request Error")
             tl.error_codes[msg.code] += 1
@@ -578,7 +603,7 @@ class _Device:
             overloaded, hint = 0, 0.0
             try:
                 while pending:
-                    msg = await self._recv(ch)
+                    msg = self._check(await self._recv(ch))
                     if isinstance(msg, Token) and msg.request_id in pending:
                         streams[msg.request_id].append(msg.index)
                     elif isinstance(msg, Done) and msg.request_id in pending:
