@@ -8,7 +8,9 @@ import pytest
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.profiles import DeviceProfile
+from relayinfer.device import virtual
 from relayinfer.device.virtual import auto_budget, run_load, summarize, VirtualResult
+from relayinfer.protocol.messages import Done, Token
 
 MAX_NEW = 16
 # a device that prefills fast (so it takes over after a few cloud tokens) but decodes slowly
@@ -56,3 +58,41 @@ def test_auto_budget_and_summary():
     assert s["ok"] == 3 and s["ttft_ms_p50"] == 200 and not s["meets_slo"]  # a failure breaks the SLO
     assert s["goodput_rps"] == pytest.approx(0.3)
     assert summarize(rs, 1.0, 10.0)["meets_slo"]
+
+
+class _FakeChannel:
+    """A cloud that answers the Generate with the given frames (built from its request id)."""
+
+    def __init__(self, frames):
+        self.frames, self.sent, self.rid = frames, [], asyncio.Event()
+
+    async def send(self, msg):
+        self.sent.append(msg)
+        self.rid.set()
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        await self.rid.wait()
+        for make in self.frames:
+            yield make(self.sent[0].request_id)
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("frames,why", [
+    ([lambda r: Token(r, 5, 0, 1.0), lambda r: Token(r, 6, 2, 2.0), lambda r: Done(r, "eos", 3, 1.0)], "skips 1"),
+    ([lambda r: Token(r, 5, 0, 1.0), lambda r: Token(r, 5, 0, 1.0), lambda r: Done(r, "eos", 2, 1.0)], "repeats"),
+    ([lambda r: Token(r, 5, 0, 1.0), lambda r: Done(r, "eos", 4, 1.0)], "cloud_tokens=4 but 1"),
+    ([lambda r: Token("other", 5, 0, 1.0)], "unknown request"),
+])
+def test_virtual_request_names_a_protocol_violation(monkeypatch, frames, why):
+    """A cloud stream that breaks the per-request rules fails the virtual request, naming the rule."""
+    async def fake_open(*a, **k):
+        return _FakeChannel(frames)
+    monkeypatch.setattr(virtual.proto_ws, "open_channel", fake_open)
+    res = asyncio.run(virtual.virtual_request("ws://x", "fp", [1, 2, 3], mode="cloud-only", max_new_tokens=8,
+                                              timeout_s=10.0))
+    assert not res.ok and res.error.startswith("protocol violation") and why in res.error, res.error
