@@ -31,6 +31,7 @@ from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.kvhandoff import common_prefix, kv_messages
+from relayinfer.protocol.limits import ConnectionGate, ConnectionLimits, GatedSite, quiet_accept_errors, runner_kwargs
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, KVTransfer,
                                           Pong, RefinedPrompt, Stop, Token, encode)
 from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
@@ -107,8 +108,12 @@ class CloudService:
             ones get FRAME_TOO_LARGE. Default: the largest real message, a Generate of a whole
             context (`split_frame_limit`, 25 KiB for an 8k context); before the handshake the
             limit is `HANDSHAKE_MAX_BYTES` (4 KiB).
-        max_sessions: open device sessions at most; a device beyond it is refused at the handshake
-            with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
+        max_sessions: open device sessions at most, counted from the websocket upgrade (before the
+            Hello: an open websocket that has not said Hello holds a slot); a device beyond it is
+            refused with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
+        limits: connection limits of both ports together (`protocol.limits.ConnectionLimits`:
+            open connections in all and per client address, request-head / handshake / Hello
+            timeouts, keep-alive idle timeout); default `ConnectionLimits()`.
         max_requests_per_session: concurrent Generates per session at most (OVERLOADED beyond).
         max_queued_tokens: prompt tokens of admitted requests still waiting for their first token, at
             most (a request arriving when the queue is not empty and would pass this gets
@@ -149,7 +154,7 @@ class CloudService:
                  llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False,
                  max_sessions: int = 256, max_requests_per_session: int = 4, retry_after_ms: float = 5000.0,
                  max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
-                 history: int = 1000, max_kept_tokens: int = 8192):
+                 history: int = 1000, max_kept_tokens: int = 8192, limits: ConnectionLimits | None = None):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.metrics_public = metrics_public
         self._ssl, self._host = None, "127.0.0.1"
@@ -161,7 +166,8 @@ class CloudService:
         self.retry_after_ms = retry_after_ms
         self.max_queued_tokens, self.max_queue_wait_ms = max_queued_tokens, max_queue_wait_ms
         self.pending_tokens = 0  # prompt tokens of requests waiting for their first token
-        self.num_sessions = 0  # open device sessions (after the handshake)
+        self.num_sessions = 0  # open device sessions (from the websocket upgrade on, see `_admit`)
+        self.gate = ConnectionGate(limits)  # open connections of both ports
         self._special_ids = special_ids
         self.llm, self.model_name = llm, model_name
         self.metrics = Metrics()
@@ -178,8 +184,6 @@ class CloudService:
         """One device connection: dispatch messages, run each Generate as its own task."""
         if not channel.hello.model_fingerprint:  # a device without the model asked where it is (Welcome): done
             return
-        self.metrics.active_sessions.inc()
-        self.num_sessions += 1
         requests: dict[str, _Request] = {}
         tasks: set[asyncio.Task] = set()
         kept: list[_SessionKV] = []  # at most one: the last turn's KV (per-request path), taken by the next
@@ -233,16 +237,22 @@ class CloudService:
                 await asyncio.gather(*tasks, return_exceptions=True)
             self.kept_tokens -= sum(len(s.ids) for s in kept)
             kept.clear()  # the session's kept KV cache is freed with it
-            self.num_sessions -= 1
-            self.metrics.active_sessions.dec()
 
     def _admit(self) -> Error | None:
-        """Before a handshake: OVERLOADED (with the back-off hint) when `max_sessions` are open."""
+        """Right after the websocket upgrade, before the Hello: OVERLOADED (with the back-off hint)
+        when `max_sessions` are open, else the connection is counted as a session (until `_release`)."""
         if self.num_sessions >= self.max_sessions:
             self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
             return Error(ErrorCode.OVERLOADED.value, f"the server holds its limit of {self.max_sessions} device "
                          f"sessions; retry after {self.retry_after_ms:.0f} ms", None, self.retry_after_ms)
+        self.num_sessions += 1
+        self.metrics.active_sessions.inc()
         return None
+
+    def _release(self) -> None:
+        """An admitted connection ended (after its Hello or without one)."""
+        self.num_sessions -= 1
+        self.metrics.active_sessions.dec()
 
     def max_request_tokens(self, batched: bool) -> int:
         """Prompt + answer tokens one request may hold: min(context length, KV cache capacity)."""
@@ -629,15 +639,18 @@ class CloudService:
         if self.llm is not None:  # the batching engine's runner allocates on its first steps too
             await loop.run_in_executor(self.worker, self.llm.engine.generate, [list(range(16, 48))],
                                        SamplingParams(max_new_tokens=2))
+        quiet_accept_errors()
         if http_port is not None:  # first: the Welcome names its /v1/device-model URL
-            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True)
+            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True,
+                                              **runner_kwargs(self.gate.limits))
             await self._http_runner.setup()
-            site = web.TCPSite(self._http_runner, host, http_port, ssl_context=ssl)
+            site = GatedSite(self._http_runner, host, http_port, self.gate, ssl_context=ssl)
             await site.start()
-            self.http_port = site._server.sockets[0].getsockname()[1]
+            self.http_port = site.port
         self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
                                                auth_token=self.auth_token, server="relayinfer-cloud",
                                                max_frame_bytes=self.max_frame_bytes, admit=self._admit,
+                                               release=self._release, gate=self.gate,
                                                ping_interval=KEEPALIVE_S, ping_timeout=KEEPALIVE_S,
                                                device_model_url=self.device_model_url or "",
                                                **({"ssl": ssl} if ssl is not None else {}))
