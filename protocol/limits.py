@@ -17,6 +17,8 @@ One `ConnectionGate` per server process holds the limits of all its ports (`Conn
   ``protocol.ws.serve``, both ``header_timeout_s``;
 - a TLS handshake is bounded by ``header_timeout_s`` too (``ssl_handshake_timeout``).
 
+`MemoryBudget` is the one byte budget of a server's requests (see its docstring).
+
 `quiet_accept_errors(loop)` replaces asyncio's one traceback per failed ``accept()`` (EMFILE,
 ENFILE, ENOBUFS, ENOMEM: asyncio retries every second per listening socket) by one warning line per
 ``interval_s`` with the count.
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["ConnectionLimits", "ConnectionGate", "GatedSite", "gated_connection", "quiet_accept_errors",
-           "runner_kwargs", "LOOPBACK_HOSTS", "is_loopback"]
+           "runner_kwargs", "LOOPBACK_HOSTS", "is_loopback", "MemoryBudget", "Charge", "trim_heap"]
 
 log = logging.getLogger("relayinfer.limits")
 
@@ -312,3 +314,100 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop | None = None, interval_
         loop._relayinfer_quiet_accept = True  # type: ignore[attr-defined]
     except AttributeError:  # a loop class with __slots__: the handler is then set again (harmless)
         pass
+
+
+class MemoryBudget:
+    """One byte budget for everything a server's requests hold (KV caches, prefill and attention
+    scratch, KV hand-off copies, received frames and decoded tiles).
+
+    `try_charge(path, nbytes)` returns a `Charge` (give it back with `release()`, idempotent) or
+    None when `used + nbytes` would pass `limit_bytes`; the caller then answers OVERLOADED /
+    503 + Retry-After. `reserve(path, nbytes)` charges memory held for the server's lifetime (the
+    batching engine's preallocated KV pool) and raises ValueError when it alone passes the limit.
+    `used`: bytes charged now; `by_path`: the same by path; `refused`: refusals by path.
+    Thread-safe (charges are taken on the event loop and may be released on a worker thread).
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        import threading
+
+        if limit_bytes < 1:
+            raise ValueError(f"memory budget must be >= 1 byte, got {limit_bytes}")
+        self.limit_bytes = int(limit_bytes)
+        self.used = 0
+        self.by_path: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def free(self) -> int:
+        """Bytes not charged (>= 0)."""
+        return max(self.limit_bytes - self.used, 0)
+
+    def reserve(self, path: str, nbytes: int) -> "Charge":
+        """Charge `nbytes` for good (released only by the returned Charge). Raises ValueError
+        naming both sizes (MiB) when it does not fit."""
+        charge = self.try_charge(path, nbytes)
+        if charge is None:
+            raise ValueError(f"{path} needs {nbytes / 2**20:.0f} MiB but the memory budget is "
+                             f"{self.limit_bytes / 2**20:.0f} MiB ({self.used / 2**20:.0f} MiB already charged)")
+        return charge
+
+    def try_charge(self, path: str, nbytes: int) -> "Charge | None":
+        """A Charge of `nbytes` (>= 0) under `path`, or None if it does not fit (counted in `refused`)."""
+        nbytes = max(int(nbytes), 0)
+        with self._lock:
+            if self.used + nbytes > self.limit_bytes:
+                self.refused[path] = self.refused.get(path, 0) + 1
+                return None
+            self.used += nbytes
+            self.by_path[path] = self.by_path.get(path, 0) + nbytes
+        return Charge(self, path, nbytes)
+
+    def _release(self, path: str, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+            self.by_path[path] = self.by_path.get(path, 0) - nbytes
+
+    def refusal(self, what: str, nbytes: int) -> str:
+        """The message of a refusal: what needed how much, and what the budget holds."""
+        return (f"{what} needs {nbytes / 2**20:.1f} MiB of memory and {self.free / 2**20:.1f} MiB of the "
+                f"server's {self.limit_bytes / 2**20:.0f} MiB budget are free")
+
+
+class Charge:
+    """Bytes charged to a `MemoryBudget` under a path; `release()` gives them back (once)."""
+
+    __slots__ = ("budget", "path", "nbytes")
+
+    def __init__(self, budget: MemoryBudget, path: str, nbytes: int) -> None:
+        self.budget, self.path, self.nbytes = budget, path, nbytes
+
+    def release(self) -> None:
+        """Give the bytes back; later calls do nothing. Large releases return freed heap pages to
+        the system (`trim_heap`), so the process's RSS follows the budget."""
+        if self.budget is None:
+            return
+        budget, self.budget = self.budget, None
+        budget._release(self.path, self.nbytes)
+        if self.nbytes >= 16 << 20:
+            trim_heap()
+
+
+def trim_heap() -> None:
+    """Return free heap memory to the OS (glibc `malloc_trim(0)`; a no-op elsewhere). Large
+    tensors freed by a request stay in the process otherwise: glibc raises its mmap threshold after
+    the first large free, so later buffers of up to 32 MiB come from the heap, which rarely shrinks."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
