@@ -5,6 +5,11 @@ certificate chain. Client side: `client_context(ca, verify)` trusts the system C
 bundle `ca` (a self-signed or private CA), and checks the host name; `verify=False` turns every
 check off (logged as a warning: anyone on the path can then read the token).
 
+Policy (every server: `cloud serve`, `pd serve`, `relay serve`, `patho serve`): `--token` (or the
+`RELAYINFER_TOKEN` environment variable) is the bearer token clients must present, `--certfile` /
+`--keyfile` serve TLS, and a server whose `--host` reaches beyond this machine refuses to start
+without a token unless `--insecure-no-auth` is given (`check_exposure`, before anything binds).
+
 Auth: `bearer_token(header)` takes the token out of an `Authorization: Bearer <token>` header and
 `token_matches(given, expected)` compares in constant time; the websocket Hello check
 (`protocol.session.ServerSession`) and the HTTP middleware of the cloud service use the same rule.
@@ -16,7 +21,10 @@ import logging
 import os
 import ssl
 
-__all__ = ["server_context", "client_context", "context_for_url", "bearer_token", "token_matches"]
+__all__ = ["server_context", "client_context", "context_for_url", "bearer_token", "token_matches", "check_exposure",
+           "TOKEN_ENV"]
+
+TOKEN_ENV = "RELAYINFER_TOKEN"  # the environment variable every server and client reads the token from
 
 log = logging.getLogger("relayinfer.security")
 
@@ -99,3 +107,20 @@ def token_matches(given: str | None, expected: str) -> bool:
     if given is None:
         return False
     return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape"))
+
+
+def check_exposure(host: str | None, token: str | None, insecure_no_auth: bool = False) -> None:
+    """The start-up policy of every server: a listen address other than loopback (127.0.0.0/8, ::1,
+    localhost) needs a token, unless `insecure_no_auth` says serving anyone who can connect is meant.
+
+    Raises:
+        ValueError: `host` is not loopback, `token` is empty and `insecure_no_auth` is False (the
+            message names --host, --token and --insecure-no-auth).
+    """
+    from .limits import is_loopback
+
+    if token or insecure_no_auth or is_loopback(host):
+        return
+    raise ValueError(f"--host {host or '(all interfaces)'} listens beyond this machine and no token is set: give "
+                     f"--token (or {TOKEN_ENV}) so that clients must present it, or --insecure-no-auth to serve "
+                     f"anyone who can connect")

@@ -41,6 +41,7 @@ from websockets.asyncio.server import serve as _ws_serve
 from websockets.exceptions import ConnectionClosed
 
 from .errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
+from .limits import ConnectionGate, ConnectionLimits, gated_connection, quiet_accept_errors
 from .messages import MAX_FRAME_BYTES, Error, Hello, Message, Welcome
 from .session import ClientSession, HandshakeDone, MessageReceived, PeerError, ProtocolViolation, ServerSession
 
@@ -254,10 +255,12 @@ def serve(
     expected_fingerprint: str,
     auth_token: str | None = None,
     max_frame_bytes: int = MAX_FRAME_BYTES,
-    handshake_timeout: float = 10.0,
+    handshake_timeout: float | None = None,
     server: str = "",
     admit: Callable[[], "Error | None"] | None = None,
+    release: Callable[[], None] | None = None,
     device_model_url: str = "",
+    gate: ConnectionGate | None = None,
     **serve_kwargs: Any,
 ) -> Any:
     """Start a websockets server whose ``handler`` receives handshaken :class:`ServerChannel`\\ s.
@@ -269,8 +272,17 @@ def serve(
     channel is already closed (protocol violation, remote error, closure), otherwise with an Error
     frame carrying the exception's code and message; any other exception sends an INTERNAL Error
     frame and is re-raised (logged by websockets). ``admit``, if given, is called for each new
-    connection before the handshake: it returns None to go on, or a connection-level ``Error``
-    (e.g. OVERLOADED with ``retry_after_ms``) that is sent instead of the Welcome before closing.
+    connection right after the websocket upgrade, before the Hello: it returns None to admit it
+    (the caller counts the session from then on: an open websocket that never says Hello holds a
+    session slot too), or a connection-level ``Error`` (e.g. OVERLOADED with ``retry_after_ms``)
+    that is sent instead of the Welcome before closing. ``release``, if given, is called once when
+    an admitted connection ends, whatever ended it.
+
+    Connection limits (`protocol.limits`): ``gate`` (default: a new ``ConnectionGate`` with the
+    default ``ConnectionLimits``; share one between a server's ports) caps open connections, total
+    and per client address, at accept (503 + Retry-After beyond); the websocket opening handshake
+    (``open_timeout``), the TLS handshake and the Hello (``handshake_timeout``) are each bounded by
+    the gate's ``header_timeout_s`` unless given. Failed ``accept()`` calls are logged once per 10 s.
     Extra keyword arguments go to ``websockets.asyncio.server.serve``.
     """
 
@@ -283,20 +295,34 @@ def serve(
             await ws.close(_CLOSE_CODES.get(ErrorCode(refusal.code), 1008), refusal.code)
             return
         try:
-            channel = await accept(ws, session, handshake_timeout)
-        except (RelayInferError, TimeoutError):
-            return  # already answered with an Error frame and closed
-        try:
-            await handler(channel)
-        except RelayInferError as exc:  # a closed channel ends quietly; any other error is told to the client
-            if not session.closed:
-                await _fail(ws, session, exc.code, exc.message)
-        except Exception:
-            if not session.closed:
-                await _fail(ws, session, ErrorCode.INTERNAL, "internal server error")
-            raise
+            try:
+                channel = await accept(ws, session, hello_timeout)
+            except (RelayInferError, TimeoutError):
+                return  # already answered with an Error frame and closed
+            try:
+                await handler(channel)
+            except RelayInferError as exc:  # a closed channel ends quietly; any other error is told to the client
+                if not session.closed:
+                    await _fail(ws, session, exc.code, exc.message)
+            except Exception:
+                if not session.closed:
+                    await _fail(ws, session, ErrorCode.INTERNAL, "internal server error")
+                raise
+        finally:
+            if release is not None:
+                release()
 
-    return _ws_serve(_handler, host, port, max_size=ws_max_size(max_frame_bytes), **serve_kwargs)
+    gate = gate or ConnectionGate()
+    hello_timeout = gate.limits.header_timeout_s if handshake_timeout is None else handshake_timeout
+    serve_kwargs.setdefault("open_timeout", gate.limits.header_timeout_s)
+    if serve_kwargs.get("ssl") is not None:
+        serve_kwargs.setdefault("ssl_handshake_timeout", gate.limits.header_timeout_s)
+    try:
+        quiet_accept_errors()
+    except RuntimeError:  # no running loop yet: the caller's loop keeps its own handler
+        pass
+    return _ws_serve(_handler, host, port, max_size=ws_max_size(max_frame_bytes),
+                     create_connection=gated_connection(gate), **serve_kwargs)
 
 
 async def open_channel(

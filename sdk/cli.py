@@ -297,6 +297,10 @@ def _server_tls(certfile: str | None, keyfile: str | None):
         fail(e)
 
 
+from relayinfer.sdk.server_opts import (OPT_HEADER_TIMEOUT, OPT_IDLE_TIMEOUT, OPT_INSECURE_NO_AUTH,  # noqa: E402
+                                         OPT_MAX_CONNECTIONS, OPT_MAX_PER_CLIENT, connection_limits, server_policy)
+
+
 @cloud_app.command("serve")
 def cloud_serve(
     host: str = typer.Option("127.0.0.1", help="Listen address."),
@@ -318,11 +322,23 @@ def cloud_serve(
     retry_after_ms: float = typer.Option(5000.0, min=0, help="Back-off hint sent with OVERLOADED (ms)."),
     max_queued_tokens: int = typer.Option(4096, min=1, help="Prompt tokens waiting for prefill at most; more get OVERLOADED."),
     max_queue_wait_ms: float = typer.Option(2000.0, min=0, help="Expected wait for a first token at most (ms, from the measured prefill rate); more get OVERLOADED."),
+    memory_mb: Optional[int] = typer.Option(None, min=1, help="Memory budget of every request path (MiB): the "
+                                            "--kv-cache-mb pool plus refinement, KV hand-off and per-request "
+                                            "caches; more get OVERLOADED / 503. Default: --kv-cache-mb + 512."),
+    insecure_no_auth: bool = OPT_INSECURE_NO_AUTH,
+    max_connections: int = OPT_MAX_CONNECTIONS,
+    max_connections_per_client: int = OPT_MAX_PER_CLIENT,
+    header_timeout_s: float = OPT_HEADER_TIMEOUT,
+    idle_timeout_s: float = OPT_IDLE_TIMEOUT,
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
     _need_cloud("`relayinfer cloud serve`", "relayinfer.cloud.serve.service")
-    tls = _server_tls(certfile, keyfile)  # before loading the model: a bad file fails fast
+    tls = server_policy(host, token, insecure_no_auth, certfile, keyfile)  # before loading the model: fails fast
+    limits = connection_limits(max_connections, max_connections_per_client, header_timeout_s, idle_timeout_s,
+                               retry_after_ms)
+    if memory_mb is not None and memory_mb < (kv_cache_mb or 0):
+        fail(ValueError(f"--memory-mb {memory_mb} is below --kv-cache-mb {kv_cache_mb}: the budget holds the KV pool"))
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
     _log_to_stderr()
     typer.echo("loading the model (torch)...", err=True)
@@ -331,7 +347,8 @@ def cloud_serve(
         svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
                              metrics_public=metrics_public, max_sessions=max_sessions,
                              max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms,
-                             max_queued_tokens=max_queued_tokens, max_queue_wait_ms=max_queue_wait_ms)
+                             max_queued_tokens=max_queued_tokens, max_queue_wait_ms=max_queue_wait_ms,
+                             limits=limits, memory_bytes=None if memory_mb is None else memory_mb << 20)
     except (RelayInferError, ValueError) as e:
         fail(e)
 
@@ -688,6 +705,15 @@ def pd_serve(
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token (devices and HTTP)."),
     duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
     export: bool = typer.Option(True, help="Serve the device model (exported once) on /v1/device-model."),
+    certfile: Optional[str] = typer.Option(None, help="PEM certificate chain: serve wss:// and https:// (with --keyfile)."),
+    keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
+    memory_mb: int = typer.Option(512, min=1, help="Memory budget of the gateway's own request paths (MiB: "
+                                  "refinement and per-request caches); more get OVERLOADED / 503."),
+    insecure_no_auth: bool = OPT_INSECURE_NO_AUTH,
+    max_connections: int = OPT_MAX_CONNECTIONS,
+    max_connections_per_client: int = OPT_MAX_PER_CLIENT,
+    header_timeout_s: float = OPT_HEADER_TIMEOUT,
+    idle_timeout_s: float = OPT_IDLE_TIMEOUT,
 ):
     """The split service and the OpenAI API in front of P/D pools of Ray actors (a local Ray by
     default; --ray-address for a cluster). Same protocol as `relayinfer cloud serve`."""
@@ -696,6 +722,8 @@ def pd_serve(
     from relayinfer.cloud.pd.kv import MODES
     from relayinfer.cloud.pd.service import make_pd_service, parse_scenario
 
+    tls = server_policy(host, token, insecure_no_auth, certfile, keyfile)  # before Ray or any model starts
+    limits = connection_limits(max_connections, max_connections_per_client, header_timeout_s, idle_timeout_s)
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # a busy port: one line, before any model loads
     try:
         if transfer not in MODES:
@@ -709,15 +737,17 @@ def pd_serve(
         svc = make_pd_service(engine, specs, InstanceConfig(kv_cache_bytes=kv_cache_mb << 20, transfer=transfer),
                               ray_address=ray_address, forwarding=forwarding, threads=threads, actor_cpus=actor_cpus,
                               spread=spread, ratio_control=ratio_control, auth_token=token,
-                              device_model_dir=model_dir)
+                              device_model_dir=model_dir, limits=limits, memory_bytes=memory_mb << 20)
     except (RelayInferError, ValueError) as e:
         fail(e)
 
     async def up():
-        await svc.start(host, port, http_port)
+        await svc.start(host, port, http_port, ssl=tls)
         groups = ", ".join(f"{g.name} {g.ratio}" for g in svc.llm.gateway.groups)
-        typer.echo(f"P/D service: ws://{host}:{svc.ws_port}  http://{host}:{svc.http_port}  groups {groups}  "
-                   f"forwarding {forwarding}  KV {transfer}", err=True)
+        s = "s" if tls else ""
+        typer.echo(f"P/D service: ws{s}://{host}:{svc.ws_port}  http{s}://{host}:{svc.http_port}  groups {groups}  "
+                   f"forwarding {forwarding}  KV {transfer}" + ("" if token else "  (no --token: open to anyone who "
+                                                                "can connect)"), err=True)
 
     serve_for(svc, duration_s, up)
 

@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from relayinfer.protocol.errors import RelayInferError
+from relayinfer.sdk.server_opts import OPT_HEADER_TIMEOUT, OPT_INSECURE_NO_AUTH, OPT_MAX_CONNECTIONS, OPT_MAX_PER_CLIENT
 
 patho_app = typer.Typer(help="Pathology split screening: WSI coarse screen on the device, fine screen in the cloud.",
                         no_args_is_help=True)
@@ -132,9 +133,18 @@ def serve(
     duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
     certfile: Optional[str] = typer.Option(None, help="PEM certificate chain: serve wss:// (with --keyfile)."),
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
+    max_sessions: int = typer.Option(16, min=1, help="Open device connections at most (counted at the websocket "
+                                     "upgrade); more get OVERLOADED + retry-after."),
+    memory_mb: int = typer.Option(1024, min=1, help="Memory budget of received tile frames, decoded tiles and "
+                                  "kept embeddings (MiB); a batch beyond it gets OVERLOADED + retry-after."),
+    insecure_no_auth: bool = OPT_INSECURE_NO_AUTH,
+    max_connections: int = OPT_MAX_CONNECTIONS,
+    max_connections_per_client: int = OPT_MAX_PER_CLIENT,
+    header_timeout_s: float = OPT_HEADER_TIMEOUT,
 ):
     """Run the cloud fine screen (tile encoder + ABMIL) until Ctrl-C or --duration-s."""
     from relayinfer.sdk.cli import serve_for
+    from relayinfer.sdk.server_opts import connection_limits, server_policy
 
     from relayinfer.cloud.patho.encoder import NORMS, ViTEncoder
     from relayinfer.cloud.patho.service import PathoService, SlideScreener
@@ -146,23 +156,20 @@ def serve(
         _fail(ValueError(f"unknown --norm {norm!r}; choose from {', '.join(NORMS)}"))
     if (certfile is None) != (keyfile is None):
         _fail(ValueError("--certfile and --keyfile go together: give both (TLS) or neither"))
+    tls = server_policy(host, token, insecure_no_auth, certfile, keyfile)  # exit 2 before the encoder loads
+    limits = connection_limits(max_connections, max_connections_per_client, header_timeout_s, 60.0)
     from relayinfer.protocol.checks import check_ports_free
 
     try:  # a busy port fails in one line before the encoder loads
         check_ports_free(host, [("--port", port)])
     except ValueError as e:
         _fail(e)
-    tls = None
     try:
-        if certfile:
-            from relayinfer.protocol.security import server_context
-
-            tls = server_context(certfile, keyfile)
         enc = ViTEncoder(weights, VIT_LARGE_16 if arch == "vit-large" else VIT_TINY_TEST, norm, batch_size, bf16,
                          device, heads=heads)
         svc = PathoService(SlideScreener(enc, mil_weights, feature_mil_weights), auth_token=token,
                            max_tiles_per_slide=max_tiles_per_slide, max_slides_per_session=max_slides_per_session,
-                           threads=threads)
+                           threads=threads, max_sessions=max_sessions, memory_bytes=memory_mb << 20, limits=limits)
     except (RelayInferError, ValueError, OSError) as e:
         _fail(e)
 

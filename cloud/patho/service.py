@@ -11,7 +11,15 @@ files were given).
 
 Limits: ``max_tiles_per_slide`` tiles per request and ``max_slides_per_session`` open requests per
 connection (more: Error BAD_REQUEST / OVERLOADED with the request id); a request's state is freed
-at its last batch, on a per-request Error, or when the connection ends. One compute thread runs the
+at its last batch, on a per-request Error, or when the connection ends. ``max_sessions`` open
+connections at most, counted at the websocket upgrade (more: a connection-level OVERLOADED with
+``retry_after_ms``). One memory budget (``memory_bytes``, `protocol.limits.MemoryBudget`) holds
+every received batch while it is decoded and encoded (its frame, decoded tiles and embeddings) and
+the embeddings each open slide keeps: a batch that does not fit gets Error OVERLOADED with
+``retry_after_ms`` (the slide is refused; the device sends it again later). websockets queues at
+most one further frame per connection (``max_queue=1``), so a connection holds at most about three
+frames (the one processed, one queued, one arriving); connections are capped at accept
+(`protocol.limits.ConnectionGate`). One compute thread runs the
 models (``torch.set_num_threads(threads)``), so batches of different devices queue in arrival order.
 Malformed tiles (not JPEG, wrong size, mixed modes) get Error(BAD_REQUEST) naming what was wrong;
 a refused request stays refused: its batches still in flight get Error(UNKNOWN_REQUEST), unencoded.
@@ -30,6 +38,7 @@ import numpy as np
 import torch
 
 from relayinfer.protocol.errors import ErrorCode
+from relayinfer.protocol.limits import Charge, ConnectionGate, ConnectionLimits, MemoryBudget
 from relayinfer.protocol.messages import MAX_FRAME_BYTES, Embeddings, Error, Tensor, TileBatch
 from relayinfer.protocol.patho import TILE_MPP, TILE_PX, jpeg_decode, patho_fingerprint
 from relayinfer.protocol.ws import ServerChannel, serve
@@ -83,21 +92,38 @@ class _Slide:
     features: bool | None = None     # None until the first non-empty batch decides the mode
     chunks: list[np.ndarray] = field(default_factory=list)
     n: int = 0
+    charges: list[Charge] = field(default_factory=list)  # the kept embeddings' bytes in the memory budget
+
+    def free(self) -> None:
+        """Drop the kept embeddings and give their bytes back to the budget."""
+        self.chunks.clear()
+        for c in self.charges:
+            c.release()
+        self.charges.clear()
 
 
 class PathoService:
     """Websocket slide service (see the module docstring). ``auth_token``: required Hello token or None;
     ``tile_px``/``mpp``: tile geometry (the handshake fingerprint); ``threads``: torch threads of the
-    compute thread; ``max_frame_bytes``: frame limit after the handshake (64 MiB: ~420 raw 224-px tiles).
-    Counters: ``stats`` (tiles, batches, slides, bytes received, encode seconds)."""
+    compute thread; ``max_frame_bytes``: frame limit after the handshake (64 MiB: ~420 raw 224-px tiles);
+    ``max_sessions``: open connections at most; ``memory_bytes``: the memory budget of held frames,
+    tiles and embeddings (bytes); ``retry_after_ms``: the back-off hint of OVERLOADED (ms);
+    ``limits``: connection limits (`protocol.limits.ConnectionLimits`, default ones when None).
+    Counters: ``stats`` (tiles, batches, slides, bytes received, encode seconds); ``budget`` (its
+    ``used`` bytes are 0 when no slide is open)."""
 
     def __init__(self, screener: SlideScreener, auth_token: str | None = None, tile_px: int = TILE_PX,
                  mpp: float = TILE_MPP, max_tiles_per_slide: int = 20000, max_slides_per_session: int = 4,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, threads: int = 1) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, threads: int = 1, max_sessions: int = 16,
+                 memory_bytes: int = 1 << 30, retry_after_ms: float = 5000.0,
+                 limits: ConnectionLimits | None = None) -> None:
         self.screener, self.auth_token, self.tile_px, self.mpp = screener, auth_token, tile_px, mpp
         self.fingerprint = patho_fingerprint(tile_px, mpp)
         self.max_tiles_per_slide, self.max_slides_per_session = max_tiles_per_slide, max_slides_per_session
         self.max_frame_bytes = max_frame_bytes
+        self.max_sessions, self.num_sessions, self.retry_after_ms = max_sessions, 0, retry_after_ms
+        self.budget = MemoryBudget(memory_bytes)
+        self.gate = ConnectionGate(limits)
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="patho-compute",
                                                             initializer=torch.set_num_threads, initargs=(threads,))
         self.stats = {"tiles": 0, "batches": 0, "slides": 0, "bytes_in": 0, "encode_s": 0.0}
@@ -116,7 +142,8 @@ class PathoService:
         self._ssl, self.host = ssl, host
         self._server = await serve(self.handle, host, port, expected_fingerprint=self.fingerprint,
                                    auth_token=self.auth_token, max_frame_bytes=self.max_frame_bytes,
-                                   server="relayinfer-patho", ssl=ssl)
+                                   server="relayinfer-patho", ssl=ssl, admit=self._admit, release=self._release,
+                                   gate=self.gate, max_queue=1)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -127,9 +154,38 @@ class PathoService:
             self._server = None
         self.worker.shutdown(wait=False, cancel_futures=True)
 
+    def _admit(self) -> Error | None:
+        """At the websocket upgrade: OVERLOADED when ``max_sessions`` connections are open, else count it."""
+        if self.num_sessions >= self.max_sessions:
+            return Error(code=ErrorCode.OVERLOADED.value, retry_after_ms=self.retry_after_ms,
+                         message=f"the slide service holds its limit of {self.max_sessions} connections; retry "
+                                 f"after {self.retry_after_ms:.0f} ms")
+        self.num_sessions += 1
+        return None
+
+    def _release(self) -> None:
+        self.num_sessions -= 1
+
     async def handle(self, channel: ServerChannel) -> None:
         """One device connection: TileBatch in, Embeddings (and errors) out."""
         slides: dict[str, _Slide] = {}
+        try:
+            await self._handle(channel, slides)
+        finally:
+            for st in slides.values():
+                st.free()
+            slides.clear()
+
+    def _batch_bytes(self, msg: TileBatch) -> int:
+        """Bytes a batch holds while it is processed: its frame's arrays, the decoded uint8 tiles
+        (JPEG), the encoder's float32 input and the float16/float32 embeddings out."""
+        n = len(msg.coords)
+        frame = msg.tiles.nbytes + sum(map(len, msg.jpeg)) + (msg.features.nbytes if msg.features else 0)
+        decoded = n * self.tile_px * self.tile_px * 3 * (1 if msg.jpeg else 0)
+        encoder_in = 0 if msg.features else n * self.tile_px * self.tile_px * 3 * 4
+        return frame + decoded + encoder_in + n * max(self.screener.encoder.dim, DEVICE_FEATURE_DIM) * 6
+
+    async def _handle(self, channel: ServerChannel, slides: dict) -> None:
         refused: dict[str, None] = {}    # request ids refused on this connection (the last 256), in order
         async for msg in channel:
             if not isinstance(msg, TileBatch):
@@ -143,14 +199,26 @@ class PathoService:
                 await channel.send(Error(code=ErrorCode.UNKNOWN_REQUEST.value, request_id=msg.request_id,
                                          message=f"slide request {msg.request_id!r} was refused already"))
                 continue
+            need = self._batch_bytes(msg)
+            charge = self.budget.try_charge("patho_batch", need)
             try:
+                if charge is None:
+                    raise _Refused(ErrorCode.OVERLOADED, self.budget.refusal(f"a batch of {len(msg.coords)} tiles", need)
+                                   + f"; retry after {self.retry_after_ms:.0f} ms", self.retry_after_ms)
                 reply = await self._batch(slides, msg)
             except _Refused as e:
-                slides.pop(msg.request_id, None)
+                st = slides.pop(msg.request_id, None)
+                if st is not None:
+                    st.free()
                 refused[msg.request_id] = None
                 if len(refused) > 256:
                     refused.pop(next(iter(refused)))
-                reply = Error(code=e.code.value, message=e.message, request_id=msg.request_id)
+                reply = Error(code=e.code.value, message=e.message, request_id=msg.request_id,
+                              retry_after_ms=e.retry_after_ms)
+            finally:
+                if charge is not None:
+                    charge.release()
+            del msg
             await channel.send(reply)
 
     async def _batch(self, slides: dict[str, _Slide], msg: TileBatch):
@@ -177,6 +245,12 @@ class PathoService:
         else:
             emb = feats if feats is not None else np.zeros((0, self.screener.encoder.dim), np.float32)
         if n:
+            kept = self.budget.try_charge("patho_embeddings", emb.nbytes)
+            if kept is None:
+                raise _Refused(ErrorCode.OVERLOADED, self.budget.refusal(f"keeping {n} embeddings of slide "
+                                                                         f"{msg.slide_id!r}", emb.nbytes)
+                               + f"; retry after {self.retry_after_ms:.0f} ms", self.retry_after_ms)
+            st.charges.append(kept)
             st.chunks.append(emb)
             st.n += n
             self.stats["tiles"] += n
@@ -187,8 +261,11 @@ class PathoService:
         slides.pop(msg.request_id, None)
         if st.n == 0:
             raise _Refused(ErrorCode.BAD_REQUEST, f"slide {msg.slide_id!r} ended with no tile: nothing to score")
-        allemb = np.concatenate(st.chunks)
-        score, attn = await loop.run_in_executor(self.worker, self.screener.score, allemb, bool(st.features))
+        try:
+            allemb = np.concatenate(st.chunks)
+            score, attn = await loop.run_in_executor(self.worker, self.screener.score, allemb, bool(st.features))
+        finally:
+            st.free()
         self.stats["slides"] += 1
         enc = "device-features (efficientnet-lite0)" if st.features else self.screener.encoder.name
         return Embeddings(request_id=msg.request_id, embeddings=reply.embeddings, slide_score=score,
@@ -226,9 +303,9 @@ class PathoService:
 
 
 class _Refused(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, retry_after_ms: float | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
 
 
 class PathoServiceThread:

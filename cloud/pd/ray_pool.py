@@ -30,18 +30,43 @@ from .instance import Handoff, Instance, InstanceConfig
 NAMESPACE = "relayinfer-pd"
 
 
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray's switch for "this node is the whole cluster"
+
+
+def ray_init_kwargs(address: str | None = None, num_cpus: int | None = None, **kw) -> tuple[dict, dict]:
+    """(`ray.init` keyword arguments, environment variables to set first) of `start_ray`.
+
+    A local Ray (`address` None) is one machine's: it listens on loopback only and starts no
+    dashboard. `_node_ip_address="127.0.0.1"` alone is not enough (Ray resolves a loopback address
+    to the node's routable one and then listens on all interfaces); with
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` it keeps 127.0.0.1 and its GCS, raylet, object manager
+    and workers listen there. Joining a cluster (`address` given) changes neither.
+    """
+    opts = dict(include_dashboard=False, log_to_driver=kw.pop("log_to_driver", False), namespace=NAMESPACE,
+                configure_logging=False)
+    env: dict = {}
+    if address is None:
+        opts["num_cpus"] = num_cpus if num_cpus is not None else os.cpu_count()
+        opts["_node_ip_address"] = "127.0.0.1"
+        env = dict(LOCAL_RAY_ENV)
+    return {"address": address, **opts, **kw}, env
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None, **kw) -> None:
-    """`ray.init` once: a local Ray when `address` is None, else join that cluster ('auto' = the
-    cluster this node belongs to)."""
+    """`ray.init` once: a local Ray when `address` is None (loopback only, no dashboard: see
+    `ray_init_kwargs`), else join that cluster ('auto' = the cluster this node belongs to)."""
+    import sys
+
+    kwargs, env = ray_init_kwargs(address, num_cpus, **kw)
+    os.environ.update(env)  # before Ray reads it (its child processes inherit it too)
     import ray
 
     if ray.is_initialized():
         return
-    opts = dict(include_dashboard=False, log_to_driver=kw.pop("log_to_driver", False), namespace=NAMESPACE,
-                configure_logging=False)
-    if address is None:
-        opts["num_cpus"] = num_cpus if num_cpus is not None else os.cpu_count()
-    ray.init(address=address, **opts, **kw)
+    consts = sys.modules.get("ray._private.ray_constants")
+    if env and consts is not None:  # imported before the variable was set: the value it read at import
+        consts.ENABLE_RAY_CLUSTER = False
+    ray.init(**kwargs)
 
 
 def model_weights(model) -> tuple:

@@ -43,15 +43,34 @@ def bench(out: Path = typer.Option(None, help="results JSON (plot written beside
 
 
 @relay_app.command()
-def serve(port: int = typer.Option(0, min=0, max=65535, help="Listen port on 127.0.0.1; 0 = any free port."),
-          baseline: bool = typer.Option(False)) -> None:
+def serve(port: int = typer.Option(0, min=0, max=65535, help="Listen port; 0 = any free port."),
+          host: str = typer.Option("127.0.0.1", help="Listen address; beyond loopback it needs --token "
+                                                     "(or --insecure-no-auth)."),
+          baseline: bool = typer.Option(False),
+          token: str = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token every client must send "
+                                                                          "(Hello and GET /stats)."),
+          certfile: str = typer.Option(None, help="PEM certificate chain: serve wss:// and https:// (with --keyfile)."),
+          keyfile: str = typer.Option(None, help="PEM private key of --certfile."),
+          insecure_no_auth: bool = typer.Option(False, help="Allow a non-loopback --host without a token."),
+          max_connections: int = typer.Option(512, min=1, help="Open connections at most; more get 503 + Retry-After."),
+          max_connections_per_client: int = typer.Option(128, min=1, help="Open connections per client address at most."),
+          header_timeout_s: float = typer.Option(10.0, min=0.001, help="Seconds for the opening handshake and the "
+                                                                       "Hello, each.")) -> None:
     """Run one ranking instance in the foreground (prints READY <port> <fingerprint>)."""
     from relayinfer.protocol.checks import check_ports_free
+    from relayinfer.protocol.security import check_exposure
 
-    try:  # a busy port fails in one line before the model loads
-        check_ports_free("127.0.0.1", [("--port", port)])
+    try:  # the policy and a busy port fail in one line before the model loads
+        check_exposure(host, token, insecure_no_auth)
+        check_ports_free(host, [("--port", port)])
     except ValueError as e:
         typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2)
     from relayinfer.cloud.relay.server import main
-    main(["--port", str(port)] + (["--baseline"] if baseline else []))
+    args = ["--port", str(port), "--host", host, "--max-connections", str(max_connections),
+            "--max-connections-per-client", str(max_connections_per_client), "--header-timeout-s", str(header_timeout_s)]
+    args += ["--token", token] if token else []
+    args += ["--certfile", certfile] if certfile else []
+    args += ["--keyfile", keyfile] if keyfile else []
+    args += ["--insecure-no-auth"] if insecure_no_auth else []
+    main(args + (["--baseline"] if baseline else []))

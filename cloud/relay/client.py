@@ -33,6 +33,7 @@ class InstanceProc:
     fingerprint: str
     proc: subprocess.Popen
     host: str = "127.0.0.1"
+    token: str | None = None  # the instance's bearer token (None: it needs none)
 
     @property
     def url(self) -> str:
@@ -41,7 +42,9 @@ class InstanceProc:
 
     def stats(self, timeout: float = 5.0) -> dict:
         """GET /stats from the instance (counters as a dict)."""
-        with urllib.request.urlopen(f"http://{self.host}:{self.port}/stats", timeout=timeout) as r:
+        req = urllib.request.Request(f"http://{self.host}:{self.port}/stats",
+                                     headers={"Authorization": f"Bearer {self.token}"} if self.token else {})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -57,11 +60,17 @@ class InstanceProc:
 
 def spawn_instance(name: str, checkpoint: str, latency: str, config: dict | None = None, baseline: bool = False,
                    lifetime_s: float = 600.0, start_timeout_s: float = 120.0, env: dict | None = None,
-                   cpus: list[int] | None = None, threads: int = 1, host: str = "127.0.0.1") -> InstanceProc:
+                   cpus: list[int] | None = None, threads: int = 1, host: str = "127.0.0.1",
+                   token: str | None = None) -> InstanceProc:
     """Start `python -m relayinfer.cloud.relay.server` on a free port of `host` and wait for READY.
     cpus: pin the instance to these CPU ids (None: not pinned); threads: its torch threads. The child
     exits when this process dies, after lifetime_s, or on stop(). Raises RuntimeError if it does not
-    come up within start_timeout_s (or exits, e.g. on CPU ids this machine does not have)."""
+    come up within start_timeout_s (or exits, e.g. on CPU ids this machine does not have).
+    token: the bearer token the instance requires (handed over in its environment, not on its
+    command line; a RELAYINFER_TOKEN of this process is not passed on); needed for a non-loopback
+    `host`, where the instance refuses to start without one."""
+    from relayinfer.protocol.security import TOKEN_ENV
+
     cmd = [sys.executable, "-m", "relayinfer.cloud.relay.server", "--port", "0", "--checkpoint", checkpoint,
            "--latency", latency, "--parent-pid", str(os.getpid()), "--lifetime-s", str(lifetime_s),
            "--threads", str(int(threads)), "--host", host]
@@ -72,14 +81,15 @@ def spawn_instance(name: str, checkpoint: str, latency: str, config: dict | None
     if baseline:
         cmd.append("--baseline")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**{k: v for k, v in os.environ.items() if k != TOKEN_ENV}, **(env or {}),
+                                 **({TOKEN_ENV: token} if token else {})})
     t_end = time.monotonic() + start_timeout_s
     line = ""
     while time.monotonic() < t_end and proc.poll() is None:
         line = proc.stdout.readline()
         if line.startswith("READY"):
             _, port, fp = line.split()
-            return InstanceProc(name, int(port), fp, proc, host)
+            return InstanceProc(name, int(port), fp, proc, host, token)
     proc.kill()
     raise RuntimeError(f"ranking instance {name} did not start (last line {line!r}, rc {proc.poll()})")
 
@@ -124,7 +134,7 @@ class RelayClient:
             start_ray(ray_address, num_cpus=max(n, os.cpu_count() or 1) if ray_address is None else None)
             ri = await asyncio.to_thread(RayInstances, n, checkpoint, latency, config, baseline, ray_address,
                                          lifetime_s=lifetime_s)
-            urls, fp, owned = ri.urls, ri.fingerprint, [ri]
+            urls, fp, owned, token = ri.urls, ri.fingerprint, [ri], ri.token
         else:
             owned = []
             try:
@@ -135,9 +145,9 @@ class RelayClient:
                 for p in owned:
                     p.stop()
                 raise
-            urls, fp = {p.name: p.url for p in owned}, owned[0].fingerprint
+            urls, fp, token = {p.name: p.url for p in owned}, owned[0].fingerprint, None
         try:
-            self = await cls.connect(urls, fp, **router_kw)
+            self = await cls.connect(urls, fp, token=token, **router_kw)
         except BaseException:
             for p in owned:
                 p.stop()
@@ -153,11 +163,13 @@ class RelayClient:
         return out
 
     @classmethod
-    async def connect(cls, instances: dict[str, str], fingerprint: str, **router_kw) -> "RelayClient":
-        """instances: name -> ws url. Opens one channel each (handshake with the model fingerprint)."""
+    async def connect(cls, instances: dict[str, str], fingerprint: str, token: str | None = None,
+                      **router_kw) -> "RelayClient":
+        """instances: name -> ws url. Opens one channel each (handshake with the model fingerprint and
+        `token`, the instances' bearer token or None)."""
         self = cls(Router(list(instances), **router_kw))
         for name, url in instances.items():
-            ch = await open_channel(url, fingerprint, client="relay-client")
+            ch = await open_channel(url, fingerprint, token, client="relay-client")
             self.channels[name] = ch
             self.readers.append(asyncio.create_task(self._read(name, ch)))
         return self

@@ -71,7 +71,21 @@ class LatencyModel:
                             [c * factor for c in self.cached], self.samples)
 
     def to_json(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1))
+        """Write the model to `path` (JSON), creating its directory; atomic (a temporary file in
+        the same directory, renamed), so a concurrent reader never sees half a file."""
+        import os
+        import tempfile
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(asdict(self), indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def from_json(cls, path: Path) -> "LatencyModel":

@@ -9,7 +9,9 @@ instance runs changes. The checkpoint and the latency model travel as bytes in R
 stop. The child exits with its actor (it watches its parent pid), after its lifetime, or on stop().
 
 Listen address: 127.0.0.1 on a local Ray (one machine: nothing listens beyond loopback); the node's
-address when joining a cluster (`address` given), so that the client on another node can reach it.
+address when joining a cluster (`address` given), so that the client on another node can reach it;
+there every instance requires a random bearer token (`RayInstances.token`, made here, handed to the
+actors through Ray and to the client), as every server beyond loopback does.
 CPU only: each actor reserves `actor_cpus` Ray CPUs for the compute thread of its instance.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ class RelayInstanceActor:
     Raises RuntimeError (from the constructor, surfaced by Ray) if the instance does not start."""
 
     def __init__(self, name: str, checkpoint: bytes, latency: bytes, config: dict | None, baseline: bool,
-                 lifetime_s: float, host: str | None, threads: int = 1):
+                 lifetime_s: float, host: str | None, threads: int = 1, token: str | None = None):
         import ray
 
         from relayinfer.cloud.relay.client import spawn_instance
@@ -41,7 +43,7 @@ class RelayInstanceActor:
         self.host = host or ray.util.get_node_ip_address()
         try:
             self.proc = spawn_instance(name, str(ck), str(lat), config, baseline=baseline, lifetime_s=lifetime_s,
-                                       threads=threads, host=self.host)
+                                       threads=threads, host=self.host, token=token)
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
@@ -90,7 +92,8 @@ class RayInstances:
         actor_cpus: Ray CPUs each instance reserves; spread: Ray's SPREAD strategy across nodes.
         start_timeout_s: bound on the wait for all instances; ray_cpus: CPUs of a local Ray started
             here (default: max(n, this machine's cores)); a running Ray is reused as it is.
-    Attributes: `urls` (name -> ws url), `fingerprint`, `placement` (the address() of each).
+    Attributes: `urls` (name -> ws url), `fingerprint`, `placement` (the address() of each), `token`
+    (the instances' bearer token on a cluster, None on a local Ray).
     Raises ValueError for n < 1 or a missing file; RuntimeError if an instance does not start in time.
     """
 
@@ -108,11 +111,15 @@ class RayInstances:
             if not Path(f).is_file():
                 raise ValueError(f"{what} {f} not found")
         start_ray(address, num_cpus=ray_cpus if ray_cpus is not None else max(n, os.cpu_count() or 1))
+        import secrets
+
         host = "127.0.0.1" if address is None else None
+        self.token = None if address is None else secrets.token_urlsafe(24)
         ck, lat = ray.put(Path(checkpoint).read_bytes()), ray.put(Path(latency).read_bytes())
         cls = actor_class().options(num_cpus=actor_cpus, max_restarts=0,
                                     **({"scheduling_strategy": "SPREAD"} if spread else {}))
-        self.actors = [cls.remote(f"i{k}", ck, lat, config, baseline, lifetime_s, host, threads) for k in range(n)]
+        self.actors = [cls.remote(f"i{k}", ck, lat, config, baseline, lifetime_s, host, threads, self.token)
+                       for k in range(n)]
         try:
             self.placement = ray.get([a.address.remote() for a in self.actors], timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError:

@@ -1,13 +1,19 @@
 """A ranking instance as its own process, serving PreInfer / Rank over the shared protocol.
 
     python -m relayinfer.cloud.relay.server --port 0 [--host H] [--baseline] [--parent-pid PID] [--lifetime-s S]
-                                            [--threads 1] [--cpus 1,2]
+                                            [--threads 1] [--cpus 1,2] [--token T] [--certfile F --keyfile K]
+                                            [--insecure-no-auth] [--max-connections N]
+                                            [--max-connections-per-client N] [--header-timeout-s S]
 
 Prints `READY <port> <fingerprint>` on stdout once listening. Messages (relayinfer.protocol):
 PreInfer (fire-and-forget signal; answered only by an Error on bad input), Rank -> Scores
 (prefix_source hbm|dram|recompute|none) or Error(BAD_REQUEST | OVERLOADED | INTERNAL); Ping is
 answered by the protocol session; any other message with a request_id -> Error(BAD_REQUEST).
 Plain HTTP `GET /stats` on the same port returns the instance counters as JSON.
+Auth and TLS as every server (`protocol.security`): `--token` (default: the `RELAYINFER_TOKEN`
+environment variable) is required in the Hello and as `Authorization: Bearer` on `/stats` (401
+otherwise); `--certfile`/`--keyfile` serve wss:// and https://; a non-loopback `--host` without a
+token exits 2 unless `--insecure-no-auth`. Connections are capped at accept (`protocol.limits`).
 One compute thread runs the model; ranking requests go before queued pre-inferences.
 The process stops by itself when its parent dies, after --lifetime-s, or on SIGTERM/SIGINT.
 """
@@ -31,7 +37,9 @@ import torch
 
 from relayinfer.protocol.errors import ErrorCode, ProtocolError
 from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores, Tensor
+from relayinfer.protocol.limits import ConnectionGate, ConnectionLimits
 from relayinfer.protocol.model_file import file_sha256
+from relayinfer.protocol.security import TOKEN_ENV, bearer_token, check_exposure, server_context, token_matches
 from relayinfer.protocol.ws import ServerChannel, serve
 
 MAX_QUEUE = 256  # requests waiting for the compute thread before OVERLOADED
@@ -156,6 +164,12 @@ async def amain(args) -> None:
 
     def process_request(connection, request):
         if request.path == "/stats":
+            if args.token and not token_matches(bearer_token(request.headers.get("Authorization")), args.token):
+                resp = connection.respond(401, json.dumps({"error": {"code": ErrorCode.UNAUTHORIZED.value,
+                                                                     "message": "send the instance token as "
+                                                                     "'Authorization: Bearer <token>'"}}) + "\n")
+                resp.headers["WWW-Authenticate"] = 'Bearer realm="relayinfer"'
+                return resp
             return connection.respond(200, json.dumps({**inst.stats(), "pid": os.getpid(), "relay": cfg.relay,
                                                           "worker_busy_s": worker.busy_s, "worker_cpu_s": worker.cpu_s,
                                                           "cpus": sorted(os.sched_getaffinity(0))}) + "\n")
@@ -164,8 +178,11 @@ async def amain(args) -> None:
     stop = asyncio.get_running_loop().create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    gate = ConnectionGate(ConnectionLimits(args.max_connections, args.max_connections_per_client,
+                                           args.header_timeout_s))
     async with serve(make_handler(inst, worker), args.host, args.port, expected_fingerprint=fp,
-                     process_request=process_request, server="relay-instance") as server:
+                     auth_token=args.token or None, gate=gate, process_request=process_request,
+                     server="relay-instance", **({"ssl": args.ssl} if args.ssl is not None else {})) as server:
         port = server.sockets[0].getsockname()[1]
         print(f"READY {port} {fp}", flush=True)
         t_end = time.monotonic() + args.lifetime_s
@@ -173,6 +190,42 @@ async def amain(args) -> None:
             if args.parent_pid and os.getppid() != args.parent_pid:
                 break  # parent died: we were re-parented
             await asyncio.wait([stop], timeout=0.5)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """Auth, TLS and connection-limit options (the same as every server's; see the module docstring)."""
+    defaults = ConnectionLimits()
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                   help=f"bearer token clients must present (default: ${TOKEN_ENV}; none: no auth)")
+    p.add_argument("--certfile", default=None, help="PEM certificate chain: serve wss:// and https:// (with --keyfile)")
+    p.add_argument("--keyfile", default=None, help="PEM private key of --certfile")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without a token (anyone who can connect is served)")
+    p.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                   help=f"open connections at most (default {defaults.max_connections}); more get 503")
+    p.add_argument("--max-connections-per-client", type=int, default=defaults.max_connections_per_client,
+                   help=f"open connections per client address at most (default {defaults.max_connections_per_client})")
+    p.add_argument("--header-timeout-s", type=float, default=defaults.header_timeout_s,
+                   help=f"seconds for the opening handshake and the Hello, each (default {defaults.header_timeout_s})")
+
+
+def check_server_arguments(p: argparse.ArgumentParser, args):
+    """Apply the start-up policy (exit 2 via `p.error` naming the option); returns the server
+    ssl.SSLContext of --certfile/--keyfile, or None."""
+    try:
+        check_exposure(args.host, args.token, args.insecure_no_auth)
+        ConnectionLimits(args.max_connections, args.max_connections_per_client, args.header_timeout_s)
+    except ValueError as e:
+        p.error(str(e).replace("max_connections_per_client", "--max-connections-per-client")
+                .replace("max_connections", "--max-connections").replace("header_timeout_s", "--header-timeout-s"))
+    if (args.certfile is None) != (args.keyfile is None):
+        p.error("--certfile and --keyfile go together: give both (TLS) or neither")
+    if args.certfile is None:
+        return None
+    try:
+        return server_context(args.certfile, args.keyfile)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def main(argv=None) -> None:
@@ -190,7 +243,9 @@ def main(argv=None) -> None:
     p.add_argument("--lifetime-s", type=float, default=3600.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cpus", default="", help="comma-separated CPU ids to pin the process to (default: not pinned)")
+    add_server_arguments(p)
     args = p.parse_args(argv)
+    args.ssl = check_server_arguments(p, args)
     try:
         args.cpus = [int(c) for c in args.cpus.split(",") if c.strip()]
     except ValueError:

@@ -412,7 +412,7 @@ def _prompt_logprobs(model, ids: list[int], top: int) -> list[tuple[float, list[
 
 
 def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model_name: str,
-                  aliases: Collection[str] = ()) -> None:
+                  aliases: Collection[str] = (), budget=None, retry_after_s: float = 5.0) -> None:
     """Add `/v1/chat/completions`, `/v1/completions`, `/v1/models` and `/openapi.json` to `app`,
     and a middleware that answers 404/405 (and any other HTTP error) in OpenAI's JSON error shape.
 
@@ -421,6 +421,10 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
         tokenizer: `relayinfer.protocol.tokenizer.Tokenizer` of the served model (chat template).
         model_name: the id that `/v1/models` lists and answers carry; requests may send it as
             `model`, one of `aliases` (e.g. the GGUF file's name), or no `model` at all.
+        budget: the server's `protocol.limits.MemoryBudget` (None: not charged); `echo` with
+            `logprobs` runs one full forward per prompt outside the batch, charged its float32
+            logits and hidden states while it runs, and answered 503 with `Retry-After`
+            (`retry_after_s`, seconds) when they do not fit.
     """
     created = int(time.time())
     llm = engine.engine
@@ -504,8 +508,19 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
         echo_lp: list = [None] * len(req.prompts)
         if req.echo and req.logprobs is not None:
             loop = asyncio.get_running_loop()
-            echo_lp = [await loop.run_in_executor(None, _prompt_logprobs, llm.model, ids, req.logprobs)
-                       for ids in req.prompts]
+            echo_lp = []
+            for ids in req.prompts:
+                need = len(ids) * 4 * (2 * vocab + 4 * llm.cfg.dim + 3 * llm.cfg.ffn_dim)
+                charge = budget.try_charge("echo_logprobs", need) if budget is not None else None
+                if budget is not None and charge is None:
+                    raise web.HTTPServiceUnavailable(
+                        text=budget.refusal(f"echo logprobs of a {len(ids)}-token prompt", need),
+                        headers={"Retry-After": str(max(1, round(retry_after_s)))})
+                try:
+                    echo_lp.append(await loop.run_in_executor(None, _prompt_logprobs, llm.model, ids, req.logprobs))
+                finally:
+                    if charge is not None:
+                        charge.release()
 
         def usage():
             c = sum(r.completion_tokens for r in runs)

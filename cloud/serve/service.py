@@ -31,6 +31,8 @@ from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.kvhandoff import common_prefix, kv_messages
+from relayinfer.protocol.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
+                                        quiet_accept_errors, runner_kwargs)
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, KVTransfer,
                                           Pong, RefinedPrompt, Stop, Token, encode)
 from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
@@ -42,6 +44,37 @@ MAX_REQUEST_ID = 64  # characters
 MAX_STOP_IDS = 64
 REUSE_WAIT_S = 1.0  # longest wait of a new turn for the previous, stopping turn's KV (per-request path)
 KEEPALIVE_S = 10.0  # websocket ping interval and timeout: a black-holed device is dropped within ~20 s
+REQUEST_MEMORY_MB = 512  # default share of the memory budget beyond the batching engine's KV pool (MiB)
+
+
+def per_request_bytes(cfg, n_prompt: int, max_new_tokens: int, refine: bool = False,
+                      kv_from: int | None = None) -> int:
+    """Peak bytes a request on the per-request path (`TorchEngine`) holds, an upper estimate used
+    to charge the memory budget:
+
+    - KV cache: a float32 `StaticKV` of capacity max(256, n + 64) tokens that doubles when full,
+      up to n + max_new_tokens; while it grows the old and new caches exist together;
+    - prefill scratch: per prompt token, float32 hidden states (4 x dim), q/o (2 x heads x head_dim),
+      k/v (2 x kv_heads x head_dim) and the SwiGLU gate/up/product (3 x ffn_dim), plus the logits;
+    - refinement: the causal bool mask [n, n] and the observation logits (heads x 16 x n float32, x2);
+    - KV hand-off (`kv_from`): the float32 slice, its float16 copy and the encoded frames of the
+      n - 1 - kv_from handed-off tokens (2.5 x their float32 KV).
+    """
+    n, per_tok = n_prompt, cfg.kv_bytes_per_token
+    cap = peak = max(256, n + 64)
+    need = n + max_new_tokens
+    while cap < need:
+        new = max(need, 2 * cap)
+        peak, cap = max(peak, cap + new), new
+    hd = cfg.dim // cfg.n_heads
+    total = per_tok * peak
+    total += n * 4 * (4 * cfg.dim + 2 * cfg.n_heads * hd + 2 * cfg.n_kv_heads * hd + 3 * cfg.ffn_dim)
+    total += 2 * cfg.vocab_size * 4
+    if refine:
+        total += n * n + 2 * cfg.n_heads * 16 * n * 4
+    if kv_from is not None:
+        total += int(2.5 * per_tok * max(n - 1 - kv_from, 0))
+    return total
 
 
 def split_frame_limit(context_length: int, vocab_size: int) -> int:
@@ -67,6 +100,12 @@ class Metrics:
         self.active_sessions = Gauge("relayinfer_active_sessions", "Open device sessions", registry=r)
         self.active_requests = Gauge("relayinfer_active_requests", "Requests holding a KV cache", registry=r)
         self.errors = Counter("relayinfer_protocol_errors", "Errors sent to clients by code", ["code"], registry=r)
+        self.memory_limit = Gauge("relayinfer_memory_budget_bytes", "Memory budget of all request paths (bytes)",
+                                  registry=r)
+        self.memory_used = Gauge("relayinfer_memory_used_bytes", "Bytes charged to the memory budget now "
+                                 "(the batching engine's KV pool included)", registry=r)
+        self.memory_refused = Counter("relayinfer_memory_refusals", "Requests refused for the memory budget",
+                                      ["path"], registry=r)
 
 
 @dataclass
@@ -80,6 +119,7 @@ class _Request:
     cached: int = 0  # prompt tokens whose KV came from the session's previous turn
     session_kv: list | None = None  # the session's slot for its last KV (per-request path), see `_run`
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task is over
+    charge: Charge | None = None  # its bytes in the memory budget (per-request path)
 
 
 @dataclass
@@ -89,6 +129,7 @@ class _SessionKV:
 
     ids: list[int]
     kv: object
+    charge: Charge | None = None  # the kept cache's bytes in the memory budget
 
 
 class CloudService:
@@ -107,8 +148,20 @@ class CloudService:
             ones get FRAME_TOO_LARGE. Default: the largest real message, a Generate of a whole
             context (`split_frame_limit`, 25 KiB for an 8k context); before the handshake the
             limit is `HANDSHAKE_MAX_BYTES` (4 KiB).
-        max_sessions: open device sessions at most; a device beyond it is refused at the handshake
-            with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
+        max_sessions: open device sessions at most, counted from the websocket upgrade (before the
+            Hello: an open websocket that has not said Hello holds a slot); a device beyond it is
+            refused with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
+        memory_bytes: the memory budget of every request path (bytes; `protocol.limits.MemoryBudget`).
+            The batching engine's KV pool is charged from the start (its size, for good); each
+            request on the per-request path (refinement, KV hand-off `kv_from`, every request
+            without `llm`) is charged `per_request_bytes` while it runs, a kept multi-turn KV cache
+            its size while kept, and OpenAI `echo` prompt logprobs their logits while computed.
+            A request that does not fit gets OVERLOADED with `retry_after_ms` (websocket) or 503
+            with `Retry-After` (HTTP). Default: the KV pool + `REQUEST_MEMORY_MB` (512 MiB). Its
+            use is on /metrics (`relayinfer_memory_*`).
+        limits: connection limits of both ports together (`protocol.limits.ConnectionLimits`:
+            open connections in all and per client address, request-head / handshake / Hello
+            timeouts, keep-alive idle timeout); default `ConnectionLimits()`.
         max_requests_per_session: concurrent Generates per session at most (OVERLOADED beyond).
         max_queued_tokens: prompt tokens of admitted requests still waiting for their first token, at
             most (a request arriving when the queue is not empty and would pass this gets
@@ -149,7 +202,8 @@ class CloudService:
                  llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False,
                  max_sessions: int = 256, max_requests_per_session: int = 4, retry_after_ms: float = 5000.0,
                  max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
-                 history: int = 1000, max_kept_tokens: int = 8192):
+                 history: int = 1000, max_kept_tokens: int = 8192, limits: ConnectionLimits | None = None,
+                 memory_bytes: int | None = None):
         self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
         self.metrics_public = metrics_public
         self._ssl, self._host = None, "127.0.0.1"
@@ -161,7 +215,8 @@ class CloudService:
         self.retry_after_ms = retry_after_ms
         self.max_queued_tokens, self.max_queue_wait_ms = max_queued_tokens, max_queue_wait_ms
         self.pending_tokens = 0  # prompt tokens of requests waiting for their first token
-        self.num_sessions = 0  # open device sessions (after the handshake)
+        self.num_sessions = 0  # open device sessions (from the websocket upgrade on, see `_admit`)
+        self.gate = ConnectionGate(limits)  # open connections of both ports
         self._special_ids = special_ids
         self.llm, self.model_name = llm, model_name
         self.metrics = Metrics()
@@ -171,6 +226,35 @@ class CloudService:
         self.completed: deque[Done] = deque(maxlen=history)  # the last Done of recent requests
         self.max_kept_tokens = max_kept_tokens  # multi-turn reuse: session KV kept at most (tokens, all sessions)
         self.kept_tokens = 0
+        pool = self._kv_pool_bytes()
+        self.budget = MemoryBudget(memory_bytes if memory_bytes is not None else pool + (REQUEST_MEMORY_MB << 20))
+        if pool:
+            self.budget.reserve("kv_pool", pool)  # ValueError naming both sizes when the pool alone passes it
+        self.metrics.memory_limit.set(self.budget.limit_bytes)
+        self.metrics.memory_used.set_function(lambda: self.budget.used)
+
+    def _kv_pool_bytes(self) -> int:
+        """Bytes of the batching engine's preallocated paged KV cache in this process (0 without one,
+        or when the blocks live elsewhere, as the P/D instances' do)."""
+        e = getattr(self.llm, "engine", None)
+        if e is None or not hasattr(e, "block_manager"):
+            return 0
+        return e.num_blocks * e.block_size * self.engine.cfg.kv_bytes_per_token
+
+    def _charge(self, msg: Generate) -> Charge | Error:
+        """Charge a per-request-path Generate to the memory budget, or the OVERLOADED Error."""
+        path = "refine" if msg.refine is not None else "kv_handoff" if msg.kv_from is not None else "per_request"
+        need = per_request_bytes(self.engine.cfg, len(msg.prompt_ids), msg.max_new_tokens, msg.refine is not None,
+                                 msg.kv_from)
+        charge = self.budget.try_charge(path, need)
+        if charge is not None:
+            return charge
+        self.metrics.memory_refused.labels(path).inc()
+        self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
+        what = f"a {len(msg.prompt_ids)}-token prompt" + {"refine": " with refinement",
+                                                          "kv_handoff": " with a KV hand-off"}.get(path, "")
+        return Error(ErrorCode.OVERLOADED.value, f"{self.budget.refusal(what, need)}; retry after "
+                     f"{self.retry_after_ms:.0f} ms", msg.request_id, self.retry_after_ms)
 
     # --- websockets side ------------------------------------------------------------------------
 
@@ -178,8 +262,6 @@ class CloudService:
         """One device connection: dispatch messages, run each Generate as its own task."""
         if not channel.hello.model_fingerprint:  # a device without the model asked where it is (Welcome): done
             return
-        self.metrics.active_sessions.inc()
-        self.num_sessions += 1
         requests: dict[str, _Request] = {}
         tasks: set[asyncio.Task] = set()
         kept: list[_SessionKV] = []  # at most one: the last turn's KV (per-request path), taken by the next
@@ -191,7 +273,11 @@ class CloudService:
                         self.metrics.errors.labels(err.code).inc()
                         await channel.send(err)
                         continue
-                    req = requests[msg.request_id] = _Request(msg, budget=msg.cloud_budget)
+                    charge = None if self._batched(msg) else self._charge(msg)
+                    if isinstance(charge, Error):
+                        await channel.send(charge)
+                        continue
+                    req = requests[msg.request_id] = _Request(msg, budget=msg.cloud_budget, charge=charge)
                     req.batched = self._batched(msg)
                     req.pending = len(msg.prompt_ids)
                     self.pending_tokens += req.pending
@@ -232,17 +318,27 @@ class CloudService:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             self.kept_tokens -= sum(len(s.ids) for s in kept)
+            for s in kept:
+                s.kv = None
+                if s.charge is not None:
+                    s.charge.release()
             kept.clear()  # the session's kept KV cache is freed with it
-            self.num_sessions -= 1
-            self.metrics.active_sessions.dec()
 
     def _admit(self) -> Error | None:
-        """Before a handshake: OVERLOADED (with the back-off hint) when `max_sessions` are open."""
+        """Right after the websocket upgrade, before the Hello: OVERLOADED (with the back-off hint)
+        when `max_sessions` are open, else the connection is counted as a session (until `_release`)."""
         if self.num_sessions >= self.max_sessions:
             self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
             return Error(ErrorCode.OVERLOADED.value, f"the server holds its limit of {self.max_sessions} device "
                          f"sessions; retry after {self.retry_after_ms:.0f} ms", None, self.retry_after_ms)
+        self.num_sessions += 1
+        self.metrics.active_sessions.inc()
         return None
+
+    def _release(self) -> None:
+        """An admitted connection ended (after its Hello or without one)."""
+        self.num_sessions -= 1
+        self.metrics.active_sessions.dec()
 
     def max_request_tokens(self, batched: bool) -> int:
         """Prompt + answer tokens one request may hold: min(context length, KV cache capacity)."""
@@ -451,6 +547,8 @@ class CloudService:
             past = session_kv.pop() if session_kv else None  # taken: no two requests share a cache
             if past is not None:
                 self.kept_tokens -= len(past.ids)
+                if past.charge is not None:  # this request's own charge covers the cache from now on
+                    past.charge.release()
             logits, kv, kept, req.cached = await loop.run_in_executor(self.worker, self._prefill, msg, past)
             del past
             self._dequeue(req)
@@ -488,8 +586,11 @@ class CloudService:
             keep = (msg.prompt_ids + out_ids)[:kv.length]
             if (session_kv is not None and msg.refine is None and not session_kv
                     and self.kept_tokens + len(keep) <= self.max_kept_tokens):
-                session_kv.append(_SessionKV(keep, kv))  # the next turn's prefix
-                self.kept_tokens += len(keep)
+                kept_charge = self.budget.try_charge("kept_kv", self.engine.cfg.kv_bytes_per_token
+                                                     * getattr(kv, "capacity", kv.length))
+                if kept_charge is not None:  # kept only when the budget holds it
+                    session_kv.append(_SessionKV(keep, kv, kept_charge))  # the next turn's prefix
+                    self.kept_tokens += len(keep)
             await channel.send(done)
         except RelayInferError:
             outcome = "disconnected"  # the device hung up (it may have finished on its own)
@@ -503,6 +604,8 @@ class CloudService:
         finally:
             self._dequeue(req)
             del kv  # the request's KV cache is freed here (unless kept for the session's next turn)
+            if req.charge is not None:
+                req.charge.release()
             requests.pop(msg.request_id, None)
             req.ended.set()
             self.metrics.requests.labels(outcome).inc()
@@ -538,7 +641,8 @@ class CloudService:
             from relayinfer.protocol.tokenizer import Tokenizer
 
             path = Path(self.engine.model_path)  # the GGUF's own name is an alias of the model id
-            openai_routes(app, self.llm, Tokenizer.from_gguf(path), self.model_name, aliases=(path.name, path.stem))
+            openai_routes(app, self.llm, Tokenizer.from_gguf(path), self.model_name, aliases=(path.name, path.stem),
+                          budget=self.budget, retry_after_s=self.retry_after_ms / 1e3)
         return app
 
     def health(self) -> str | None:
@@ -629,15 +733,18 @@ class CloudService:
         if self.llm is not None:  # the batching engine's runner allocates on its first steps too
             await loop.run_in_executor(self.worker, self.llm.engine.generate, [list(range(16, 48))],
                                        SamplingParams(max_new_tokens=2))
+        quiet_accept_errors()
         if http_port is not None:  # first: the Welcome names its /v1/device-model URL
-            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True)
+            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True,
+                                              **runner_kwargs(self.gate.limits))
             await self._http_runner.setup()
-            site = web.TCPSite(self._http_runner, host, http_port, ssl_context=ssl)
+            site = GatedSite(self._http_runner, host, http_port, self.gate, ssl_context=ssl)
             await site.start()
-            self.http_port = site._server.sockets[0].getsockname()[1]
+            self.http_port = site.port
         self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
                                                auth_token=self.auth_token, server="relayinfer-cloud",
                                                max_frame_bytes=self.max_frame_bytes, admit=self._admit,
+                                               release=self._release, gate=self.gate,
                                                ping_interval=KEEPALIVE_S, ping_timeout=KEEPALIVE_S,
                                                device_model_url=self.device_model_url or "",
                                                **({"ssl": ssl} if ssl is not None else {}))
