@@ -1039,7 +1039,7 @@ class Runner:
         elif got:
             self.tally.statuses["ws_result:" + got[0].get("type", "?")] += 1
         elif closed is not None:
-            self.tally.statuses["ws_closed"] += 1
+            self.tally.statuses["ws_closed_" + closed.split(" ")[0]] += 1
         elif pong:
             self.tally.statuses["ws_no_answer_connection_alive"] += 1
         else:
@@ -1055,8 +1055,6 @@ class Runner:
                                 note="a frame sent right after the Welcome was refused at the pre-handshake limit")
             elif size <= limit:
                 self.tally.find("ws_closed_without_error", case, {**answer, "frame_bytes": size})
-            else:
-                self.tally.statuses["ws_closed_1009_above_limit"] += 1
             return
         if closed is not None and not errors:
             if case.target == "error-conn":
