@@ -164,6 +164,10 @@ class _Channel:
             await _fail(self.ws, self.session, ErrorCode.BAD_FRAME, "text websocket message; frames must be binary")
             raise ProtocolError(ErrorCode.BAD_FRAME, "peer sent a text websocket message")
         events = self.session.receive_frame(data)
+        if any(isinstance(e, HandshakeDone) for e in events):
+            # the session is open: the full frame limit holds before the Welcome leaves, so a
+            # peer that sends a large frame the moment it reads the Welcome is not refused
+            _set_max_size(self.ws, self.session.max_frame_bytes)
         for frame in self.session.data_to_send():
             await _send_quietly(self.ws, frame)
         for event in events:
@@ -231,15 +235,19 @@ async def accept(ws: ServerConnection, session: ServerSession, timeout: float = 
 def _handshake_limit(ws: ServerConnection | ClientConnection, session: ServerSession | ClientSession):
     """Until the handshake is done websockets refuses messages above the handshake limit (plus the
     margin of `ws_max_size`) itself, so an unauthenticated peer cannot make it buffer megabytes."""
-    proto = getattr(ws, "protocol", None)
-    if proto is None or not hasattr(proto, "max_message_size"):
-        yield
-        return
-    proto.max_message_size = ws_max_size(session.handshake_max_bytes)
+    _set_max_size(ws, session.handshake_max_bytes)
     try:
         yield
     finally:
-        proto.max_message_size = ws_max_size(session.max_frame_bytes)
+        _set_max_size(ws, session.max_frame_bytes)
+
+
+def _set_max_size(ws: ServerConnection | ClientConnection, max_frame_bytes: int) -> None:
+    """The largest websocket message websockets itself accepts from now on: `ws_max_size` of
+    `max_frame_bytes` (a no-op for a connection object without that setting)."""
+    proto = getattr(ws, "protocol", None)
+    if proto is not None and hasattr(proto, "max_message_size"):
+        proto.max_message_size = ws_max_size(max_frame_bytes)
 
 
 async def _until_handshake(channel: _Channel) -> None:

@@ -290,3 +290,33 @@ def test_connection_lost_is_channel_closed():
             assert exc.value.clean is False and exc.value.code is ErrorCode.CONNECTION_CLOSED
             await release.wait()
     run(main())
+
+
+def test_full_frame_limit_holds_from_the_welcome_on(monkeypatch):
+    """The handshake's small frame limit is lifted before the Welcome leaves: a client may send a
+    frame up to the session's limit the moment it reads the Welcome (with the limit lifted after
+    it, such a frame could meet the handshake limit and be closed with 1009)."""
+    big = 1 << 20
+    limits_at_send = []
+    send = ws._send_quietly
+
+    async def recording_send(conn, frame):
+        if decode(frame).__class__.__name__ == "Welcome" and hasattr(conn, "protocol"):
+            limits_at_send.append(conn.protocol.max_message_size)
+        await send(conn, frame)
+
+    monkeypatch.setattr(ws, "_send_quietly", recording_send)
+
+    async def handler(channel):
+        msg = await channel.recv()
+        await channel.send(Stop("ok", len(msg.request_id)))
+
+    async def main():
+        async with ws.serve(handler, "127.0.0.1", 0, expected_fingerprint=FP, max_frame_bytes=big) as server:
+            url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            ch = await ws.open_channel(url, FP, max_frame_bytes=big)
+            await ch.send(Cancel("x" * 300_000))
+            assert await ch.recv() == Stop("ok", 300_000)
+            await ch.close()
+    run(main(), timeout=30.0)
+    assert limits_at_send == [ws.ws_max_size(big)]
