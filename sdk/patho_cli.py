@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from relayinfer.protocol.errors import RelayInferError
+from relayinfer.sdk.cli_common import serve_for
 
 patho_app = typer.Typer(help="Pathology split screening: WSI coarse screen on the device, fine screen in the cloud.",
                         no_args_is_help=True)
@@ -134,8 +135,6 @@ def serve(
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
 ):
     """Run the cloud fine screen (tile encoder + ABMIL) until Ctrl-C or --duration-s."""
-    from relayinfer.sdk.cli import serve_for
-
     from relayinfer.cloud.patho.encoder import NORMS, ViTEncoder
     from relayinfer.cloud.patho.service import PathoService, SlideScreener
     from relayinfer.cloud.patho.vit import VIT_LARGE_16, VIT_TINY_TEST
