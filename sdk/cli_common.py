@@ -47,16 +47,34 @@ def serve_for(svc, duration_s: float | None, up) -> None:
 
 
 def bench_module(name: str):
-    """Load `bench/<name>.py` of this source checkout as a module (benchmark drivers live in
-    `bench/`, not in the library); exit 2 naming the file when it is not there."""
+    """Import the benchmark driver `bench.<name>` (drivers live in the `bench` package of a source
+    checkout, not in the library): the checkout this library runs from, else a `bench` package
+    of relayinfer on sys.path (`python -m` from the checkout root). Exit 2 saying a source
+    checkout is needed when neither is there (an installed wheel), or naming an unknown driver."""
+    import importlib
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    if not path.is_file():
-        fail(FileNotFoundError(f"{path} not found: `relayinfer bench {name}` runs from a source checkout"))
-    spec = importlib.util.spec_from_file_location(f"relayinfer_bench_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # worker processes find its functions by name
-    spec.loader.exec_module(mod)
-    return mod
+    pkg = sys.modules.get("bench")
+    if pkg is None or not getattr(pkg, "RELAYINFER_BENCH", False):
+        init = Path(__file__).resolve().parents[1] / "bench" / "__init__.py"
+        if init.is_file():
+            spec = importlib.util.spec_from_file_location("bench", init, submodule_search_locations=[str(init.parent)])
+            pkg = importlib.util.module_from_spec(spec)
+            sys.modules["bench"] = pkg  # worker processes find the drivers' functions by name
+            spec.loader.exec_module(pkg)
+        else:
+            try:
+                pkg = importlib.import_module("bench")
+            except ImportError:
+                pkg = None
+            if pkg is None or not getattr(pkg, "RELAYINFER_BENCH", False):
+                fail(FileNotFoundError(f"`relayinfer bench {name}` needs a source checkout of relayinfer: its "
+                                       "drivers are the bench/ package there (run it from the checkout root), "
+                                       "not part of the installed library"))
+    try:
+        return importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"bench.{name}":
+            raise
+        fail(FileNotFoundError(f"no benchmark driver bench/{name}.py in {list(pkg.__path__)[0]}"))
