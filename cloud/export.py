@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from relayinfer.cloud.onnx_graph import io_names, write_model  # noqa: F401  (io_names: public API)
-from relayinfer.device.onnx_engine import DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, device_model_dir, onnx_file_name
+from relayinfer.protocol.device_model import DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, device_model_dir, onnx_file_name
 from relayinfer.protocol.model_file import file_sha256, fingerprint, read_config, open_gguf, resolve_model_path
 from relayinfer.protocol.tokenizer import Tokenizer
 

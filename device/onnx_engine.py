@@ -21,38 +21,12 @@ import numpy as np
 
 from relayinfer.protocol.decoding import GenerationOutput, SamplingParams, generate
 from relayinfer.protocol.errors import ModelFileError
-from relayinfer.protocol.model_file import ModelConfig, model_cache_dir, resolve_model_path
+from relayinfer.protocol.device_model import (  # noqa: F401  (part of this module's API)
+    DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, device_model_dir, onnx_file_name)
+from relayinfer.protocol.model_file import ModelConfig
 from relayinfer.protocol.tokenizer import Tokenizer
 
-FORMAT_VERSION = 2  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV)
-WEIGHTS = ("gguf", "fp32")
-DEFAULT_WEIGHTS = "gguf"
 MIN_CAPACITY = 256  # tokens of a fresh cache buffer
-
-
-def onnx_file_name(weights: str | None = None) -> str:
-    """The ONNX file name of `weights` ('gguf' or 'fp32'; None = `DEFAULT_WEIGHTS`).
-
-    Raises:
-        ValueError: unknown weights; 'int8' (the former `quantize_dynamic` export) is refused with
-            a pointer to 'gguf'.
-    """
-    w = weights or DEFAULT_WEIGHTS
-    if w == "int8":
-        raise ValueError("the int8 (quantize_dynamic) device model was replaced by 'gguf' (the GGUF "
-                         "file's own 4/8-bit blocks, same greedy tokens as fp32); use --quantize gguf")
-    if w not in WEIGHTS:
-        raise ValueError(f"unknown device weights {w!r}; choose one of {WEIGHTS}")
-    return f"model.{w}.onnx"
-
-
-def device_model_dir(model_path: str | os.PathLike | None = None) -> Path:
-    """Where `relayinfer export` puts the device files of `model_path` (default model when None):
-    `model_cache_dir(model)/onnx-v<FORMAT_VERSION>`, so exports of an older graph format are never
-    loaded."""
-    d = model_cache_dir(resolve_model_path(model_path)) / f"onnx-v{FORMAT_VERSION}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 @dataclass

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .speed import count_stalls, release_time
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -172,10 +174,10 @@ def simulate(t: Timing, prompt_tokens: int, answer_tokens: int, budget: int | No
         ready[handoff:] = r + t.decode_ms_per_token * np.arange(answer_tokens - handoff)
     shown = np.empty(answer_tokens)
     for k in range(answer_tokens):
-        shown[k] = ready[k] if k == 0 else max(ready[k], shown[k - 1] + interval_ms)
+        shown[k] = release_time(ready[k], shown[k - 1] if k else None, interval_ms)
     gaps = np.diff(shown)
     slots = t.cloud_ttft_ms + interval_ms * np.arange(answer_tokens)
-    return {"shown_ms": shown, "stalls": int((gaps > stall_factor * max(target_tpot_ms, interval_ms)).sum()),
+    return {"shown_ms": shown, "stalls": count_stalls(shown, interval_ms, target_tpot_ms, stall_factor),
             "late": int((shown > slots + 1e-6).sum()), "handoff": handoff,
             "tpot_max_ms": float(gaps.max()) if gaps.size else 0.0}
 

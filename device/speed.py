@@ -20,6 +20,30 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def release_time(ready_ms: float, prev_shown_ms: float | None, interval_ms: float) -> float:
+    """When a token ready at `ready_ms` is shown: max(ready, previous shown + interval) (ms); the
+    first token (`prev_shown_ms` None) as soon as it is ready."""
+    return ready_ms if prev_shown_ms is None else max(ready_ms, prev_shown_ms + interval_ms)
+
+
+def count_stalls(shown_ms, pace_ms, target_tpot_ms: float, stall_factor: float = 2.0) -> int:
+    """Stalls of a shown stream: gaps between consecutive shown times (`shown_ms`, ms) longer than
+    `stall_factor` x max(target_tpot_ms, the interval in force when the later token was shown).
+    `pace_ms[k]` is that interval for token k (a number: the same for every token)."""
+    shown = np.asarray(shown_ms, dtype=np.float64)
+    if shown.size < 2:
+        return 0
+    pace = np.broadcast_to(np.asarray(pace_ms, dtype=np.float64), shown.shape)[1:]
+    return int((np.diff(shown) > stall_factor * np.maximum(target_tpot_ms, pace)).sum())
+
+
+def tpot_from_arrivals(times_ms) -> float | None:
+    """Mean time per output token of a stream from its arrival times (ms): (last - first) /
+    (count - 1); None with fewer than 2 arrivals."""
+    n = len(times_ms)
+    return (times_ms[-1] - times_ms[0]) / (n - 1) if n > 1 else None
+
+
 @dataclass
 class SpeedController:
     """Pacing state of one answer. Times are ms on any monotonic clock.
@@ -45,10 +69,8 @@ class SpeedController:
             self.interval_ms = self.target_tpot_ms
 
     def release_at(self, ready_ms: float) -> float:
-        """When to show the next token, ready since `ready_ms`."""
-        if not self.shown_ms:
-            return ready_ms
-        return max(ready_ms, self.shown_ms[-1] + self.interval_ms)
+        """When to show the next token, ready since `ready_ms` (`release_time`)."""
+        return release_time(ready_ms, self.shown_ms[-1] if self.shown_ms else None, self.interval_ms)
 
     def shown(self, t_ms: float) -> None:
         """Record that the next token was shown at `t_ms`."""
@@ -66,5 +88,5 @@ class SpeedController:
             "ttft_ms": (self.shown_ms[0] - start_ms) if self.shown_ms else float("nan"),
             "tpot_ms_p50": float(np.median(g)) if g.size else 0.0,
             "tpot_ms_max": float(g.max()) if g.size else 0.0,
-            "stalls": int((g > self.stall_factor * np.maximum(self.target_tpot_ms, self.pace_ms[1:])).sum()),
+            "stalls": count_stalls(self.shown_ms, self.pace_ms, self.target_tpot_ms, self.stall_factor),
         }

@@ -67,7 +67,7 @@ from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Gen
 from relayinfer.protocol.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
 
 from .settings import CatchUp, Timing, choose_settings
-from .speed import SpeedController
+from .speed import SpeedController, tpot_from_arrivals
 
 MODES = ("split", "device-only", "cloud-only")
 SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send and on closing the channel
@@ -437,8 +437,7 @@ class _Run:
         if (not self.auto or self.budget is None or self.channel is None or not self.ready_ms
                 or self.cloud_done is not None or self.handoff is not None):
             return
-        n = len(self.ready_ms)
-        tpot = (self.ready_ms[-1] - self.ready_ms[0]) / (n - 1) if n > 1 else None
+        tpot = tpot_from_arrivals(self.ready_ms)
         st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot), prompt_left,
                              self.params.max_new_tokens, self.s.opt.target_tpot_ms, margin=0.1)
         want = st.cloud_budget if st.cloud_budget is not None else self.params.max_new_tokens
@@ -456,7 +455,7 @@ class _Run:
         if (not self.auto or not self.device_idle or self.device_task is not None or self.complete
                 or self.channel is None or k & (k - 1)):
             return
-        tpot = (self.ready_ms[-1] - self.ready_ms[0]) / (k - 1) if k > 1 else None
+        tpot = tpot_from_arrivals(self.ready_ms)
         st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot), self.device_prompt_est,
                              self.params.max_new_tokens, self.s.opt.target_tpot_ms)
         if st.cloud_budget is None:
@@ -807,8 +806,7 @@ class _Run:
         """Update the client's cloud estimates from this request's arrivals."""
         cloud = [t for t, src in zip(self.ready_ms, self.source) if src == "cloud"]
         if cloud:
-            tpot = (cloud[-1] - cloud[0]) / (len(cloud) - 1) if len(cloud) > 1 else None
-            self.s.cloud.update(len(self.prompt), cloud[0], tpot)
+            self.s.cloud.update(len(self.prompt), cloud[0], tpot_from_arrivals(cloud))
 
     def result(self) -> GenerationResult:
         self.learn()

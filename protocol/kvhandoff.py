@@ -4,9 +4,12 @@
   reuse checks the cached ids are a prefix of the new prompt; else it keeps the common part).
 * `kv_bytes_per_token` / `kv_handoff_ms` / `kv_handoff_pays`: the per-request choice between the
   device prefilling the prompt itself and importing the prompt's KV from the cloud.
-* `kv_messages` / `kv_layers`: the prompt's KV as `KVTransfer` messages (float16 [layers, 2,
-  kv_heads, tokens, head_dim], split by tokens into frames of at most `max_bytes`) and back into
-  per-layer (key, value) arrays [1, kv_heads, tokens, head_dim], the device engine's past-KV layout.
+* `kv_part_messages` / `kv_parts`: the one `KVTransfer` codec: KV [layers, 2, kv_heads, tokens,
+  head_dim] cut by tokens into consecutive parts, one message each, and back (checked complete and
+  contiguous). The P/D hand-off (`cloud.pd.kv`) sends its payload with it, one part per block.
+* `kv_messages` / `kv_layers`: the prompt's KV as `KVTransfer` messages (float16, split by tokens
+  into frames of at most `max_bytes`) and back into per-layer (key, value) arrays [1, kv_heads,
+  tokens, head_dim], the device engine's past-KV layout.
 
 The hand-off follows the prefill -> decode KV transfer of disaggregated serving (DistServe,
 Zhong et al. 2024, sec. 4; P/D-Serve, arXiv 2408.08147), with the device as the decode instance.
@@ -35,9 +38,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, bytes_per_value: int = 2) -> int:
-    """Bytes of K and V of one token over all layers (fp16 on the wire: 2 bytes a value).
-    SmolLM2-135M: 30 x 3 x 64 x 2 x 2 = 23,040 bytes (22.5 KiB)."""
-    return n_layers * n_kv_heads * head_dim * 2 * bytes_per_value
+    """Bytes of K and V of one token over all layers: n_layers x 2 (K, V) x n_kv_heads x head_dim x
+    `bytes_per_value` (default 2: fp16 on the wire; 4 for an fp32 cache). SmolLM2-135M: 30 x 2 x
+    3 x 64 x 2 = 23,040 bytes (22.5 KiB) in fp16. `ModelConfig.kv_bytes_per_token` and the
+    engine's cache sizing call this."""
+    return n_layers * 2 * n_kv_heads * head_dim * bytes_per_value
 
 
 def kv_handoff_ms(tokens: int, bytes_per_token: int, bandwidth_bytes_s: float, cloud_ttft_ms: float,
@@ -72,6 +77,58 @@ def crossover_bandwidth(tokens: int, bytes_per_token: int, cloud_ttft_ms: float,
     return math.inf if slack_ms <= 0 else tokens * bytes_per_token / slack_ms * 1e3
 
 
+def kv_part_messages(request_id: str, parts: Sequence[np.ndarray], token_start: int = 0,
+                     whole: bool | None = None) -> list[KVTransfer]:
+    """`parts` (arrays [layers, 2, kv_heads, n_i, head_dim], consecutive token ranges from
+    `token_start`, sent in their own dtype) as `KVTransfer` messages: message i holds part i's
+    `num_tokens` n_i tokens from its absolute `token_start`, `block_index` i of `num_blocks`
+    len(parts). `whole` (default: one part) sends the single part as one message with
+    `block_index` -1.
+
+    Raises:
+        ValueError: no parts, `whole` with several parts, or a part that is not [layers, 2, ...].
+    """
+    if not parts:
+        raise ValueError("no KV parts to send")
+    whole = len(parts) == 1 if whole is None else whole
+    if whole and len(parts) != 1:
+        raise ValueError(f"whole: one part expected, got {len(parts)}")
+    for p in parts:
+        if p.ndim != 5 or p.shape[1] != 2:
+            raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got shape {p.shape}")
+    if whole:
+        return [KVTransfer(request_id, 0, Tensor.from_numpy(parts[0]), parts[0].shape[3], token_start=token_start)]
+    out, at = [], token_start
+    for i, p in enumerate(parts):
+        out.append(KVTransfer(request_id, 0, Tensor.from_numpy(p), p.shape[3], i, len(parts), token_start=at))
+        at += p.shape[3]
+    return out
+
+
+def kv_parts(msgs: Sequence[KVTransfer]) -> tuple[int, list[np.ndarray]]:
+    """The `KVTransfer` messages of one hand-off (any order) -> (token_start, the parts' arrays
+    [layers, 2, kv_heads, n_i, head_dim] in token order). Inverse of `kv_part_messages`.
+
+    Raises:
+        ValueError: no message, parts missing or repeated, tokens not contiguous, or a tensor of
+            the wrong shape.
+    """
+    if not msgs:
+        raise ValueError("no KVTransfer messages")
+    parts = sorted(msgs, key=lambda m: m.token_start)
+    total = parts[0].num_blocks if parts[0].block_index >= 0 else 1
+    if len(parts) != total or len({m.block_index for m in parts}) != total:
+        raise ValueError(f"{len(parts)} KV parts of {total}")
+    arrays, at = [], parts[0].token_start
+    for m in parts:
+        a = m.kv.to_numpy()
+        if a.ndim != 5 or a.shape[1] != 2 or a.shape[3] != m.num_tokens or m.token_start != at:
+            raise ValueError(f"KV part {m.block_index}: shape {a.shape}, tokens {m.num_tokens} from {m.token_start}")
+        arrays.append(a)
+        at += m.num_tokens
+    return parts[0].token_start, arrays
+
+
 def kv_messages(request_id: str, kv: np.ndarray, token_start: int,
                 max_bytes: int = MAX_FRAME_BYTES) -> list[KVTransfer]:
     """`kv` float16 [layers, 2, kv_heads, tokens, head_dim] as `KVTransfer` messages of at most
@@ -89,11 +146,7 @@ def kv_messages(request_id: str, kv: np.ndarray, token_start: int,
     step = (max_bytes - FRAME_MARGIN) // per_token if per_token else n
     if step < 1:
         raise ValueError(f"one token of KV is {per_token} bytes, more than the frame limit of {max_bytes}")
-    if n <= step:
-        return [KVTransfer(request_id, 0, Tensor.from_numpy(kv), n, token_start=token_start)]
-    parts = list(range(0, n, step))
-    return [KVTransfer(request_id, 0, Tensor.from_numpy(kv[:, :, :, i:i + step]), min(step, n - i), i // step,
-                       len(parts), token_start=token_start + i) for i in parts]
+    return kv_part_messages(request_id, [kv[:, :, :, i:i + step] for i in range(0, n, step)] or [kv], token_start)
 
 
 def kv_layers(msgs: Sequence[KVTransfer]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
@@ -103,18 +156,6 @@ def kv_layers(msgs: Sequence[KVTransfer]) -> tuple[int, list[tuple[np.ndarray, n
     Raises:
         ValueError: parts missing or repeated, tokens not contiguous, or a tensor of the wrong shape.
     """
-    if not msgs:
-        raise ValueError("no KVTransfer messages")
-    parts = sorted(msgs, key=lambda m: m.token_start)
-    total = parts[0].num_blocks if parts[0].block_index >= 0 else 1
-    if len(parts) != total or len({m.block_index for m in parts}) != total:
-        raise ValueError(f"{len(parts)} KV parts of {total}")
-    arrays, at = [], parts[0].token_start
-    for m in parts:
-        a = m.kv.to_numpy()
-        if a.ndim != 5 or a.shape[1] != 2 or a.shape[3] != m.num_tokens or m.token_start != at:
-            raise ValueError(f"KV part {m.block_index}: shape {a.shape}, tokens {m.num_tokens} from {m.token_start}")
-        arrays.append(a)
-        at += m.num_tokens
+    start, arrays = kv_parts(msgs)
     kv = np.concatenate(arrays, axis=3) if len(arrays) > 1 else arrays[0]
-    return parts[0].token_start, [(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])]
+    return start, [(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])]

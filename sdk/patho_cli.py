@@ -15,6 +15,7 @@ import typer
 
 from relayinfer.protocol.errors import RelayInferError
 from relayinfer.sdk.server_opts import OPT_HEADER_TIMEOUT, OPT_INSECURE_NO_AUTH, OPT_MAX_CONNECTIONS, OPT_MAX_PER_CLIENT
+from relayinfer.sdk.cli_common import bench_module, serve_for
 
 patho_app = typer.Typer(help="Pathology split screening: WSI coarse screen on the device, fine screen in the cloud.",
                         no_args_is_help=True)
@@ -143,7 +144,6 @@ def serve(
     header_timeout_s: float = OPT_HEADER_TIMEOUT,
 ):
     """Run the cloud fine screen (tile encoder + ABMIL) until Ctrl-C or --duration-s."""
-    from relayinfer.sdk.cli import serve_for
     from relayinfer.sdk.server_opts import connection_limits, server_policy
 
     from relayinfer.cloud.patho.encoder import NORMS, ViTEncoder
@@ -238,12 +238,7 @@ def bench_patho(
     quick: bool = typer.Option(False, help="Smoke run: the 2-block test ViT instead of ViT-L/16."),
 ):
     """Pathology split screening on the real SVS: tiles/s read, screened and encoded; bytes sent; split vs all-cloud vs all-device."""
-    import runpy
-
-    driver = Path(__file__).resolve().parents[1] / "bench" / "patho.py"
-    if not driver.is_file():
-        _fail(ValueError(f"the benchmark driver {driver} is not here: run it from a source checkout"))
-    run = runpy.run_path(str(driver))["run"]
+    run = bench_module("patho").run
     try:
         res = run(out=out, encoder_tiles=encoder_tiles, quick=quick,
                   command=shlex.join(["relayinfer", *sys.argv[1:]]), log=lambda m: typer.echo(m, err=True))

@@ -11,12 +11,19 @@ recomputing them. A block whose ref count drops to 0 keeps its contents and hash
 free list in LRU order; it is reused by a later prefix hit or evicted (hash dropped) when the
 free list hands it out for new tokens.
 
+Two notions are kept apart: a sequence's *chain hashes* (`Sequence.block_hashes`, one per full
+block, a pure function of its tokens, always chained from the previous block's) and a block's
+*registration* (`Block.hash`: set only on the block that `cached` maps that hash to). When two
+sequences compute the same prefix in the same step, the first one's blocks are registered and
+the second one's are not, but the second's chain goes on, so its later blocks (the ones decode
+fills) are registered under the right hashes.
+
 This class only does bookkeeping (ints); the tensors live in `model_runner.ModelRunner`.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .sequence import Sequence
 
@@ -28,11 +35,14 @@ def block_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
 
 @dataclass
 class Block:
+    """One KV block's bookkeeping. `hash` is not None only while the block is registered in
+    `BlockManager.cached` under it (full, computed, and the first copy of its prefix);
+    `token_ids` are then its tokens, checked on a hash hit (collision guard)."""
+
     block_id: int
     ref_count: int = 0
-    hash: int | None = None           # set once the block is full and computed
-    token_ids: tuple[int, ...] = ()   # the block's tokens, checked on a hash hit (collision guard)
-    parent_hash: int | None = field(default=None, repr=False)
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class BlockManager:
@@ -97,24 +107,30 @@ class BlockManager:
         (len - 1) // block_size blocks match. Sets `block_table`, `num_computed_tokens`,
         `num_cached_tokens` (the scheduler adds them to `prefix_hit_tokens` on admission); returns the number of tokens reused."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        hits, prev, bs = 0, None, self.block_size
+        hits, bs = 0, self.block_size
         if self.enable_prefix_caching:
             for i in range((len(seq.token_ids) - 1) // bs):
-                toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                h = block_hash(prev, toks)
+                h = self.chain_hash(seq, i)
                 bid = self.cached.get(h)
-                if bid is None or self.blocks[bid].token_ids != toks:
+                if bid is None or self.blocks[bid].token_ids != seq.block(i, bs):
                     break
                 b = self.blocks[bid]
                 if b.ref_count == 0:
                     del self.free[bid]
-                    self._cached_free -= 1  # a cache hit is a block with a hash
+                    self._cached_free -= 1  # a cache hit is a registered block
                 b.ref_count += 1
                 seq.block_table.append(bid)
                 hits += 1
-                prev = h
         seq.num_computed_tokens = seq.num_cached_tokens = hits * bs
         return hits * bs
+
+    def chain_hash(self, seq: Sequence, i: int) -> int:
+        """Chain hash of `seq`'s full block `i` (its tokens must be in `seq.token_ids`), computed
+        once and kept in `seq.block_hashes` (tokens are only ever appended, so it stays valid)."""
+        hs = seq.block_hashes
+        while len(hs) <= i:
+            hs.append(block_hash(hs[-1] if hs else None, seq.block(len(hs), self.block_size)))
+        return hs[i]
 
     def can_allocate(self, n_blocks: int) -> bool:
         return n_blocks <= len(self.free)
@@ -130,28 +146,20 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence, old_computed: int) -> None:
-        """After the runner wrote K/V for tokens [old_computed, seq.num_computed_tokens): give the
-        blocks that became full their chained hash so later sequences can share them."""
+        """After the runner wrote K/V for tokens [old_computed, seq.num_computed_tokens): register
+        the blocks that became full under their chain hash so later sequences can share them. A
+        block whose hash another block already holds (the same prefix computed twice at once)
+        stays unregistered; the chain still goes through it to the blocks after it."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         first, last = old_computed // bs, seq.num_computed_tokens // bs  # full blocks: [first, last)
-        prev = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
         for i in range(first, last):
+            h = self.chain_hash(seq, i)
             b = self.blocks[seq.block_table[i]]
-            if b.hash is None:
-                toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                if prev is None and i > 0:  # a parent without hash (duplicate): stop chaining
-                    return
-                h = block_hash(prev, toks)
-                b.token_ids = toks
-                if h not in self.cached:
-                    b.hash = h
-                    self.cached[h] = b.block_id
-                else:  # same prefix computed twice concurrently: keep the first copy as cached
-                    prev = h
-                    continue
-            prev = b.hash
+            if b.hash is None and h not in self.cached:
+                b.hash, b.token_ids = h, seq.block(i, bs)
+                self.cached[h] = b.block_id
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop `seq`'s references (last block first, so a prefix's tail is evicted before its

@@ -28,14 +28,15 @@ from __future__ import annotations
 import torch
 
 from relayinfer.cloud.models.llama import CAUSAL, Llama, gqa_attention, rope
+from relayinfer.protocol.kvhandoff import kv_bytes_per_token as _kv_bytes_per_token
 from relayinfer.protocol.model_file import ModelConfig
 
 from .scheduler import ScheduledSeq
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
-    """K and V of one token over all layers: 2 * n_layers * kv_heads * head_dim * element size."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    """K and V of one token over all layers in `dtype` (bytes; `protocol.kvhandoff.kv_bytes_per_token`)."""
+    return _kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.empty((), dtype=dtype).element_size())
 
 
 class PagedKV:

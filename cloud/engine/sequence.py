@@ -32,6 +32,8 @@ class Sequence:
         params: sampling settings; `max_tokens` below is min(params.max_new_tokens, cloud_budget).
         block_table: KV block ids (ints into the cache's first axis), block i holds token positions
             [i * block_size, (i + 1) * block_size).
+        block_hashes: chain hashes of the leading full blocks of `token_ids` (filled on demand by
+            `BlockManager.chain_hash`; depend on the tokens only, so they outlive preemption).
         num_computed_tokens: leading tokens whose K/V are in the cache.
         num_cached_tokens: prompt tokens found in the prefix cache at the last admission (not
             computed); `prefix_hit_tokens` sums them over admissions (recompute after preemption).
@@ -47,6 +49,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -66,6 +69,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def block(self, i: int, block_size: int) -> tuple[int, ...]:
+        """Token ids of block `i` (positions [i * block_size, (i + 1) * block_size)); shorter
+        than `block_size` for a block not yet full."""
+        return tuple(self.token_ids[i * block_size:(i + 1) * block_size])
 
     @property
     def output_ids(self) -> list[int]:

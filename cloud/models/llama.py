@@ -173,6 +173,12 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies float32 [head_dim / 2]: 1 / rope_theta ** (2i / head_dim), computed
+    as transformers' Llama does (float32 torch pow, so the numbers match it bit for bit)."""
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+
+
 def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, head_dim] for integer `positions` [S] ([B, S] gives [B, S, head_dim])
     (RoFormer, Su et al. 2021)."""
@@ -234,8 +240,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, start: torch.Tensor | int,
                 last_only: bool = True, obs: "ObservationScores | None" = None,
@@ -338,6 +343,5 @@ def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
                           assign=True)
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
-                                                 / cfg.head_dim)))
+    model.inv_freq = rope_inv_freq(cfg)
     return model.to(device=device, dtype=dtype).eval()

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from relayinfer.protocol.kvhandoff import kv_part_messages, kv_parts
+from relayinfer.protocol.messages import KVTransfer
+
 MODES = ("contiguous", "block-fixed")
 
 
@@ -101,24 +104,21 @@ def writer(payload: KVPayload):
     return write
 
 
-def to_messages(payload: KVPayload, request_id: str) -> list:
-    """The payload as `KVTransfer` protocol messages (one, or one per block)."""
-    from relayinfer.protocol.messages import KVTransfer, Tensor
-
-    def tensor(a: np.ndarray) -> Tensor:
-        return Tensor(str(a.dtype), list(a.shape), np.ascontiguousarray(a).tobytes())
-
-    if payload.mode == "contiguous":
-        return [KVTransfer(request_id, 0, tensor(payload.parts[0]), payload.num_tokens)]
-    return [KVTransfer(request_id, 0, tensor(p), payload.num_tokens, i, len(payload.parts))
-            for i, p in enumerate(payload.parts)]
+def to_messages(payload: KVPayload, request_id: str) -> list[KVTransfer]:
+    """The payload as `KVTransfer` protocol messages (`protocol.kvhandoff.kv_part_messages`):
+    contiguous: one message (block_index -1); block-fixed: one per block, each with its own
+    tokens (`num_tokens`, `token_start`)."""
+    return kv_part_messages(request_id, payload.parts, 0, whole=payload.mode == "contiguous")
 
 
-def from_messages(msgs: list, block_size: int = 16) -> KVPayload:
-    """Inverse of `to_messages` (block-fixed messages in any order)."""
-    msgs = sorted(msgs, key=lambda m: m.block_index)
-    parts = [m.kv.to_numpy() for m in msgs]
+def from_messages(msgs: list[KVTransfer], block_size: int = 16) -> KVPayload:
+    """Inverse of `to_messages` (block-fixed messages in any order; `protocol.kvhandoff.kv_parts`).
+
+    Raises:
+        ValueError: blocks missing, repeated or not contiguous, or not starting at position 0.
+    """
+    start, parts = kv_parts(msgs)
+    if start != 0:
+        raise ValueError(f"a P/D KV payload starts at position 0, these messages at {start}")
     mode = "contiguous" if msgs[0].block_index < 0 else "block-fixed"
-    if mode == "block-fixed" and [m.block_index for m in msgs] != list(range(msgs[0].num_blocks)):
-        raise ValueError("block-fixed KV transfer is missing blocks")
-    return KVPayload(mode, msgs[0].num_tokens, block_size, parts, sum(p.nbytes for p in parts))
+    return KVPayload(mode, sum(p.shape[3] for p in parts), block_size, parts, sum(p.nbytes for p in parts))

@@ -22,8 +22,6 @@ import time
 import warnings
 from dataclasses import asdict
 
-import numpy as np
-
 from .gateway import Group, GroupSpec
 from .instance import Handoff, Instance, InstanceConfig
 
@@ -79,7 +77,7 @@ def build_model(cfg, weights: dict):
     never writes them)."""
     import torch
 
-    from relayinfer.cloud.models.llama import Llama
+    from relayinfer.cloud.models.llama import Llama, rope_inv_freq
 
     with torch.device("meta"):
         model = Llama(cfg)
@@ -89,8 +87,7 @@ def build_model(cfg, weights: dict):
     model.load_state_dict(state, assign=True, strict=False)
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
-                                                 / cfg.head_dim)))
+    model.inv_freq = rope_inv_freq(cfg)
     return model.eval()
 
 
@@ -282,6 +279,3 @@ class RayPool:
         for h in self.handles:
             ray.kill(h.actor, no_restart=True)
 
-
-def kv_bytes_per_token(cfg) -> int:
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * np.dtype(np.float32).itemsize

@@ -1,5 +1,5 @@
-"""CLI of the GR relay: `relayinfer relay train|bench|serve` and `relayinfer bench relay` (mounted by
-sdk/cli.py). The benchmark driver is bench/relay.py, loaded with sdk.cli.bench_module()."""
+"""CLI of the GR relay: `relayinfer relay train|serve` (mounted by sdk/cli.py, which adds `relay bench`:
+its driver, bench/relay.py, lives outside the library)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,23 +23,6 @@ def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut 
     typer.echo(f"HSTU        HR@10 {m['hr']:.4f}  NDCG@10 {m['ndcg']:.4f}")
     typer.echo(f"popularity  HR@10 {m['pop_hr']:.4f}  NDCG@10 {m['pop_ndcg']:.4f}")
     typer.echo(f"({m['users']} users, leave-last-out, full sort; trained in {m['train_s']:.0f} s) -> {m['path']}")
-
-
-@relay_app.command()
-def bench(out: Path = typer.Option(None, help="results JSON (plot written beside it); default "
-                                              "bench/results/relay.json, or relay_production.json for --shape production"),
-          quick: bool = typer.Option(False, help="shorter sweep and fewer requests"),
-          live: bool = typer.Option(True, help="also run the live check through instance processes"),
-          shape: str = typer.Option("trained", help="trained: the shipped ML-100K checkpoint; production: an 8-layer "
-                                                    "d=256 HSTU with random weights (timing study)")) -> None:
-    """Cascade benchmark: baseline vs relay under one ranking P99 budget (the driver is bench/relay.py
-    of a source checkout; exit 2 naming it when it is not there)."""
-    from relayinfer.sdk.cli import bench_module
-    run = bench_module("relay").run
-    if shape not in ("trained", "production"):
-        raise typer.BadParameter("--shape must be trained or production")
-    out = out or Path("bench/results") / ("relay.json" if shape == "trained" else "relay_production.json")
-    run(out, quick=quick, live=live, log=typer.echo, shape=shape)
 
 
 @relay_app.command()

@@ -34,7 +34,7 @@ class RelayInstanceActor:
                  lifetime_s: float, host: str | None, threads: int = 1, token: str | None = None):
         import ray
 
-        from relayinfer.cloud.relay.client import spawn_instance
+        from relayinfer.cloud.relay.instance_proc import spawn_instance
 
         self.dir = tempfile.mkdtemp(prefix="relay-ray-")
         ck, lat = Path(self.dir) / "model.pt", Path(self.dir) / "latency.json"

@@ -1,0 +1,80 @@
+"""Pieces the `relayinfer` command line's modules share (`sdk.cli`, `sdk.patho_cli`): the one-line
+error exit, running a service for a while, and loading a benchmark driver from `bench/`."""
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from relayinfer.protocol.errors import RelayInferError
+
+_OPTION_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # errors name them by their option
+
+
+def fail(e: Exception, as_json: bool = False) -> None:
+    """Print a one-line error naming what was wrong, in plain words, and exit 2. The protocol code
+    (`bad_request`, `prompt_too_long`, ...) is shown only with `as_json`, where the error is one JSON
+    object on stdout: {"error": {"message", "code", "type"}}."""
+    message = e.message if isinstance(e, RelayInferError) else str(e)
+    for name in _OPTION_FIELDS:  # 'max_new_tokens must be ...' -> '--max-new-tokens must be ...'
+        if message.startswith(name + " "):
+            message = "--" + name.replace("_", "-") + message[len(name):]
+    if as_json:
+        code = e.code.value if isinstance(e, RelayInferError) else "bad_request"
+        print(json.dumps({"error": {"message": message, "code": code, "type": type(e).__name__}}))
+    else:
+        typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(2)
+
+
+def serve_for(svc, duration_s: float | None, up) -> None:
+    """Run a service until Ctrl-C or `duration_s` seconds: `up()` (a coroutine function) starts
+    `svc` and announces it; `svc.stop()` runs on the way out, whatever ended the wait."""
+    import asyncio
+
+    async def main():
+        await up()
+        try:
+            await asyncio.sleep(duration_s if duration_s else 1e9)
+        finally:
+            await svc.stop()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+def bench_module(name: str):
+    """Import the benchmark driver `bench.<name>` (drivers live in the `bench` package of a source
+    checkout, not in the library): the checkout this library runs from, else a `bench` package
+    of relayinfer on sys.path (`python -m` from the checkout root). Exit 2 saying a source
+    checkout is needed when neither is there (an installed wheel), or naming an unknown driver."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    pkg = sys.modules.get("bench")
+    if pkg is None or not getattr(pkg, "RELAYINFER_BENCH", False):
+        init = Path(__file__).resolve().parents[1] / "bench" / "__init__.py"
+        if init.is_file():
+            spec = importlib.util.spec_from_file_location("bench", init, submodule_search_locations=[str(init.parent)])
+            pkg = importlib.util.module_from_spec(spec)
+            sys.modules["bench"] = pkg  # worker processes find the drivers' functions by name
+            spec.loader.exec_module(pkg)
+        else:
+            try:
+                pkg = importlib.import_module("bench")
+            except ImportError:
+                pkg = None
+            if pkg is None or not getattr(pkg, "RELAYINFER_BENCH", False):
+                fail(FileNotFoundError(f"`relayinfer bench {name}` needs a source checkout of relayinfer: its "
+                                       "drivers are the bench/ package there (run it from the checkout root), "
+                                       "not part of the installed library"))
+    try:
+        return importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"bench.{name}":
+            raise
+        fail(FileNotFoundError(f"no benchmark driver bench/{name}.py in {list(pkg.__path__)[0]}"))
