@@ -150,3 +150,104 @@ def test_async_engine_delivers_the_failure_and_goes_on(torch_engine, chat_prompt
     assert isinstance(bad, RequestFailed) and bad.request_id == "bad"
     assert ok0 == reference[0] and ok2 == reference[2] and after == reference[1]
     assert error is None and used == 0
+
+
+# --- the servers ----------------------------------------------------------------------------------
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def cloud(torch_engine):
+    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+
+    llm = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=32 << 20))
+    svc = CloudService(torch_engine, torch_engine.fingerprint, llm=llm, max_queue_wait_ms=1e9, max_queued_tokens=10**6)
+    with ServiceThread(svc) as running:
+        yield running
+
+
+def test_http_request_whose_sampler_raises_gets_500_others_answer(cloud, bad_sampler):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = cloud.http_url + "/v1/chat/completions"
+    msg = [{"role": "user", "content": "Hi"}]
+    ok = {"messages": msg, "max_tokens": 6, "temperature": 0}
+    bad = {"messages": msg, "max_tokens": 6, "temperature": 0.7, "seed": BAD_SEED}
+    want = _post(url, ok)
+    assert want[0] == 200
+    with ThreadPoolExecutor(4) as ex:
+        res = list(ex.map(lambda b: _post(url, b), [ok, bad, ok, ok]))
+    assert [s for s, _ in res] == [200, 500, 200, 200]
+    err = res[1][1]["error"]
+    assert err["type"] == "server_error" and "failed in the engine" in err["message"]
+    assert "Seed must be between" in err["message"]
+    for _, body in (res[0], res[2], res[3]):
+        assert body["choices"][0]["message"]["content"] == want[1]["choices"][0]["message"]["content"]
+    status, health = _get(cloud.http_url + "/healthz")
+    assert status == 200 and health["status"] == "ok" and health["engine"]["kv_blocks_used"] == 0
+    status, body = _post(url, ok)  # and the next request is served
+    assert status == 200 and body["choices"] == want[1]["choices"]
+
+
+def _ws_generate(url, fp, gens) -> dict:
+    from relayinfer.protocol import ws as proto_ws
+    from relayinfer.protocol.messages import Done, Error, Token
+
+    async def main():
+        async with await proto_ws.open_channel(url, fp) as ch:
+            for g in gens:
+                await ch.send(g)
+            got: dict = {g.request_id: [] for g in gens}
+            ended: set = set()
+            async for m in ch:
+                if isinstance(m, (Token, Done, Error)):
+                    got[m.request_id].append(m)
+                    if isinstance(m, (Done, Error)):
+                        ended.add(m.request_id)
+                if len(ended) == len(gens):
+                    return got
+
+    return asyncio.run(asyncio.wait_for(main(), 180))
+
+
+@pytest.mark.parametrize("refine", [None, 0.9], ids=["batched", "per-request"])
+def test_ws_request_whose_sampler_raises_gets_internal_error(cloud, chat_prompt_ids, reference, bad_sampler,
+                                                             monkeypatch, refine):
+    from relayinfer.cloud.serve import service as service_mod
+    from relayinfer.protocol.messages import Done, Error, Generate, Token
+
+    real = service_mod.sample
+
+    def sample(logits, params, index, *a, **kw):  # the per-request path samples in the service
+        if params.seed == BAD_SEED and index == 2:
+            raise ValueError("Seed must be between 0 and 2**32 - 1")
+        return real(logits, params, index, *a, **kw)
+
+    monkeypatch.setattr(service_mod, "sample", sample)
+    p = chat_prompt_ids[0]
+    gens = [Generate("ok", p, 8, refine=refine), Generate("bad", p, 8, temperature=0.7, seed=BAD_SEED, refine=refine)]
+    got = _ws_generate(cloud.url, cloud.fingerprint, gens)
+    assert isinstance(got["ok"][-1], Done) and got["ok"][-1].reason in ("length", "eos")
+    if refine is None:
+        assert [m.token_id for m in got["ok"] if isinstance(m, Token)] == reference[0]
+    err = got["bad"][-1]
+    assert isinstance(err, Error) and err.code == "internal" and "Seed must be between" in err.message
+    assert [m.index for m in got["bad"] if isinstance(m, Token)] == [0, 1]
+    assert cloud.llm.engine.block_manager.num_used_blocks == 0 and cloud.health() is None
+    again = _ws_generate(cloud.url, cloud.fingerprint, [Generate("again", p, 8)])
+    assert [m.token_id for m in again["again"] if isinstance(m, Token)] == reference[0]

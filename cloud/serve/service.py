@@ -357,10 +357,10 @@ class CloudService:
             await channel.send(done)
         except RelayInferError:
             outcome = "disconnected"
-        except Exception:
+        except Exception as e:  # this request alone ends: the error names what failed
             log.exception("request %s failed", msg.request_id)
             try:
-                await channel.send(Error(ErrorCode.INTERNAL.value, "internal error while generating", msg.request_id))
+                await channel.send(Error(ErrorCode.INTERNAL.value, _internal(e), msg.request_id))
             except RelayInferError:
                 pass
         finally:
@@ -493,11 +493,11 @@ class CloudService:
             await channel.send(done)
         except RelayInferError:
             outcome = "disconnected"  # the device hung up (it may have finished on its own)
-        except Exception:
+        except Exception as e:  # this request alone ends: the error names what failed
             log.exception("request %s failed", msg.request_id)
             outcome = "error"
             try:
-                await channel.send(Error(ErrorCode.INTERNAL.value, "internal error while generating", msg.request_id))
+                await channel.send(Error(ErrorCode.INTERNAL.value, _internal(e), msg.request_id))
             except RelayInferError:
                 pass
         finally:
@@ -676,6 +676,11 @@ class CloudService:
         if self.http_port is None:
             return None
         return f"{'https' if self._ssl is not None else 'http'}://{self._netloc(self.http_port)}"
+
+
+def _internal(e: BaseException) -> str:
+    """The message of an INTERNAL error sent for a request that failed while being served."""
+    return f"internal error while generating: {type(e).__name__}: {e}"
 
 
 async def _nothing():
