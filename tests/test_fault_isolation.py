@@ -251,3 +251,70 @@ def test_ws_request_whose_sampler_raises_gets_internal_error(cloud, chat_prompt_
     assert cloud.llm.engine.block_manager.num_used_blocks == 0 and cloud.health() is None
     again = _ws_generate(cloud.url, cloud.fingerprint, [Generate("again", p, 8)])
     assert [m.token_id for m in again["again"] if isinstance(m, Token)] == reference[0]
+
+
+def test_relay_worker_survives_failing_and_cancelled_jobs():
+    """The relay compute thread: a job that raises fails its request only; a job whose request
+    left while it waited (its future cancelled) is skipped; later jobs still run."""
+    import threading
+
+    from relayinfer.cloud.relay.server import Worker
+
+    w = Worker()
+    gate = threading.Event()
+    blocker = w.submit(0, lambda: gate.wait(30) and "unblocked")
+    waiting = w.submit(0, lambda: "never awaited")
+    assert waiting.cancel()  # asyncio.wrap_future cancels it when the awaiting task is cancelled
+    boom = w.submit(0, lambda: 1 / 0)
+    gate.set()
+    assert blocker.result(30) == "unblocked"
+    with pytest.raises(ZeroDivisionError):
+        boom.result(30)
+    assert w.submit(0, lambda: 42).result(30) == 42
+
+    def job():  # a generator job (chunked pre-inference) that fails half-way
+        yield
+        raise RuntimeError("chunk failed")
+
+    with pytest.raises(RuntimeError, match="chunk failed"):
+        w.submit(1, job).result(30)
+    assert w.submit(0, lambda: "still serving").result(30) == "still serving"
+
+
+def test_patho_encoder_fault_ends_only_its_slide():
+    import numpy as np
+
+    from relayinfer.cloud.patho.encoder import ViTEncoder
+    from relayinfer.cloud.patho.service import PathoService, PathoServiceThread, SlideScreener
+    from relayinfer.cloud.patho.vit import VIT_TINY_TEST
+    from relayinfer.protocol.messages import Embeddings, Error, Tensor, TileBatch
+    from relayinfer.protocol.patho import jpeg_encode
+    from relayinfer.protocol.ws import open_channel
+
+    enc = ViTEncoder(cfg=VIT_TINY_TEST, seed=0)
+    real = enc.encode
+    calls = {"n": 0}
+
+    def encode(tiles):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("encoder blew up on this batch")
+        return real(tiles)
+
+    enc.encode = encode
+    svc = PathoService(SlideScreener(enc))
+    good = jpeg_encode(np.full((224, 224, 3), 200, np.uint8))
+    empty = Tensor.from_numpy(np.zeros((0, 224, 224, 3), np.uint8))
+
+    async def main(url):
+        async with await open_channel(url, svc.fingerprint) as ch:
+            out = []
+            for rid in ("bad", "ok"):
+                await ch.send(TileBatch(rid, "s", [[0, 0]], empty, jpeg=[good], last=True))
+                out.append(await asyncio.wait_for(ch.recv(), 60))
+            return out
+
+    with PathoServiceThread(svc) as running:
+        bad, ok = asyncio.run(main(running.url))
+    assert isinstance(bad, Error) and bad.code == "internal" and "encoder blew up" in bad.message
+    assert isinstance(ok, Embeddings) and ok.slide_score is not None

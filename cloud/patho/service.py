@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import ssl as _ssl
 import threading
 import time
@@ -38,6 +39,8 @@ from .encoder import TileEncoder
 from .mil import ABMIL
 
 __all__ = ["SlideScreener", "PathoService", "PathoServiceThread"]
+
+log = logging.getLogger("relayinfer.patho")
 
 DEVICE_FEATURE_DIM = 1280  # EfficientNet-Lite0 pooled features (cloud/patho/effnet.py)
 
@@ -145,7 +148,10 @@ class PathoService:
                 continue
             try:
                 reply = await self._batch(slides, msg)
-            except _Refused as e:
+            except Exception as e:  # this slide ends (a fault while serving it: INTERNAL); the connection goes on
+                if not isinstance(e, _Refused):
+                    log.exception("slide request %s failed", msg.request_id)
+                    e = _Refused(ErrorCode.INTERNAL, f"internal error while screening: {type(e).__name__}: {e}")
                 slides.pop(msg.request_id, None)
                 refused[msg.request_id] = None
                 if len(refused) > 256:
