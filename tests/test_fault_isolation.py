@@ -318,3 +318,78 @@ def test_patho_encoder_fault_ends_only_its_slide():
         bad, ok = asyncio.run(main(running.url))
     assert isinstance(bad, Error) and bad.code == "internal" and "encoder blew up" in bad.message
     assert isinstance(ok, Embeddings) and ok.slide_score is not None
+
+
+# --- P/D: instances whose engine fails are replaced, within a restart budget per time window -----
+
+def test_pd_gateway_replaces_failed_local_instances_within_a_window_budget(torch_engine, chat_prompt_ids,
+                                                                           reference):
+    from relayinfer.cloud.pd.gateway import Gateway, GroupSpec, PDError, RestartBudget, Scenario, local_groups
+    from relayinfer.cloud.pd.instance import InstanceConfig
+
+    now = [0.0]
+    budget = RestartBudget(max_restarts=5, window_s=60.0, clock=lambda: now[0])
+
+    async def main():
+        groups = local_groups(torch_engine, [GroupSpec(Scenario("chat", 5000, 500), 1, 1)],
+                              InstanceConfig(kv_cache_bytes=16 << 20))
+        gw = Gateway(groups, report_interval_s=0.3, restarts=budget, restart_wait_s=20.0, max_retries=3)
+        await gw.start()
+        (p,), (d,) = gw.groups[0].prefill, gw.groups[0].decode
+        seen, answers = [], []
+        try:
+            for k, h in enumerate([d, p, p, p, p, p]):  # 6 engine failures (5 of the prefill): each is replaced
+                old = h.instance
+                h.instance.set_fault(fail_engine=True)
+                task = asyncio.create_task(_tokens(gw, f"r{k}", chat_prompt_ids[0]))
+                for _ in range(3000):  # between the failure and the replacement /healthz says so
+                    st = gw.health_state()
+                    if st["status"] != "ok":
+                        seen.append((h.name, st["status"], h.name in st["dead"] or h.name in st["restarting"]))
+                        break
+                    await asyncio.sleep(0.01)
+                answers.append(await asyncio.wait_for(task, 120))
+                assert h.instance is not old and old.llm.error is not None
+                assert gw.health() is None
+            restarts = dict(gw.num_restarts)
+            # the prefill's sixth failure within the window: its budget is spent, the pool stays empty
+            p.instance.set_fault(fail_engine=True)
+            gw.restart_wait_s = 3.0
+            with pytest.raises(PDError, match="no live prefill instance"):
+                await _tokens(gw, "over", chat_prompt_ids[1])
+            fatal = gw.health()
+            now[0] += 61.0  # the window moves on: replaced again, and serving
+            for _ in range(600):
+                if gw.health_state()["status"] == "ok":
+                    break
+                await asyncio.sleep(0.05)
+            after = await _tokens(gw, "after", chat_prompt_ids[1])
+            used = [h.instance.engine.block_manager.num_used_blocks for h in (p, d)]
+            return seen, answers, restarts, fatal, after, used, dict(gw.num_restarts)
+        finally:
+            await gw.stop()
+
+    seen, answers, restarts, fatal, after, used, final = asyncio.run(asyncio.wait_for(main(), 600))
+    assert len(seen) == 6 and all(named for _, _, named in seen), seen
+    assert all(a == reference[0] for a in answers)  # each request was resumed on the replacement
+    assert restarts == {"chat-p0": 5, "chat-d0": 1}
+    assert fatal is not None and "chat-p0" in fatal and "restart budget spent (5 per 60 s)" in fatal
+    assert after == reference[1] and used == [0, 0] and final["chat-p0"] == 6
+
+
+async def _tokens(gw, rid, ids):
+    return [o.token_id async for o in gw.generate(rid, ids, GREEDY)]
+
+
+def test_restart_budget_is_a_sliding_window():
+    from relayinfer.cloud.pd.gateway import RestartBudget
+
+    now = [0.0]
+    b = RestartBudget(max_restarts=2, window_s=10.0, clock=lambda: now[0])
+    assert b.take("a") and b.take("a") and not b.take("a") and b.take("b")
+    now[0] = 5.0
+    assert not b.take("a") and b.recent("a") == 2
+    now[0] = 10.5  # the first two left the window
+    assert b.recent("a") == 0 and b.take("a")
+    with pytest.raises(ValueError):
+        RestartBudget(max_restarts=-1)

@@ -143,6 +143,8 @@ class CloudService:
     over TLS (`wss://`, `https://`).
     """
 
+    drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
+
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
                  max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
@@ -630,7 +632,8 @@ class CloudService:
             await loop.run_in_executor(self.worker, self.llm.engine.generate, [list(range(16, 48))],
                                        SamplingParams(max_new_tokens=2))
         if http_port is not None:  # first: the Welcome names its /v1/device-model URL
-            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True)
+            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True,
+                                              shutdown_timeout=self.drain_s)
             await self._http_runner.setup()
             site = web.TCPSite(self._http_runner, host, http_port, ssl_context=ssl)
             await site.start()
@@ -644,9 +647,15 @@ class CloudService:
         self.ws_port = self._ws_server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        """Stop listening, close every connection and stop the engine. Bounded: open HTTP requests
+        get `drain_s` s before they are cancelled, websocket sessions `drain_s` + 10 s (the close
+        handshake) to end."""
         if self._ws_server is not None:
             self._ws_server.close()
-            await self._ws_server.wait_closed()
+            try:
+                await asyncio.wait_for(self._ws_server.wait_closed(), self.drain_s + 10.0)
+            except asyncio.TimeoutError:
+                log.warning("websocket sessions did not end within %.0f s of the stop", self.drain_s + 10.0)
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         if self.llm is not None:
