@@ -71,7 +71,7 @@ async def load(http_url: str, ws_url: str | None, n_http: int, n_ws: int, concur
     import aiohttp
 
     from relayinfer.protocol import ws as proto_ws
-    from relayinfer.protocol.messages import Done, Generate
+    from relayinfer.protocol.messages import Done, Error, Generate
 
     counts = {"http_ok": 0, "http_err": 0, "ws_ok": 0, "ws_err": 0}
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
@@ -94,8 +94,8 @@ async def load(http_url: str, ws_url: str | None, n_http: int, n_ws: int, concur
                 async with await proto_ws.open_channel(ws_url, fp, open_timeout=30) as ch:
                     await ch.send(Generate(f"r{left['ws']}", list(range(10, 20)), 1))
                     async for m in ch:
-                        if isinstance(m, Done):
-                            counts["ws_ok"] += 1
+                        if isinstance(m, (Done, Error)):
+                            counts["ws_ok" if isinstance(m, Done) else "ws_err"] += 1
                             break
             except Exception:
                 counts["ws_err"] += 1

@@ -20,7 +20,7 @@ sd = bench_module("shutdown")
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cloud_serve_stops_on_signal_after_requests(sig):
-    proc, ws, http, lines = sd.cloud_serve(["--kv-cache-mb", "32"])
+    proc, ws, http, lines = sd.cloud_serve(["--kv-cache-mb", "32", "--max-queue-wait-ms", "1e9"])
     try:
         counts = asyncio.run(sd.load(http, ws, 40, 40, concurrency=4, timeout_s=300))
     except BaseException:
