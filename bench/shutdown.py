@@ -96,9 +96,12 @@ async def load(http_url: str, ws_url: str | None, n_http: int, n_ws: int, concur
                     async for m in ch:
                         if isinstance(m, (Done, Error)):
                             counts["ws_ok" if isinstance(m, Done) else "ws_err"] += 1
+                            if isinstance(m, Error):
+                                counts.setdefault("ws_first_error", f"{m.code}: {m.message}")
                             break
-            except Exception:
+            except Exception as e:
                 counts["ws_err"] += 1
+                counts.setdefault("ws_first_error", f"{type(e).__name__}: {e}")
 
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
