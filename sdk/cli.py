@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -281,7 +282,13 @@ def cloud_serve(
     idle_timeout_s: float = OPT_IDLE_TIMEOUT,
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
-    batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions)."""
+    batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions).
+
+    SIGINT/SIGTERM stop it (open requests get 5 s) and it exits 0. When the engine fails (a fault
+    outside any request), /healthz answers 503 with the reason, one line goes to stderr and the
+    process exits with code 3, for a supervisor to restart it. Test hook:
+    RELAYINFER_TEST_ENGINE_FAULT=1 breaks the engine's scheduler once the service is up, so the
+    first request makes the engine fail."""
     _need_cloud("`relayinfer cloud serve`", "relayinfer.cloud.serve.service")
     tls = server_policy(host, token, insecure_no_auth, certfile, keyfile)  # before loading the model: fails fast
     limits = connection_limits(max_connections, max_connections_per_client, header_timeout_s, idle_timeout_s,
@@ -308,6 +315,11 @@ def cloud_serve(
             await svc.stop()
             fail(ValueError(f"cannot listen on {host} (--port {port}, --http-port {http_port}): {e.strerror or e}"))
         s = "s" if tls else ""
+        if os.environ.get("RELAYINFER_TEST_ENGINE_FAULT") == "1" and svc.llm is not None:  # test hook, see the docstring
+            def broken():
+                raise RuntimeError("injected engine fault (RELAYINFER_TEST_ENGINE_FAULT)")
+
+            svc.llm.engine.scheduler.schedule = broken
         typer.echo(f"cloud service: ws{s}://{host}:{svc.ws_port}  http{s}://{host}:{svc.http_port}  "
                    f"model {svc.fingerprint[:16]}" + ("" if token else "  (no --token: open to anyone who can connect)"),
                    err=True)

@@ -29,21 +29,16 @@ def fail(e: Exception, as_json: bool = False) -> None:
 
 
 def serve_for(svc, duration_s: float | None, up) -> None:
-    """Run a service until Ctrl-C or `duration_s` seconds: `up()` (a coroutine function) starts
-    `svc` and announces it; `svc.stop()` runs on the way out, whatever ended the wait."""
-    import asyncio
+    """Run a service until SIGINT/SIGTERM or `duration_s` seconds (exit 0), or until it says it
+    cannot go on (`svc.health()` names a reason: its batching engine or P/D pool failed): one line
+    on stderr and exit code 3 (`lifecycle.EXIT_FAILED`), for a supervisor to restart it. `up()` (a
+    coroutine function) starts `svc` and announces it; `svc.stop()` runs on the way out, bounded
+    (`lifecycle.run_server`: open requests get 5 s, then what is left is cancelled)."""
+    from relayinfer.protocol.lifecycle import run_server
 
-    async def main():
-        await up()
-        try:
-            await asyncio.sleep(duration_s if duration_s else 1e9)
-        finally:
-            await svc.stop()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    code = run_server(svc, up, duration_s)
+    if code:
+        raise typer.Exit(code)
 
 
 def bench_module(name: str):

@@ -11,6 +11,7 @@ cancels requests: that is `AsyncLLMEngine`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -28,6 +29,26 @@ from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample_batch
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("relayinfer.engine")
+
+MAX_FORWARD_FAILURES = 3  # consecutive failed batched forwards before the engine declares itself failed
+
+
+class RequestFailed(RuntimeError):
+    """One request failed while the engine served it (its sampling, logits processing, bookkeeping,
+    K/V import or the batched forward it was in); the engine freed its KV blocks and goes on serving
+    the others. `request_id` names it, `__cause__` is the exception raised."""
+
+    def __init__(self, request_id: str, cause: BaseException):
+        super().__init__(f"request {request_id!r} failed in the engine: {type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.__cause__ = cause
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot go on (a failure outside any request, or `MAX_FORWARD_FAILURES` batched
+    forwards failing in a row); every live request fails with it."""
 
 
 def check_fits(n_prompt: int, max_new_tokens: int, context_length: int, kv_capacity: int,
@@ -152,6 +173,13 @@ class LLMEngine:
         max_num_seqs: running sequences at most.
         enable_prefix_caching: share full blocks across requests with equal token prefixes.
         registry: Prometheus registry for the metrics (a new one when None).
+
+    Fault isolation: an exception raised while serving one request (its sampling, logits
+    processing, stop check, per-sequence bookkeeping, K/V import) ends that request only: it is
+    finished with reason 'error', its KV blocks are freed, and `take_failures()` returns
+    (request_id, `RequestFailed`) for the caller to deliver. A failed batched forward fails the
+    sequences of that step alone; `MAX_FORWARD_FAILURES` of them in a row, or a failure outside any
+    request (scheduling, the inbox), raise `EngineFailed` from `step()`.
     """
 
     def __init__(self, model, kv_cache_bytes: int = 256 << 20, block_size: int = 16,
@@ -182,6 +210,8 @@ class LLMEngine:
         self.held: dict[str, Sequence] = {}     # finished with hold_kv: blocks kept until release()
         self._imports: deque[_Import] = deque()  # prefilled elsewhere, waiting for blocks / a slot
         self.prefill_tok_s: float | None = None  # EWMA of prefill tokens per second of step time
+        self._failures: list[tuple[str, RequestFailed]] = []  # failed in the last steps, not yet taken
+        self._forward_failures = 0  # consecutive failed batched forwards
 
     @property
     def num_blocks(self) -> int:
@@ -303,7 +333,7 @@ class LLMEngine:
                 self._finish(seq, "budget")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.hold_kv and reason != "abort":  # keep its blocks for the P/D export until release()
+        if seq.hold_kv and reason not in ("abort", "error"):  # keep its blocks for the P/D export until release()
             sch = self.scheduler
             (sch.running if seq in sch.running else sch.waiting).remove(seq)
             self.held[seq.request_id] = seq
@@ -325,11 +355,58 @@ class LLMEngine:
         m.req_prompt_tokens.observe(seq.num_prompt_tokens)
         m.req_gen_tokens.observe(seq.num_output_tokens)
 
+    def _fail(self, seq: Sequence, e: BaseException) -> None:
+        """End one request after an exception raised while serving it: finish it ('error', its KV
+        blocks freed) and queue a `RequestFailed` for `take_failures()`."""
+        if seq.request_id not in self.seqs or self.seqs[seq.request_id] is not seq:
+            return  # already finished (failed twice in one step)
+        log.error("request %s failed in the engine: %s: %s", seq.request_id, type(e).__name__, e,
+                  exc_info=(type(e), e, e.__traceback__))
+        try:
+            self._finish(seq, "error")
+        finally:
+            self.seqs.pop(seq.request_id, None)
+            self._failures.append((seq.request_id, RequestFailed(seq.request_id, e)))
+
+    def take_failures(self) -> list[tuple[str, RequestFailed]]:
+        """The requests that failed in the steps since the last call, as (request_id, error); each
+        is finished and its KV blocks are free."""
+        out, self._failures = self._failures, []
+        return out
+
+    def _sample(self, logits_t, seqs: list[Sequence]) -> list:
+        """`sample_batch` of the step; when it raises, each row alone, so that the row (request)
+        that raised gets its exception in place of a token and the others their tokens."""
+        try:
+            return sample_batch(logits_t, seqs, self.eos_id)
+        except Exception:
+            out: list = []
+            for i, s in enumerate(seqs):
+                try:
+                    out.append(sample_batch(logits_t[i:i + 1], [s], self.eos_id)[0])
+                except Exception as e:
+                    out.append(e)
+            return out
+
     def step(self) -> list[StepOutput]:
         """Run one scheduling + model step; return the tokens generated in it (at most one per
-        running sequence). Finished and aborted requests have freed their KV blocks on return."""
-        self._drain_inbox()
-        self._admit_imports()
+        running sequence). Finished, aborted and failed requests have freed their KV blocks on
+        return; the failed ones are in `take_failures()`.
+
+        Raises:
+            EngineFailed: the engine cannot go on (scheduling or the inbox failed, or the batched
+                forward failed `MAX_FORWARD_FAILURES` times in a row).
+        """
+        try:
+            self._drain_inbox()
+            self._admit_imports()
+            return self._step()
+        except EngineFailed:
+            raise
+        except Exception as e:
+            raise EngineFailed(f"the engine failed outside any request: {type(e).__name__}: {e}") from e
+
+    def _step(self) -> list[StepOutput]:
         m = self.metrics
         t_step = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -351,9 +428,20 @@ class LLMEngine:
             n_tok = sum(s.n for s in batch)
             m.batch_seqs.observe(len(batch))
             m.batch_tokens.observe(n_tok)
-            logits_t = self.runner.run(batch)
-            toks = sample_batch(logits_t, [s.seq for s in batch if s.sample], self.eos_id)
-            logits = logits_t.cpu().numpy()  # for logprobs
+            try:
+                logits_t = self.runner.run(batch)
+                logits = logits_t.cpu().numpy()  # for logprobs
+            except Exception as e:  # the step's sequences fail; the engine goes on unless it keeps failing
+                self._forward_failures += 1
+                if self._forward_failures >= MAX_FORWARD_FAILURES:
+                    raise EngineFailed(f"{self._forward_failures} batched forwards failed in a row, the last: "
+                                       f"{type(e).__name__}: {e}") from e
+                for s in batch:
+                    self._fail(s.seq, e)
+                self._update_gauges()
+                return []
+            self._forward_failures = 0
+            toks = self._sample(logits_t, [s.seq for s in batch if s.sample])
             now = time.perf_counter()
             n_pre = sum(s.n for s in batch if s.n > 1 or s.start < s.seq.num_prompt_tokens)
             if n_pre >= 16:  # a step that prefilled: its tokens/s (EWMA) estimates prefill speed
@@ -361,38 +449,53 @@ class LLMEngine:
                 self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.8 * self.prefill_tok_s + 0.2 * rate
             li = 0
             for s in batch:
-                seq = s.seq
-                old = seq.num_computed_tokens
-                seq.num_computed_tokens += s.n
-                self.block_manager.commit(seq, old)
-                if s.start < seq.num_prompt_tokens:
-                    m.prompt_tokens.inc(min(s.start + s.n, seq.num_prompt_tokens) - s.start)
-                if not s.sample:
+                row = li
+                li += s.sample
+                try:
+                    out = self._after_step(s, toks[row] if s.sample else None, logits[row] if s.sample else None, now)
+                except Exception as e:  # this request's own bookkeeping, stop check or logprobs
+                    self._fail(s.seq, e)
                     continue
-                idx = seq.num_output_tokens
-                tok = toks[li]
-                lp = None if seq.params.logprobs is None else token_logprobs(logits[li], tok, seq.params.logprobs)
-                li += 1
-                seq.token_ids.append(tok)
-                if seq.first_token_s is None:
-                    seq.first_token_s = now
-                    m.ttft.observe(now - seq.arrival_s)
-                elif seq.last_token_s is not None:
-                    m.tpot.observe(now - seq.last_token_s)
-                seq.last_token_s = now
-                m.gen_tokens.inc()
-                reason = is_stop(tok, -1 if seq.ignore_eos else self.eos_id, seq.params)
-                if reason is None and seq.num_output_tokens >= seq.max_tokens:
-                    reason = "length" if seq.max_tokens >= seq.params.max_new_tokens else "budget"
-                outputs.append(StepOutput(seq.request_id, tok, idx, reason, lp))
-                if reason:
-                    self._finish(seq, reason)
+                if out is not None:
+                    outputs.append(out)
         new_pre = self.scheduler.num_preemptions - self._preemptions_seen
         if new_pre:
             m.preemptions.inc(new_pre)
             self._preemptions_seen = self.scheduler.num_preemptions
         self._update_gauges()
         return outputs
+
+    def _after_step(self, s, tok, logits_row, now: float) -> StepOutput | None:
+        """One scheduled sequence after the forward: commit its computed tokens; when it sampled,
+        append `tok` (or raise the exception its sampling raised), check its stop rules, finish it
+        when it ends. Returns its StepOutput (None when it only prefilled a chunk)."""
+        m, seq = self.metrics, s.seq
+        old = seq.num_computed_tokens
+        seq.num_computed_tokens += s.n
+        self.block_manager.commit(seq, old)
+        if s.start < seq.num_prompt_tokens:
+            m.prompt_tokens.inc(min(s.start + s.n, seq.num_prompt_tokens) - s.start)
+        if not s.sample:
+            return None
+        if isinstance(tok, BaseException):
+            raise tok
+        idx = seq.num_output_tokens
+        lp = None if seq.params.logprobs is None else token_logprobs(logits_row, tok, seq.params.logprobs)
+        seq.token_ids.append(tok)
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+            m.ttft.observe(now - seq.arrival_s)
+        elif seq.last_token_s is not None:
+            m.tpot.observe(now - seq.last_token_s)
+        seq.last_token_s = now
+        m.gen_tokens.inc()
+        reason = is_stop(tok, -1 if seq.ignore_eos else self.eos_id, seq.params)
+        if reason is None and seq.num_output_tokens >= seq.max_tokens:
+            reason = "length" if seq.max_tokens >= seq.params.max_new_tokens else "budget"
+        out = StepOutput(seq.request_id, tok, idx, reason, lp)
+        if reason:
+            self._finish(seq, reason)
+        return out
 
     def _admit_imports(self) -> None:
         """Admit prefilled sequences (P/D decode) in FIFO order while blocks and slots allow."""
@@ -405,7 +508,11 @@ class LLMEngine:
                 bm.free_sequence(seq)
                 break
             self._imports.popleft()
-            imp.write(self.runner, self.runner.slots(seq.block_table, hit, imp.num_computed), hit)
+            try:
+                imp.write(self.runner, self.runner.slots(seq.block_table, hit, imp.num_computed), hit)
+            except Exception as e:  # this request's K/V did not import: it fails, its blocks are freed
+                self._fail(seq, e)
+                continue
             seq.num_computed_tokens = imp.num_computed
             bm.commit(seq, hit)
             seq.prefix_hit_tokens += hit
@@ -430,6 +537,12 @@ class LLMEngine:
         while self.has_unfinished():
             for o in self.step():
                 out[o.request_id].append(o.token_id)
+            failed = self.take_failures()
+            if failed:
+                for rid in ids:
+                    self.abort(rid)
+                self._drain_inbox()
+                raise failed[0][1]
         return [out[r] for r in ids]
 
 
@@ -444,7 +557,10 @@ class AsyncLLMEngine:
             ...
 
     Leaving the `async for` early (break, task cancelled) aborts the request; `abort(request_id)`
-    ends it from elsewhere (the generator then stops without a final reason).
+    ends it from elsewhere (the generator then stops without a final reason). A request that fails
+    in the engine (`LLMEngine.take_failures`) raises `RequestFailed` from its `async for`; the others
+    go on. When the engine itself fails (`EngineFailed`), the thread ends, `error` holds the cause,
+    every live request raises RuntimeError('the engine thread failed') and new ones are refused.
     """
 
     def __init__(self, engine: LLMEngine):
@@ -466,14 +582,19 @@ class AsyncLLMEngine:
             self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self) -> None:
-        """Stop the engine thread, then apply pending aborts so their KV blocks are freed."""
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread (after its current step; waits at most `timeout_s` s, then leaves
+        the daemon thread behind), then apply pending aborts so their KV blocks are freed."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the engine thread did not stop within %.0f s; left behind", timeout_s)
+                return
             self._thread = None
-        self.engine._drain_inbox()
+        if self.error is None:
+            self.engine._drain_inbox()
 
     def _run(self) -> None:
         eng = self.engine
@@ -484,18 +605,24 @@ class AsyncLLMEngine:
                 continue
             try:
                 outs = eng.step()
-            except BaseException as e:  # deliver the failure to every waiting request
+                failed = eng.take_failures()
+            except BaseException as e:  # the engine cannot go on: every waiting request gets the failure
                 self.error = e
+                log.critical("the engine thread failed: %s: %s", type(e).__name__, e, exc_info=e)
                 self._loop.call_soon_threadsafe(self._fail_all, e)
                 return
-            if outs:
-                self._loop.call_soon_threadsafe(self._deliver, outs)
+            if outs or failed:
+                self._loop.call_soon_threadsafe(self._deliver, outs, failed)
 
-    def _deliver(self, outs: list[StepOutput]) -> None:
+    def _deliver(self, outs: list[StepOutput], failed: list = ()) -> None:
         for o in outs:
             q = self._queues.get(o.request_id)
             if q is not None:
                 q.put_nowait(o)
+        for rid, e in failed:  # after its tokens of the same step
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(e)
 
     def _fail_all(self, e: BaseException) -> None:
         for q in self._queues.values():
@@ -510,7 +637,7 @@ class AsyncLLMEngine:
     def _add(self, request_id: str, add, *args, **kw) -> asyncio.Queue:
         self.start()
         if self.error is not None:
-            raise RuntimeError("the engine thread failed") from self.error
+            raise RuntimeError(f"the engine thread failed: {type(self.error).__name__}: {self.error}") from self.error
         q: asyncio.Queue = asyncio.Queue()
         add(*args, **kw)
         self._queues[request_id] = q
@@ -564,9 +691,12 @@ class AsyncLLMEngine:
                 if o is None:
                     finished = True
                     return
+                if isinstance(o, RequestFailed):  # this request alone failed; the engine freed it
+                    finished = True
+                    raise o
                 if isinstance(o, BaseException):
                     finished = True
-                    raise RuntimeError("the engine thread failed") from o
+                    raise RuntimeError(f"the engine thread failed: {type(o).__name__}: {o}") from o
                 yield o
                 if o.finish_reason is not None:
                     finished = True

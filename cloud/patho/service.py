@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import ssl as _ssl
 import threading
 import time
@@ -47,6 +48,8 @@ from .encoder import TileEncoder
 from .mil import ABMIL
 
 __all__ = ["SlideScreener", "PathoService", "PathoServiceThread"]
+
+log = logging.getLogger("relayinfer.patho")
 
 DEVICE_FEATURE_DIM = 1280  # EfficientNet-Lite0 pooled features (cloud/patho/effnet.py)
 
@@ -206,7 +209,10 @@ class PathoService:
                     raise _Refused(ErrorCode.OVERLOADED, self.budget.refusal(f"a batch of {len(msg.coords)} tiles", need)
                                    + f"; retry after {self.retry_after_ms:.0f} ms", self.retry_after_ms)
                 reply = await self._batch(slides, msg)
-            except _Refused as e:
+            except Exception as e:  # this slide ends (a fault while serving it: INTERNAL); the connection goes on
+                if not isinstance(e, _Refused):
+                    log.exception("slide request %s failed", msg.request_id)
+                    e = _Refused(ErrorCode.INTERNAL, f"internal error while screening: {type(e).__name__}: {e}")
                 st = slides.pop(msg.request_id, None)
                 if st is not None:
                     st.free()

@@ -26,6 +26,14 @@ use a decode instance: they run on the prefill instance for their few tokens (`s
 tokens already sent are prefilled again on a live prefill instance (prefix cache helps; answer
 positions continue, so greedy and seeded answers are unchanged) and handed to a live decode
 instance. After `max_retries` the request fails with `PDError` naming the instances and causes.
+A request that fails by itself on an instance (`RequestFailed`: its sampling raised, say) fails at
+once with that error; it is not retried.
+
+**Replacement**: an instance whose process died or whose engine failed (its load report raises)
+is replaced by the gateway (`handle.restart()`: a new actor, or a new in-process `Instance`), at
+most `RestartBudget.max_restarts` times per instance in any `window_s` seconds. Between death and
+replacement `/healthz` names it (`health_state`); when a pool has no live instance and none can
+be restarted (budget spent), `health()` names the group and the service exits (code 3).
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from relayinfer.cloud.engine.llm_engine import StepOutput
+from relayinfer.cloud.engine.llm_engine import RequestFailed, StepOutput
 from relayinfer.protocol.decoding import SamplingParams
 from relayinfer.protocol.errors import RelayInferError
 
@@ -119,8 +127,41 @@ class LocalHandle:
     async def load(self) -> dict:
         return self.instance.load()
 
+    async def restart(self) -> None:
+        """Replace the instance by a fresh one (same model, name, role and config); the old one's
+        engine thread is stopped. Its requests fail over (InstanceDied) to the live instances."""
+        old = self.instance
+        self.instance = Instance(old.engine.model, old.name, old.role, old.config)
+        await asyncio.to_thread(old.shutdown, 5.0)
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.instance.shutdown)
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts per instance in any `window_s` seconds (a sliding window,
+    so an instance that crashes now and then is replaced for ever, one that crash-loops is not)."""
+
+    def __init__(self, max_restarts: int = 5, window_s: float = 60.0, clock=time.monotonic):
+        if max_restarts < 0 or window_s <= 0:
+            raise ValueError(f"restart budget needs max_restarts >= 0 and window_s > 0, got {max_restarts}, {window_s}")
+        self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
+        self._times: dict[str, deque] = {}
+
+    def recent(self, name: str) -> int:
+        """Restarts of `name` within the last `window_s` seconds."""
+        q = self._times.setdefault(name, deque())
+        now = self.clock()
+        while q and now - q[0] > self.window_s:
+            q.popleft()
+        return len(q)
+
+    def take(self, name: str) -> bool:
+        """Count one restart of `name` if the budget allows it; False when it is spent."""
+        if self.recent(name) >= self.max_restarts:
+            return False
+        self._times[name].append(self.clock())
+        return True
 
 
 @dataclass
@@ -193,12 +234,16 @@ class Gateway:
         retry_backoff_s: pause after a round of rejections (on-demand).
         max_retries: resumptions after instance faults before the request fails.
         restart_wait_s: how long a request waits for a pool whose instances are all dead to come
-            back (Ray restarts them) before it fails with `PDError`.
+            back (the gateway replaces them) before it fails with `PDError`.
+        restarts: the replacement budget (default 5 per instance per 60 s); instances whose handle
+            has no `restart` are never replaced.
+        restart_timeout_s: how long one replacement may take (an actor starting, s).
     """
 
     def __init__(self, groups: list[Group], forwarding: str = "on-demand", report_interval_s: float = 0.5,
                  retry_backoff_s: float = 0.01, max_retries: int = 2, restart_wait_s: float = 60.0,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, restarts: RestartBudget | None = None,
+                 restart_timeout_s: float = 300.0):
         if forwarding not in FORWARDING:
             raise ValueError(f"unknown forwarding {forwarding!r}; choose from {', '.join(FORWARDING)}")
         if not groups:
@@ -215,6 +260,11 @@ class Gateway:
         self._ids = itertools.count()
         self._reporter: asyncio.Task | None = None
         self.dead: dict[str, str] = {}  # instance name -> last failure, until it reports again
+        self.restarts = restarts if restarts is not None else RestartBudget()
+        self.restart_timeout_s = restart_timeout_s
+        self.num_restarts: dict[str, int] = {}  # replacements per instance since the start
+        self._failed: set[str] = set()  # dead for sure (not just slow to report): to be replaced
+        self._restarting: dict[str, asyncio.Task] = {}
         self._update_instance_gauges()
 
     # --- set-up -----------------------------------------------------------------------------------
@@ -245,6 +295,10 @@ class Gateway:
         if self._reporter is not None:
             self._reporter.cancel()
             self._reporter = None
+        for t in list(self._restarting.values()):
+            t.cancel()
+        if self._restarting:
+            await asyncio.wait(list(self._restarting.values()), timeout=10)
         if shutdown_instances:
             await asyncio.gather(*(h.shutdown() for h in self.handles), return_exceptions=True)
 
@@ -253,6 +307,7 @@ class Gateway:
             await asyncio.sleep(self.report_interval_s)
             try:
                 await self.refresh_reports()
+                self.replace_dead()
             except Exception:  # pragma: no cover - a report round must never kill the loop
                 log.exception("load report round failed")
 
@@ -261,12 +316,74 @@ class Gateway:
         hs = self.handles
         res = await asyncio.gather(*(asyncio.wait_for(h.load(), 10.0) for h in hs), return_exceptions=True)
         for h, r in zip(hs, res):
+            if h.name in self._restarting:
+                continue  # being replaced: the old one's reports mean nothing
             if isinstance(r, BaseException):
-                self.dead[h.name] = f"{type(r).__name__}: {r}"
+                self.dead[h.name] = f"{type(r).__name__}: {str(r).splitlines()[0] if str(r) else ''}"
+                if not isinstance(r, (asyncio.TimeoutError, TimeoutError, asyncio.CancelledError)):
+                    self._failed.add(h.name)  # it answered with its death (engine failed, actor gone)
             else:
                 self.reports[h.name] = r
                 self.dead.pop(h.name, None)
+                self._failed.discard(h.name)
         self.report_time = time.perf_counter()
+
+    # --- replacement ------------------------------------------------------------------------------
+    def replace_dead(self) -> None:
+        """Start replacing every instance known failed (its report raised, not timed out) whose
+        handle can restart, within the restart budget."""
+        for h in self.handles:
+            if h.name not in self._failed or h.name in self._restarting or not hasattr(h, "restart"):
+                continue
+            if not self.restarts.take(h.name):
+                continue  # budget spent: stays dead (health() says so when its pool is empty)
+            self._restarting[h.name] = asyncio.create_task(self._restart(h))
+
+    async def _restart(self, h) -> None:
+        why = self.dead.get(h.name, "failed")
+        log.warning("replacing instance %s (%s)", h.name, why)
+        try:
+            await asyncio.wait_for(h.restart(), self.restart_timeout_s)
+            report = await asyncio.wait_for(h.load(), 30.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.dead[h.name] = f"replacement failed: {type(e).__name__}: {e}"
+            log.error("instance %s: replacement failed: %s: %s", h.name, type(e).__name__, e)
+        else:
+            self.reports[h.name] = report
+            self.dead.pop(h.name, None)
+            self._failed.discard(h.name)
+            self.num_restarts[h.name] = self.num_restarts.get(h.name, 0) + 1
+            log.warning("instance %s replaced (restart %d)", h.name, self.num_restarts[h.name])
+        finally:
+            self._restarting.pop(h.name, None)
+
+    def _replaceable(self, h) -> bool:
+        return h.name in self._restarting or (
+            hasattr(h, "restart") and self.restarts.recent(h.name) < self.restarts.max_restarts)
+
+    def health(self) -> str | None:
+        """None while every group's prefill and decode pools have a live instance or one being (or
+        able to be) replaced; else why not, naming the group, the role and each instance's failure."""
+        for g in self.groups:
+            for role, pool in (("prefill", g.prefill), ("decode", g.decode)):
+                if any(h.name not in self.dead or self._replaceable(h) for h in pool):
+                    continue
+                spent = [h.name for h in pool if hasattr(h, "restart")]
+                budget = (f"; restart budget spent ({self.restarts.max_restarts} per {self.restarts.window_s:.0f} s)"
+                          if spent else "")
+                return f"P/D group {g.name!r} has no live {role} instance ({self._dead_text(pool)}){budget}"
+        return None
+
+    def health_state(self) -> dict:
+        """`/healthz` of the gateway: status 'ok', 'degraded' (an instance is dead or being replaced;
+        every pool still has a live one) or 'unavailable' (a pool has none right now), the dead
+        instances with their failure, the ones being replaced, and replacements per instance."""
+        dead = {h.name: self.dead[h.name] for h in self.handles if h.name in self.dead}
+        empty = any(all(h.name in self.dead for h in pool) for g in self.groups for pool in (g.prefill, g.decode))
+        return {"status": "unavailable" if empty else "degraded" if dead else "ok", "dead": dead,
+                "restarting": sorted(self._restarting), "restarts": dict(self.num_restarts)}
 
     def _update_instance_gauges(self) -> None:
         for g in self.groups:
@@ -468,14 +585,16 @@ class Gateway:
             raise
         except (StopAsyncIteration, asyncio.CancelledError, GeneratorExit, PDError):
             raise
-        except (RelayInferError, ValueError):  # the request's own fault (too long, duplicate id)
-            raise
+        except (RelayInferError, ValueError, RequestFailed):  # the request's own fault (too long, duplicate id,
+            raise                                              # its sampling raised): not retried
         except Exception as e:
             cause = getattr(e, "cause", None)  # Ray wraps an error raised inside the actor
-            if isinstance(cause, (RelayInferError, ValueError)) and not isinstance(cause, InstanceDied):
+            if isinstance(cause, (RelayInferError, ValueError, RequestFailed)) and not isinstance(cause, InstanceDied):
                 raise cause from None
             if "Actor" in type(e).__name__:  # the actor itself died: skip it until it reports again
                 self.dead[h.name] = f"{type(e).__name__}"
+            elif isinstance(cause, InstanceDied):  # its engine failed: dead until it is replaced
+                self.dead[h.name] = str(cause)
             raise InstanceDied(f"instance {h.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                                ) from e
 

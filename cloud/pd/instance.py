@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine, StepOutput
+from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, EngineFailed, LLMEngine, StepOutput
 from relayinfer.protocol.decoding import SamplingParams
 
 from .kv import MODES, KVPayload, export_kv, writer
@@ -126,7 +126,16 @@ class Instance:
         tokens ahead of it plus its own, at the measured prefill speed."""
         return (sum(self.outstanding.values()) + n_new) / self.prefill_tok_s * 1e3 + self.config.overhead_ms
 
+    def check_engine(self) -> None:
+        """Raise `InstanceDied` naming the cause once the engine has failed (the instance must be
+        replaced; the gateway does that)."""
+        err = self.llm.error
+        if err is not None:
+            raise InstanceDied(f"instance {self.name}: engine failed: {type(err).__name__}: {err}")
+
     def load(self) -> dict:
+        """The instance's load report. Raises `InstanceDied` when its engine has failed."""
+        self.check_engine()
         e = self.engine
         return {"name": self.name, "role": self.role, "queued_prefill_tokens": sum(self.outstanding.values()),
                 "queued_requests": len(self.outstanding), "running": len(e.scheduler.running),
@@ -149,8 +158,17 @@ class Instance:
             raise InstanceDied(f"instance {self.name} died ({what}, injected fault)")
         os._exit(1)  # a crashed worker process: Ray sees the actor die and restarts it
 
-    def set_fault(self, die_after_export: int = 0, die_after_tokens: int | None = None) -> None:
+    def set_fault(self, die_after_export: int = 0, die_after_tokens: int | None = None,
+                  fail_engine: bool = False) -> None:
+        """Injected faults (tests): see the module docstring. `fail_engine`: the engine's next step
+        fails outside any request (`EngineFailed`), as a broken device would make it; the engine
+        thread ends and the instance reports itself dead until it is replaced."""
         self.faults.die_after_export, self.faults.die_after_tokens = die_after_export, die_after_tokens
+        if fail_engine:
+            def broken():
+                raise RuntimeError("injected engine fault")
+
+            self.engine.scheduler.schedule = broken
 
     # --- prefill role -----------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -167,6 +185,9 @@ class Instance:
             async for o in self.llm.generate(request_id, prompt_ids, params, len(output_ids) + 1, hold_kv=True,
                                              output_ids=output_ids):
                 first = o
+        except RuntimeError:
+            self.check_engine()  # the engine failed: InstanceDied (the gateway retries elsewhere)
+            raise
         finally:
             self.outstanding.pop(request_id, None)
         if first is None:  # aborted before its first token (the engine freed everything)
@@ -202,17 +223,21 @@ class Instance:
         die_after, self.faults.die_after_tokens = self.faults.die_after_tokens, None
         n = 0
         rid = request_id or handoff.request_id
-        async for o in self.llm.generate_prefilled(rid, handoff.token_ids, handoff.num_prompt_tokens,
-                                                   handoff.params, writer(kv), cloud_budget):
-            if n == 0:
-                self.transfers = (self.transfers + [{"tokens": kv.num_tokens, "mode": kv.mode, "bytes": kv.nbytes,
-                                                     "objects": kv.num_objects, "export_ms": kv.export_s * 1e3,
-                                                     "fetch_ms": kv.fetch_s * 1e3,
-                                                     "import_ms": kv.import_s * 1e3}])[-64:]
-            if die_after is not None and n >= die_after:
-                self._die(f"after {n} decoded tokens")
-            n += 1
-            yield o
+        try:
+            async for o in self.llm.generate_prefilled(rid, handoff.token_ids, handoff.num_prompt_tokens,
+                                                       handoff.params, writer(kv), cloud_budget):
+                if n == 0:
+                    self.transfers = (self.transfers + [{"tokens": kv.num_tokens, "mode": kv.mode, "bytes": kv.nbytes,
+                                                         "objects": kv.num_objects, "export_ms": kv.export_s * 1e3,
+                                                         "fetch_ms": kv.fetch_s * 1e3,
+                                                         "import_ms": kv.import_s * 1e3}])[-64:]
+                if die_after is not None and n >= die_after:
+                    self._die(f"after {n} decoded tokens")
+                n += 1
+                yield o
+        except RuntimeError:
+            self.check_engine()
+            raise
 
     # --- whole requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -228,6 +253,9 @@ class Instance:
             async for o in self.llm.generate(request_id, prompt_ids, params, cloud_budget, output_ids=output_ids):
                 self.outstanding.pop(request_id, None)
                 yield o
+        except RuntimeError:
+            self.check_engine()
+            raise
         finally:
             self.outstanding.pop(request_id, None)
 
@@ -238,5 +266,6 @@ class Instance:
     def set_budget(self, request_id: str, cloud_budget: int) -> None:
         self.llm.set_budget(request_id, cloud_budget)
 
-    def shutdown(self) -> None:
-        self.llm.shutdown()
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread (waits at most `timeout_s` s)."""
+        self.llm.shutdown(timeout_s)

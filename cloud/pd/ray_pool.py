@@ -144,10 +144,11 @@ class InstanceActor:
         self.inst.role = role
 
     async def set_fault(self, die_after_export: int = 0, die_after_tokens: int | None = None,
-                        die_after_handoff: int = 0) -> None:
+                        die_after_handoff: int = 0, fail_engine: bool = False) -> None:
         """Injected faults: the next prefills die after their export (before answering) or right
-        after answering (their KV objects die with them), the next decode after n tokens."""
-        self.inst.set_fault(die_after_export, die_after_tokens)
+        after answering (their KV objects die with them), the next decode after n tokens;
+        `fail_engine`: the engine's next step fails (`Instance.set_fault`)."""
+        self.inst.set_fault(die_after_export, die_after_tokens, fail_engine)
         self.die_after_handoff = die_after_handoff
 
     async def load(self) -> dict:
@@ -190,8 +191,23 @@ def actor_class():
 class RayHandle:
     """The gateway's view of one `InstanceActor` (same interface as `gateway.LocalHandle`)."""
 
-    def __init__(self, actor, name: str, role: str):
+    def __init__(self, actor, name: str, role: str, factory=None):
         self.actor, self.name, self._role = actor, name, role
+        self._factory = factory  # role -> a new actor of this instance (for restart)
+
+    async def restart(self) -> None:
+        """Replace the actor by a new one (Ray's own restarts count over an actor's life; the
+        gateway's budget counts per time window). Raises RuntimeError without a factory."""
+        import ray
+
+        if self._factory is None:
+            raise RuntimeError(f"instance {self.name} has no actor factory: it cannot be replaced")
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.actor = self._factory(self._role)
+        await self.actor.ready.remote()
 
     @property
     def role(self) -> str:
@@ -260,8 +276,9 @@ class RayPool:
             for role, n in (("prefill", spec.n_prefill), ("decode", spec.n_decode)):
                 for i in range(n):
                     name = f"{spec.scenario.name}-{role[0]}{i}"
-                    a = cls.remote(self.model_ref, name, role, cfg, threads)
-                    (g.prefill if role == "prefill" else g.decode).append(RayHandle(a, name, role))
+                    make = (lambda name: lambda r: cls.remote(self.model_ref, name, r, cfg, threads))(name)
+                    a = make(role)
+                    (g.prefill if role == "prefill" else g.decode).append(RayHandle(a, name, role, make))
                     actors.append(a)
             self.groups.append(g)
         self.placement = ray.get([a.ready.remote() for a in actors])

@@ -98,6 +98,27 @@ class PDService(CloudService):
         await super().stop()
         await self.llm.gateway.stop()
 
+    def health(self) -> str | None:
+        """None while the gateway can serve (see `Gateway.health`); else why not: a pool without a
+        live instance that cannot be replaced (the process then exits with code 3)."""
+        return self.llm.gateway.health()
+
+    async def _healthz(self, request):
+        """200 `{"status": "ok"}`, 200 `{"status": "degraded", "dead": [names]}` while an instance is
+        dead or being replaced but every pool has a live one, 503 `{"status": "unavailable" |
+        "error", "dead": [...]}` when a pool has none (being replaced, or for good); the failures,
+        replacements and the gateway state only for an authorized caller."""
+        from aiohttp import web
+
+        gw, details = self.llm.gateway, self.authorized(request)
+        st, fatal = gw.health_state(), self.health()
+        status = "error" if fatal else st["status"]
+        body = {"status": status, **({"dead": sorted(st["dead"])} if st["dead"] else {})}
+        if details:
+            body.update({"reason": fatal} if fatal else {}, instances_dead=st["dead"], restarting=st["restarting"],
+                        restarts=st["restarts"], **self._health_details())
+        return web.json_response(body, status=503 if status in ("error", "unavailable") else 200)
+
     def _health_details(self) -> dict:
         d = {"model_fingerprint": self.fingerprint, "model": self.model_name,
              "sessions": int(self.metrics.active_sessions._value.get()),

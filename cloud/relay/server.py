@@ -25,6 +25,7 @@ import concurrent.futures
 import inspect
 import itertools
 import json
+import logging
 import os
 import queue
 import signal
@@ -41,6 +42,8 @@ from relayinfer.protocol.limits import ConnectionGate, ConnectionLimits
 from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.security import TOKEN_ENV, bearer_token, check_exposure, server_context, token_matches
 from relayinfer.protocol.ws import ServerChannel, serve
+
+log = logging.getLogger("relayinfer.relay")
 
 MAX_QUEUE = 256  # requests waiting for the compute thread before OVERLOADED
 
@@ -73,6 +76,8 @@ class Worker:
     def _run(self):
         while True:
             prio, seq, fn, fut, prio_fn = self.q.get()
+            if fut.cancelled():  # its request left while it waited (a cancelled await): nothing to run
+                continue
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 out = fn() if callable(fn) else fn
@@ -85,13 +90,25 @@ class Worker:
                                 self.q.put((prio, seq, out, fut, prio_fn))   # resume after the ranking
                                 break
                     except StopIteration as done:
-                        fut.set_result(done.value)
+                        _settle(fut, result=done.value)
                 else:
-                    fut.set_result(out)
+                    _settle(fut, result=out)
             except BaseException as e:  # reported to the awaiting request, never kills the thread
-                fut.set_exception(e)
+                log.warning("relay job failed: %s: %s", type(e).__name__, e)
+                _settle(fut, error=e)
             self.busy_s += time.perf_counter() - t0
             self.cpu_s += time.thread_time() - c0
+
+
+def _settle(fut: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Resolve `fut` unless its awaiting request cancelled it meanwhile (then the result is dropped)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def make_handler(inst, worker: Worker):

@@ -196,6 +196,8 @@ class CloudService:
     over TLS (`wss://`, `https://`).
     """
 
+    drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
+
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
                  max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
@@ -453,10 +455,10 @@ class CloudService:
             await channel.send(done)
         except RelayInferError:
             outcome = "disconnected"
-        except Exception:
+        except Exception as e:  # this request alone ends: the error names what failed
             log.exception("request %s failed", msg.request_id)
             try:
-                await channel.send(Error(ErrorCode.INTERNAL.value, "internal error while generating", msg.request_id))
+                await channel.send(Error(ErrorCode.INTERNAL.value, _internal(e), msg.request_id))
             except RelayInferError:
                 pass
         finally:
@@ -594,11 +596,11 @@ class CloudService:
             await channel.send(done)
         except RelayInferError:
             outcome = "disconnected"  # the device hung up (it may have finished on its own)
-        except Exception:
+        except Exception as e:  # this request alone ends: the error names what failed
             log.exception("request %s failed", msg.request_id)
             outcome = "error"
             try:
-                await channel.send(Error(ErrorCode.INTERNAL.value, "internal error while generating", msg.request_id))
+                await channel.send(Error(ErrorCode.INTERNAL.value, _internal(e), msg.request_id))
             except RelayInferError:
                 pass
         finally:
@@ -736,7 +738,7 @@ class CloudService:
         quiet_accept_errors()
         if http_port is not None:  # first: the Welcome names its /v1/device-model URL
             self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True,
-                                              **runner_kwargs(self.gate.limits))
+                                              shutdown_timeout=self.drain_s, **runner_kwargs(self.gate.limits))
             await self._http_runner.setup()
             site = GatedSite(self._http_runner, host, http_port, self.gate, ssl_context=ssl)
             await site.start()
@@ -751,9 +753,15 @@ class CloudService:
         self.ws_port = self._ws_server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        """Stop listening, close every connection and stop the engine. Bounded: open HTTP requests
+        get `drain_s` s before they are cancelled, websocket sessions `drain_s` + 10 s (the close
+        handshake) to end."""
         if self._ws_server is not None:
             self._ws_server.close()
-            await self._ws_server.wait_closed()
+            try:
+                await asyncio.wait_for(self._ws_server.wait_closed(), self.drain_s + 10.0)
+            except asyncio.TimeoutError:
+                log.warning("websocket sessions did not end within %.0f s of the stop", self.drain_s + 10.0)
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         if self.llm is not None:
@@ -783,6 +791,11 @@ class CloudService:
         if self.http_port is None:
             return None
         return f"{'https' if self._ssl is not None else 'http'}://{self._netloc(self.http_port)}"
+
+
+def _internal(e: BaseException) -> str:
+    """The message of an INTERNAL error sent for a request that failed while being served."""
+    return f"internal error while generating: {type(e).__name__}: {e}"
 
 
 async def _nothing():
