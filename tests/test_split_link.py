@@ -139,8 +139,9 @@ def test_blackhole_while_device_prefills_ends_bounded(cloud, onnx_engine, chat_p
     last_token_at = box["events"][-1][0]
     # the device's own work after the black hole: prefill (~40 tokens x 80 ms) + catch-up + 24 decodes
     assert last_token_at - hook.at < 20.0
-    # and the call returns promptly after its last token, although the close handshake gets no answer
-    assert box["returned_at"] - last_token_at < 3.0, box["returned_at"] - last_token_at
+    # and the call returns after its last token without waiting out the websocket close timeout
+    # (10 s) although the close handshake gets no answer: the close is bounded by SEND_TIMEOUT_S
+    assert box["returned_at"] - last_token_at < 6.0, box["returned_at"] - last_token_at
     assert wait_idle(cloud) == (0.0, 0.0)
 
 
