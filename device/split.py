@@ -20,11 +20,11 @@ Faults (every one ends the request in a bounded time; `GenerationResult.fault` r
 * the cloud overloaded (OVERLOADED at the handshake or for the request) -> device-only, and the
   client stays device-only for the `retry_after_ms` the cloud asked for ('cloud-overloaded');
 * connection lost, a request-level Error, or no frame within the progress timeout (a stalled
-  server or a black-holed network; checked while no device work is running, since a working
-  device hands off without waiting for the cloud) -> the device takes over from the tokens it has: it prefills
-  the prompt and the tokens received, then decodes the rest ('connection-lost', 'cloud-error',
-  'cloud-stalled'). This holds also when the settings had planned the cloud to the end and no
-  device work was running. In cloud-only mode (or when the device runtime failed) the answer ends
+  server or a black-holed network; checked while the device is not working towards a hand-off,
+  since such a device hands off without waiting for the cloud) -> the device takes over from the
+  tokens it has: it prefills what it has not yet of the prompt and the tokens received, then
+  decodes the rest ('connection-lost', 'cloud-error', 'cloud-stalled'). This holds also when the
+  settings had planned the cloud to the end. In cloud-only mode (or when the device runtime failed) the answer ends
   with the tokens received and finish_reason 'error';
 * device runtime error -> the cloud streams to the end if it still can ('device-error').
 
@@ -34,6 +34,15 @@ up within the answer; 'device-only' when asked for or without a cloud URL; 'clou
 for), and `mode` what happened. A split whose answer ended before the device caught up is
 `mode` 'cloud-only' with `fault` None; one whose device was ready before the first cloud token is
 'device-only' with `fault` None.
+
+Under the cloud-to-the-end plan the device still works, in the background: it prefills the prompt
+and then the cloud tokens received, in chunks of `BACKGROUND_CHUNK` tokens on its own low-priority
+thread (`background_executor`), and holds (no hand-off) while the plan stands. A cloud fault (or a
+re-plan that finds a hand-off feasible, `_Run.replan_idle`, also tried when the background prompt
+prefill is done) releases it: the device then prefills only what is left at full priority and takes
+over, so a fault costs the prefill left, not the whole prefill (`GenerationResult.prefill_left_at_fault`).
+When the answer ends first, the background work stops after its chunk in flight (bounded), and its
+cache is the conversation's next `DeviceCache`.
 
 The progress timeout is derived per request from the client's cloud estimates (see
 `SplitOptions.progress_timeout`).
@@ -50,6 +59,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
+import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -72,7 +84,38 @@ from .speed import SpeedController, tpot_from_arrivals
 MODES = ("split", "device-only", "cloud-only")
 SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send and on closing the channel
 
+BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan keeps the device idle
+BACKGROUND_NICE = 10  # niceness added to the background prefill thread (Linux: per thread)
+INFLIGHT_WAIT_S = 10.0  # bound on waiting for an engine call in flight when the answer has ended
+
 log = logging.getLogger("relayinfer.device")
+_background: ThreadPoolExecutor | None = None
+_background_lock = threading.Lock()
+
+
+def _lower_thread_priority() -> None:
+    """Raise this thread's niceness by BACKGROUND_NICE (at most 19). Linux only: there a thread is
+    a task with its own nice value; elsewhere `setpriority(PRIO_PROCESS, ...)` would name a process,
+    so the thread keeps its priority and only the small chunks keep the background work polite."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (AttributeError, OSError) as e:  # a sandbox without setpriority: normal priority
+        log.debug("background prefill thread keeps its priority: %s", e)
+
+
+def background_executor() -> ThreadPoolExecutor:
+    """The process-wide single low-priority thread that runs background prefill chunks (the device
+    idle under a cloud-to-the-end plan). Created on first use; its niceness is raised once (a thread
+    cannot lower it again without privileges, so foreground work stays on the session's executor)."""
+    global _background
+    with _background_lock:
+        if _background is None:
+            _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-background",
+                                             initializer=_lower_thread_priority)
+        return _background
 
 
 @dataclass
@@ -138,6 +181,7 @@ class GenerationResult:
     device_prompt_ms: float = 0.0
     cloud_cached_tokens: int = 0
     request_id: str = ""
+    prefill_left_at_fault: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,7 +193,10 @@ class GenerationResult:
 # device's prompt work (prefill of the uncached tokens, or waiting for and importing the KV), before
 # the catch-up; cloud_cached_tokens: prompt tokens the cloud reused (its first `Token.cached_tokens`;
 # 0 when the device answered before that token arrived: the cloud's `Done.cached_tokens` then has it);
-# request_id: the id of the request on the wire (the cloud's logs and `Done` name it).
+# request_id: the id of the request on the wire (the cloud's logs and `Done` name it);
+# prefill_left_at_fault: tokens (prompt + cloud tokens received) the device still had to prefill when the
+# cloud fault came (None without a cloud fault, or after the hand-off); under the cloud-to-the-end plan the
+# background prefill makes it less than the prompt.
 
 
 @dataclass
@@ -379,6 +426,12 @@ class _Run:
         self.tasks: list[asyncio.Task] = []  # receiver and device worker (the display is awaited apart)
         self.device_task: asyncio.Task | None = None
         self.device_failed = False
+        self.wake = asyncio.Event()  # a cloud token, a cloud fault or a re-plan: wakes a device held by the plan
+        self.prompt_left = len(prompt) - self.reused  # prompt tokens the device has still to prefill
+        self.covered = 0  # answer tokens the device has prefilled
+        self.prefill_left_at_fault: int | None = None
+        self.inflight = None  # the engine call running on a worker thread (concurrent.futures.Future)
+        self.kv_unsafe = False  # an engine call outlived the request: its cache is not handed on
 
     def now(self) -> float:
         return (time.perf_counter() - self.t0) * 1e3
@@ -392,6 +445,7 @@ class _Run:
         if reason or len(self.answer) >= self.params.max_new_tokens:
             self.complete, self.finish_reason = True, reason or "length"
         self.changed.set()
+        self.wake.set()
 
     def timing(self, start_ms: float = 0.0, ttft_ms: float | None = None, tpot_ms: float | None = None) -> Timing:
         a, b, d = self.s.device_timing
@@ -446,24 +500,41 @@ class _Run:
             self.extended += 1
             await self.send_quietly(ExtendBudget(self.request_id, want))
 
-    def replan_idle(self) -> None:
-        """While a cloud-to-the-end plan keeps the device idle, re-plan after cloud tokens 1, 2, 4,
-        8, ... with the measured cloud TTFT and TPOT, the device starting now on the whole prompt:
-        if a hand-off has become feasible (the cloud is slower than estimated), start the device
-        (the cloud keeps streaming to the end until the device's Stop)."""
+    def replan_idle(self, force: bool = False) -> None:
+        """While a cloud-to-the-end plan keeps the device idle (prefilling in the background), re-plan
+        after cloud tokens 1, 2, 4, 8, ... (and, `force`, when the background prompt prefill is
+        done) with the measured cloud TTFT and TPOT, the device going on now with the prompt tokens it
+        has left: if a hand-off has become feasible (the cloud is slower than estimated, or the prompt
+        is prefilled), release the device to take over when it catches up (the cloud keeps streaming
+        to the end until the device's Stop)."""
         k = len(self.ready_ms)
-        if (not self.auto or not self.device_idle or self.device_task is not None or self.complete
-                or self.channel is None or k & (k - 1)):
+        if (not self.auto or not self.device_idle or self.complete or self.channel is None or not k
+                or (k & (k - 1) and not force)):
             return
         tpot = tpot_from_arrivals(self.ready_ms)
-        st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot), self.device_prompt_est,
+        st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot),
+                             min(self.device_prompt_est, self.prompt_left),
                              self.params.max_new_tokens, self.s.opt.target_tpot_ms)
         if st.cloud_budget is None:
             return
         self.device_idle = False
         self.speed.interval_ms = max(self.speed.interval_ms, st.interval_ms)
         self.plan_reason += (f"; re-planned after {k} cloud token{'s' * (k > 1)} (measured TTFT "
-                             f"{self.ready_ms[0]:.0f} ms, TPOT {tpot or 0:.0f} ms): the device takes over when it catches up")
+                             f"{self.ready_ms[0]:.0f} ms, TPOT {tpot or 0:.0f} ms, {self.prompt_left} prompt tokens "
+                             f"left to prefill): the device takes over when it catches up")
+        self.wake.set()
+        self.start_device()
+
+    def prefill_left(self) -> int:
+        """Tokens the device has still to prefill before it can take over: the prompt tokens left
+        and the cloud tokens received that it has not prefilled (tokens)."""
+        return self.prompt_left + len(self.answer) - self.covered
+
+    def release_device(self) -> None:
+        """The cloud will not finish the answer (fault, or its stream ended): a device held by the
+        cloud-to-the-end plan goes on at full priority and takes over; one not yet running starts."""
+        self.device_idle = False
+        self.wake.set()
         self.start_device()
 
     def kv_bpt(self) -> int:
@@ -499,6 +570,8 @@ class _Run:
         """The device cache after this request, for the next turn: the last KV the engine returned
         and the ids it holds; the previous turn's cache when the device never ran; None after a
         refined (gapped) prompt."""
+        if self.kv_unsafe:
+            return None  # an engine call may still write into these buffers
         if self.kv is None:
             return self.past
         length = getattr(self.kv, "length", None)  # an engine whose cache has no length is not reused
@@ -515,7 +588,9 @@ class _Run:
         display = asyncio.create_task(self.display())
         if self.channel is not None:
             self.tasks.append(asyncio.create_task(self.receive()))
-        if self.mode != "cloud-only" and not (self.device_idle and self.channel is not None):
+        if self.channel is None:
+            self.device_idle = False  # no cloud: nothing to hold the device for
+        if self.mode != "cloud-only":  # held in the background while a cloud-to-the-end plan keeps it idle
             self.start_device()
         try:
             await display  # the display ends when the answer is complete and shown
@@ -524,9 +599,33 @@ class _Run:
             for t in self.tasks:
                 t.cancel()
             await asyncio.gather(display, *self.tasks, return_exceptions=True)
+            await self.settle()
             if self.channel is not None:
                 await self.close_channel()
         return self.result()
+
+    async def settle(self) -> None:
+        """Wait for the engine call still running on a worker thread (a chunk the answer's end
+        interrupted), at most INFLIGHT_WAIT_S: its writes into the KV buffers must end before the
+        cache goes to the next turn. Past the bound the cache is not handed on."""
+        f = self.inflight
+        if f is None or f.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(f)), INFLIGHT_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("request %s: a device engine call outlived the request by %.0f s; its cache is dropped",
+                        self.request_id, INFLIGHT_WAIT_S)
+            self.kv_unsafe = True
+        except Exception:  # the call failed: the request has ended anyway
+            pass
+
+    async def call(self, fn, *args):
+        """Run an engine call on the device thread: the low-priority background one while the plan
+        keeps the device idle, else the session's executor. The call is noted (`settle`)."""
+        ex = background_executor() if self.device_idle else self.s.executor
+        self.inflight = ex.submit(fn, *args)
+        return await asyncio.wrap_future(self.inflight)
 
     def start_device(self) -> None:
         """Run the device worker (once)."""
@@ -565,7 +664,9 @@ class _Run:
             self.complete, self.finish_reason = True, "error"
             self.changed.set()
         else:
-            self.start_device()
+            if self.prefill_left_at_fault is None:
+                self.prefill_left_at_fault = self.prefill_left()
+            self.release_device()
 
     async def connect(self) -> None:
         """Handshake and send Generate; on failure fall back to device-only (split) or raise."""
@@ -616,8 +717,9 @@ class _Run:
                 try:
                     msg = await asyncio.wait_for(self.channel.recv(), timeout)
                 except asyncio.TimeoutError:
-                    if self.device_task is not None and not self.device_task.done() and not self.waiting_kv:
-                        continue  # the device is working and hands off without the cloud: no harm yet
+                    if (self.device_task is not None and not self.device_task.done() and not self.waiting_kv
+                            and not self.device_idle):
+                        continue  # the device is working towards a hand-off without the cloud: no harm yet
                     self.cloud_fault("cloud-stalled", f"no frame from the cloud for {timeout:.1f} s")
                     await self.send_quietly(Cancel(self.request_id))
                     return
@@ -641,7 +743,7 @@ class _Run:
                     self.cloud_done = msg
                     if not self.complete and self.handoff is None:
                         if msg.reason == "budget" and self.mode == "split" and not self.device_failed:
-                            self.start_device()  # as planned: the device takes over from here
+                            self.release_device()  # as planned: the device takes over from here
                         elif self.mode == "cloud-only" and msg.reason in ("eos", "stop", "length"):
                             self.complete, self.finish_reason = True, msg.reason
                             self.changed.set()
@@ -664,6 +766,8 @@ class _Run:
         finally:
             self.got_refined.set()  # nothing more will come: the device uses the full prompt
             self.got_kv.set()  # nor a KV hand-off: the device prefills
+            if self.device_idle and not self.complete and self.mode == "split" and not self.device_failed:
+                self.release_device()  # no more cloud tokens: a device held by the plan takes over
 
     async def device(self) -> None:
         """The device worker; a runtime failure hands the answer back to the cloud if it can."""
@@ -686,22 +790,24 @@ class _Run:
                 self.changed.set()
 
     async def _device(self) -> None:
-        """Prefill prompt, catch up on cloud tokens, hand off, decode locally."""
-        loop, eng, ex = asyncio.get_running_loop(), _KeepKV(self.s.engine, self), self.s.executor
+        """Prefill prompt, catch up on cloud tokens, hand off, decode locally. While the plan keeps
+        the device idle (`device_idle`) the prefill runs in small low-priority chunks and the worker
+        holds instead of handing off, until `release_device` or `replan_idle` lets it go."""
+        eng, call = _KeepKV(self.s.engine, self), self.call
         kv, chunk = None, self.s.opt.prefill_chunk
         t = time.perf_counter()
         prompt = self.prompt
         at = None  # RoPE positions of `prompt` (None: the engine's contiguous count)
         if self.reused:  # multi-turn: the previous turn's cache holds the first `reused` prompt tokens
             kv = self.past.kv if self.past.kv.length == self.reused else \
-                await loop.run_in_executor(ex, eng.truncate, self.past.kv, self.reused)
+                await call(eng.truncate, self.past.kv, self.reused)
             prompt = prompt[self.reused:]
         if self.kv_from is not None:  # the cloud sends the KV of the rest but the last token
             kv, prompt = await self.import_kv(kv, prompt)
         if self.refine_wanted:  # the system turn is always kept: prefill it while the cloud scores
             head = system_prefix_len(prompt, TemplateMarkers.from_tokenizer(self.s.tokenizer))
             if head:
-                logits, kv = await loop.run_in_executor(ex, eng.prefill, prompt[:head], kv)
+                logits, kv = await call(eng.prefill, prompt[:head], kv)
             await self.got_refined.wait()
             if self.kept is not None and self.kept[:head] == list(range(head)):
                 prompt = [self.prompt[i] for i in self.kept]
@@ -709,25 +815,36 @@ class _Run:
             prompt = prompt[head:]
             await self.replan(len(prompt))
             self.device_prompt_tokens = head + len(prompt)
-        for i in range(0, len(prompt), chunk):
+        i, self.prompt_left = 0, len(prompt)
+        while i < len(prompt):
             if self.complete:
                 return  # the cloud finished the answer first
-            logits, kv = await loop.run_in_executor(ex, prefill_at, eng, prompt[i:i + chunk], kv,
-                                                    at and at[i:i + chunk])
+            step = min(chunk, BACKGROUND_CHUNK) if self.device_idle else chunk
+            logits, kv = await call(prefill_at, eng, prompt[i:i + step], kv, at and at[i:i + step])
+            i += step
+            self.prompt_left = max(0, len(prompt) - i)
         self.device_prompt_ms = (time.perf_counter() - t) * 1e3
         base = len(self.prompt) if at is not None else None  # answer token k at position n + k after a gapped prompt
         await self.replan(0)
+        self.replan_idle(force=True)  # the prompt is prefilled: a hand-off may have become feasible
         rule = CatchUp()  # catch up: prefill every cloud token received so far in one batch
         while True:
             if self.complete:
                 return  # the cloud finished the answer first
             batch = rule.next_batch(len(self.answer))
             if batch is None:
-                break
+                if not self.device_idle:
+                    break
+                self.wake.clear()  # held by the plan: wait for a cloud token, a fault or a re-plan
+                await self.wake.wait()
+                continue
             lo, n = batch
-            logits, kv = await loop.run_in_executor(ex, prefill_at, eng, self.answer[lo:n], kv,
-                                                    None if base is None else list(range(base + lo, base + n)))
+            if self.device_idle:
+                n = min(n, lo + BACKGROUND_CHUNK)
+            logits, kv = await call(prefill_at, eng, self.answer[lo:n], kv,
+                                    None if base is None else list(range(base + lo, base + n)))
             rule.prefilled(n)
+            self.covered = n
         covered = rule.covered
         self.device_prefill_ms = (time.perf_counter() - t) * 1e3
         self.handoff = covered  # atomic with the check above: no await in between
@@ -741,9 +858,9 @@ class _Run:
             if self.complete:
                 return
             if base is None:
-                logits, kv = await loop.run_in_executor(ex, eng.decode, tok, kv)
+                logits, kv = await call(eng.decode, tok, kv)
             else:
-                logits, kv = await loop.run_in_executor(ex, prefill_at, eng, [tok], kv, [base + i])
+                logits, kv = await call(prefill_at, eng, [tok], kv, [base + i])
 
     async def import_kv(self, kv, prompt: list[int]):
         """Wait for the cloud's KV of `prompt[:-1]` and import it after `kv`: returns (kv, [last
@@ -751,7 +868,7 @@ class _Run:
         frame for that long is a stalled cloud, which ends the stream). When the KV does not come
         (cloud fault, the stream ended without it, a malformed transfer) returns (kv, prompt)
         unchanged: the device prefills."""
-        loop, eng, ex = asyncio.get_running_loop(), self.s.engine, self.s.executor
+        eng = self.s.engine
         self.waiting_kv = True  # the receiver's progress timeout now applies: a stalled cloud ends the wait
         try:
             await self.got_kv.wait()  # set by the last KV part, or when the cloud stream ends
@@ -772,7 +889,7 @@ class _Run:
                                                    for (ok, ov), (k, v) in zip(old, layers)]
                 return eng.kv_import(full, self.reused + n)
 
-            kv = await loop.run_in_executor(ex, merge)
+            kv = await self.call(merge)
         except ValueError as e:
             log.warning("request %s: bad KV hand-off (%s); the device prefills", self.request_id, e)
             return kv, prompt
@@ -826,7 +943,8 @@ class _Run:
             cloud_budget=self.budget, budget_extensions=self.extended, interval_ms=self.speed.interval_ms, fault=self.fault, error=self.error,
             plan=self.planned, plan_reason=self.plan_reason, device_cached_tokens=self.reused,
             kv_imported_tokens=self.kv_imported, device_prompt_ms=self.device_prompt_ms,
-            cloud_cached_tokens=self.cloud_cached, request_id=self.request_id)
+            cloud_cached_tokens=self.cloud_cached, request_id=self.request_id,
+            prefill_left_at_fault=self.prefill_left_at_fault)
 
 
 class _KeepKV:

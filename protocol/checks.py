@@ -56,7 +56,7 @@ def check_ports_free(host: str, ports: Iterable[tuple[str, int | None]]) -> None
             permission to bind it (below 1024), or a host that is not an address of this machine.
     """
     seen: dict[int, str] = {}
-    for name, port in ports:
+    for name, port in ports:  # every check that needs no socket first: a busy port must not hide them
         if port is None or port == 0:
             continue
         if not 0 < port < 65536:
@@ -64,6 +64,7 @@ def check_ports_free(host: str, ports: Iterable[tuple[str, int | None]]) -> None
         if port in seen:
             raise ValueError(f"{name} {port} is the same port as {seen[port]}; give them different ports")
         seen[port] = name
+    for port, name in seen.items():
         try:
             infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except socket.gaierror as e:

@@ -8,12 +8,15 @@ silent stall, process killed (TCP reset), OVERLOADED. The device is the real ONN
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 
 import pytest
 
 from relayinfer.device.profiles import DeviceProfile, PacedEngine
+from relayinfer.device import split as split_mod
 from relayinfer.device.split import CloudEstimate, SplitOptions, SplitSession
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams
@@ -30,13 +33,13 @@ EXPECTED_FAULT = {"close": "connection-lost", "kill": "connection-lost", "error"
 
 class FakeCloud:
     """A websocket server speaking the real protocol whose answer to a Generate is a script:
-    stream `tokens[:sent]` (every `gap_ms`; with `wait_for_stop` then wait for the device's Stop),
-    then `fault`."""
+    stream `tokens[:sent]` (every `gap_ms`; with `wait_for_stop` then wait for the device's Stop;
+    with `fault_when`, a threading.Event, then wait for it, at most 20 s), then `fault`."""
 
     def __init__(self, fingerprint: str, tokens: list[int], fault: str, sent: int, gap_ms: float = 10.0,
-                 wait_for_stop: bool = False, admit=None):
+                 wait_for_stop: bool = False, admit=None, fault_when: threading.Event | None = None):
         self.fingerprint, self.tokens, self.fault, self.sent = fingerprint, tokens, fault, sent
-        self.gap_ms, self.wait_for_stop, self.admit = gap_ms, wait_for_stop, admit
+        self.gap_ms, self.wait_for_stop, self.admit, self.fault_when = gap_ms, wait_for_stop, admit, fault_when
         self.connections = 0
         self.got_stop = False
         self.loop = asyncio.new_event_loop()
@@ -58,6 +61,8 @@ class FakeCloud:
             for i, t in enumerate(self.tokens[:self.sent]):
                 await ch.send(Token(rid, t, i, 0.0))
                 await asyncio.sleep(self.gap_ms / 1e3)
+        if self.fault_when is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.fault_when.wait, 20.0)
         f = self.fault
         if f == "close":
             await ch.close()
@@ -184,6 +189,85 @@ def test_idle_device_takes_over_on_a_long_prompt(onnx_engine, tokenizer, device_
         res = asyncio.run(asyncio.wait_for(s.run(ids, SamplingParams(max_new_tokens=MAX_NEW)), 60))
     assert res.mode == "split" and res.fault == "connection-lost"
     assert res.token_ids == ref and res.cloud_tokens == 2 and res.handoff_index == 2
+
+
+class Watched:
+    """The device engine, counting the tokens prefilled and the calls running, noting each prefill
+    call's thread niceness; `reached` is set once `after` tokens are prefilled."""
+
+    def __init__(self, engine, after: int):
+        self.engine, self.after, self.prefilled, self.running, self.nice = engine, after, 0, 0, []
+        self.reached = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill(self, ids, kv=None, positions=None):
+        self.running += 1
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if hasattr(os, "getpriority") else 0)
+        try:
+            out = self.engine.prefill(ids, kv) if positions is None else self.engine.prefill(ids, kv, positions=positions)
+        finally:
+            self.running -= 1
+        self.prefilled += len(ids)
+        if self.prefilled >= self.after:
+            self.reached.set()
+        return out
+
+    def decode(self, token_id, kv):
+        return self.engine.decode(token_id, kv)
+
+
+PHONE = DeviceProfile("phone-fast", prefill_ms_per_token=2.0, decode_ms_per_token=20.0)
+HOPELESS_TIMING = (0.0, 50.0, 52.6)  # what the settings believe: 50 ms a prefill token: cloud to the end
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tokenizer, onnx_engine):
+    """A ~400-token chitchat prompt and its device-only greedy answer."""
+    from relayinfer.sdk.datasets import chitchat_prompts_by_length
+
+    ids = chitchat_prompts_by_length(tokenizer, [400])[0]
+    return ids, onnx_engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW)).token_ids
+
+
+def test_idle_device_prefills_in_the_background_so_a_fault_costs_only_the_rest(onnx_engine, tokenizer, long_prompt):
+    """Cloud to the end by plan: the device still prefills the prompt in the background, in small
+    low-priority chunks. The cloud fails only after the device has prefilled 64 tokens (state, not
+    time): at the fault the device has less than the prompt left, and it finishes the answer."""
+    ids, ref = long_prompt
+    w = Watched(PacedEngine(onnx_engine, PHONE), after=64)
+    with FakeCloud(onnx_engine.fingerprint, ref, "close", 2, fault_when=w.reached) as fc:
+        # the cloud is silent while it waits: a progress timeout longer than that wait (20 s at most)
+        s = SplitSession(w, tokenizer, fc.url, onnx_engine.fingerprint,
+                         options=SplitOptions(target_tpot_ms=10.0, progress_timeout_s=30.0), device_timing=HOPELESS_TIMING)
+        res = asyncio.run(asyncio.wait_for(s.run(ids, SamplingParams(max_new_tokens=MAX_NEW)), 90))
+    assert w.reached.is_set(), "the device did no work while the plan kept it idle"
+    assert res.plan == "cloud-to-the-end" and res.fault == "connection-lost"
+    assert res.token_ids == ref and res.cloud_tokens == 2 and res.handoff_index == 2
+    assert res.prefill_left_at_fault is not None and res.prefill_left_at_fault <= len(ids) + 2 - 64
+    assert split_mod.BACKGROUND_CHUNK < len(ids) and max(w.nice) >= min(w.nice)
+    if sys.platform.startswith("linux"):  # per-thread niceness: background chunks ran below the foreground
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        if base < 19:
+            assert w.nice[0] > base and w.nice[-1] == base, (base, w.nice)
+
+
+def test_idle_device_background_work_ends_with_the_answer(onnx_engine, tokenizer, long_prompt):
+    """The cloud streams the whole answer as planned: the background prefill stops when the answer
+    ends (no engine call still running when `run` returns), and what it prefilled is the
+    conversation's next cache (a prefix of prompt + answer)."""
+    ids, ref = long_prompt
+    w = Watched(PacedEngine(onnx_engine, PHONE), after=1)
+    with FakeCloud(onnx_engine.fingerprint, ref, "close", MAX_NEW, gap_ms=20.0) as fc:
+        s = SplitSession(w, tokenizer, fc.url, onnx_engine.fingerprint,
+                         options=SplitOptions(target_tpot_ms=10.0), device_timing=HOPELESS_TIMING)
+        res = asyncio.run(asyncio.wait_for(s.run(ids, SamplingParams(max_new_tokens=MAX_NEW)), 60))
+    assert res.plan == "cloud-to-the-end" and res.mode == "cloud-only" and res.fault is None
+    assert res.token_ids == ref and res.prefill_left_at_fault is None
+    assert w.running == 0  # the chunk in flight at the answer's end had finished before run returned
+    assert w.prefilled > 0 and s.cache is not None and 0 < len(s.cache.ids) == s.cache.kv.length
+    assert s.cache.ids == (ids + ref)[:len(s.cache.ids)]
 
 
 def test_progress_timeout_is_derived_from_the_cloud_estimates():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import time
 
@@ -33,6 +34,18 @@ def one_line_error(res, *words: str) -> str:
     for w in words:
         assert w in lines[0], (w, lines[0])
     return lines[0]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading a model (torch or ONNX) fails the test: the checks under test come before it."""
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.device.onnx_engine import OnnxEngine
+
+    def refuse(*a, **k):
+        pytest.fail("a model was loaded before the check")
+    monkeypatch.setattr(TorchEngine, "__init__", refuse)
+    monkeypatch.setattr(OnnxEngine, "__init__", refuse)
 
 
 @pytest.fixture
@@ -64,20 +77,16 @@ def test_good_cloud_urls_pass():
         assert check_cloud_url(url) == url
 
 
-def test_client_checks_url_before_loading_the_model():
+def test_client_checks_url_before_loading_the_model(no_model_loads):
     from relayinfer.sdk import Client
 
-    t = time.perf_counter()
     with pytest.raises(ValueError, match="HTTP URL"):
         Client(cloud_url="http://127.0.0.1:8766", model="/nonexistent.gguf")  # the model path is never read
-    assert time.perf_counter() - t < 1.0
 
 
-def test_chat_bad_url_exits_2_before_loading():
-    t = time.perf_counter()
+def test_chat_bad_url_exits_2_before_loading(no_model_loads):
     one_line_error(run_cli("chat", "--cloud", "http://127.0.0.1:8766", "--model", "/nonexistent.gguf"),
                    "--cloud", "websocket port")
-    assert time.perf_counter() - t < 2.0
 
 
 def test_unreachable_cloud_is_announced_once(onnx_engine, dead_port, caplog):
@@ -110,25 +119,30 @@ def test_chat_announces_unreachable_cloud_once(onnx_engine, dead_port, monkeypat
 
 # --- 2. ports ----------------------------------------------------------------------------------
 
-def test_busy_port_is_named_before_the_model_loads(monkeypatch):
+def test_busy_port_is_named_before_the_model_loads(monkeypatch, no_model_loads):
     import relayinfer.cloud.patho.encoder as patho_encoder
 
+    import relayinfer.cloud.relay.server as relay_server
+
     monkeypatch.setattr(patho_encoder, "ViTEncoder", lambda *a, **k: pytest.fail("patho serve loaded its encoder"))
+    monkeypatch.setattr(relay_server, "main", lambda *a, **k: pytest.fail("relay serve loaded its model"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is already in use"):
             check_ports_free("127.0.0.1", [("--port", port)])
-        t = time.perf_counter()
+        # a missing model file would be the error if the model were looked at first
         one_line_error(run_cli("cloud", "serve", "--port", "0", "--http-port", str(port), "--model", "/nonexistent.gguf"),
                        f"port {port}", "--http-port", "already in use")
         one_line_error(run_cli("relay", "serve", "--port", str(port)), f"port {port}", "already in use")
-        assert time.perf_counter() - t < 3.0  # no model was loaded
         one_line_error(run_cli("patho", "serve", "--port", str(port)), f"port {port}", "already in use")
-    one_line_error(run_cli("cloud", "serve", "--port", "8765", "--http-port", "8765"), "same port")
-    with pytest.raises(ValueError, match="not an address"):
-        check_ports_free("no-such-host.invalid", [("--port", 8765)])
+        # the same port twice is named as such even when that port is busy (checked before any bind)
+        with pytest.raises(ValueError, match=f"--http-port {port} is the same port as --port"):
+            check_ports_free("127.0.0.1", [("--port", port), ("--http-port", port)])
+        one_line_error(run_cli("cloud", "serve", "--port", str(port), "--http-port", str(port)), "same port")
+        with pytest.raises(ValueError, match="not an address"):
+            check_ports_free("no-such-host.invalid", [("--port", port)])
     check_ports_free("127.0.0.1", [("--port", 0), ("--http-port", None)])  # free ports: nothing to check
 
 
@@ -154,15 +168,13 @@ def test_too_many_new_tokens_is_not_called_a_long_prompt():
         check_prompt(9000, 1, 8192)
 
 
-def test_cli_range_errors_are_plain_and_early():
-    t = time.perf_counter()
+def test_cli_range_errors_are_plain_and_early(no_model_loads):
     one_line_error(run_cli("generate", "--max-new-tokens", "-5", "hi"), "--max-new-tokens must be at least 1, got -5")
     one_line_error(run_cli("demo", "--top-p", "0", "hi"), "--top-p must be in (0, 1] (1 = off), got 0.0")
     one_line_error(run_cli("chat", "--cloud", "ws://127.0.0.1:1", "--temperature", "-1"),
                    "--temperature must be 0 (greedy) or more, got -1.0")
     one_line_error(run_cli("cloud", "serve", "--port", "70000"), "--port 70000 is not a port number", "1..65535")
     one_line_error(run_cli("demo", "--profile", "fone", "hi"), "unknown device profile 'fone'", "phone")
-    assert time.perf_counter() - t < 3.0  # all refused before any model loads
 
 
 def test_cli_errors_carry_the_protocol_code_only_in_json(device_model_dir):
@@ -200,11 +212,9 @@ def test_empty_prompt_client_raises_at_the_call(onnx_engine):
             c.generate(p)  # raised by generate itself, not later from the stream
 
 
-def test_empty_prompt_cli_exits_2():
+def test_empty_prompt_cli_exits_2(no_model_loads):
     for args in (["generate", ""], ["generate", "--engine", "onnx", "  "], ["demo", ""]):
-        t = time.perf_counter()
-        one_line_error(run_cli(*args), "prompt is empty")
-        assert time.perf_counter() - t < 2.0, args  # refused before any model loads
+        one_line_error(run_cli(*args), "prompt is empty")  # refused before any model loads
     res = run_cli("demo", "--json", "")
     assert res.exit_code == 2 and json.loads(res.stdout)["error"]["message"].startswith("prompt is empty")
 
@@ -231,7 +241,7 @@ def test_export_progress_when_it_happens(monkeypatch, tmp_path):
     monkeypatch.setattr(export, "ensure_device_model", fake_export)
     res = run_cli("export")
     assert res.exit_code == 0 and res.stdout.strip() == str(tmp_path)
-    assert f"device model exported in 1 s, cached in {tmp_path}" in res.stderr, res.stderr
+    assert re.search(rf"device model exported in \d+ s, cached in {re.escape(str(tmp_path))}", res.stderr), res.stderr
     assert "cli.py" not in res.stderr  # no log-location noise
 
 

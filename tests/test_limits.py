@@ -99,7 +99,10 @@ def test_sessions_bounded_with_overloaded_and_retry_after(svc, torch_engine):
 
     async def scenario():
         held = [await proto_ws.open_channel(svc.url, fp) for _ in range(3)]
-        await asyncio.sleep(0.1)
+        for _ in range(200):  # the server counts the three sessions (bounded wait on state)
+            if svc.num_sessions == 3:
+                break
+            await asyncio.sleep(0.05)
         with pytest.raises(RemoteError) as e:
             await proto_ws.open_channel(svc.url, fp)
         assert e.value.code is ErrorCode.OVERLOADED and e.value.retry_after_ms == 1234.0

@@ -108,10 +108,10 @@ def test_delay_and_jitter_add_to_the_round_trip():
         return direct, via
 
     direct, via = run(main())
-    # each way 40 ms + U[0, 20] ms: 80..120 ms per round trip, plus scheduling slack
+    # each way 40 ms + U[0, 20] ms: 80..120 ms per round trip, plus scheduling slack; a loaded machine
+    # only adds to a round trip, so the lower bound is exact and the upper ones are for the median
     assert min(via) >= 80.0, via
-    assert max(via) <= 120.0 + 150.0, via
-    assert max(direct) < 50.0  # the loopback itself adds little
+    assert sorted(via)[len(via) // 2] <= 120.0 + 150.0 + sorted(direct)[len(direct) // 2], (via, direct)
     assert max(via) - min(via) > 2.0  # jitter draws differ
 
 
@@ -145,11 +145,13 @@ def test_bandwidth_cap_bounds_throughput_each_way():
     payload, got, down_s, up, up_s, received, rest, c = run(main())
     assert got == payload and rest == b"" and received == [up]
     lower = (len(payload) - 16384) / rate  # the bucket's burst goes at once
+    # the cap is a lower bound on the time; the upper bounds only catch a cap several times too strict
+    # (a loaded machine makes the transfer slower, never faster)
     assert down_s >= 0.95 * lower, down_s
-    assert down_s <= 1.3 * lower + 1.0, down_s
+    assert down_s <= 3.0 * lower + 5.0, down_s
     lower_up = (len(up) - 16384) / (rate / 2)
     assert up_s >= 0.95 * lower_up, up_s
-    assert up_s <= 1.3 * lower_up + 1.0, up_s
+    assert up_s <= 3.0 * lower_up + 5.0, up_s
     assert c["bytes_down"] == len(payload) and c["bytes_up"] == len(up) and c["connections"] == 1
 
 

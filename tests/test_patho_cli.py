@@ -73,5 +73,5 @@ def test_bad_slide_and_token_exit_2(served, tmp_path):
     assert r.exit_code == 2 and "not a whole-slide image" in r.output
     r = CliRunner().invoke(app, ["patho", "screen", str(bundled_svs()), "--cloud", url, "--coarse-model", str(model)])
     assert r.exit_code == 2 and "requires an auth token" in r.output
-    r = CliRunner().invoke(app, ["patho", "serve", "--arch", "vit-h"])
+    r = CliRunner().invoke(app, ["patho", "serve", "--port", "0", "--arch", "vit-h"])
     assert r.exit_code == 2 and "unknown --arch 'vit-h'" in r.output

@@ -120,9 +120,11 @@ def test_expander_single_flight_reload():
     pool, dram = HBMPool(10_000, clock), DramTier(10_000, 5.0, clock)
     copies = []
 
-    def slow_copy(kv):
+    def slow_copy(kv):  # the copy lasts until the three other readers wait for it (state, at most 10 s)
         copies.append(kv)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while ex.reload_waits < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         return kv
 
     ex = Expander(pool, dram, ttl_s=5.0, copy=slow_copy)
@@ -208,21 +210,24 @@ def test_baseline_instance_never_caches(model, data):
 def test_worker_runs_ranking_between_pre_inference_chunks():
     from relayinfer.cloud.relay.server import Worker
     order = []
+    two_in, queued = threading.Event(), threading.Event()
 
     def prefix_job():
         for i in range(6):
-            time.sleep(0.05)
             order.append(f"chunk{i}")
+            if i == 1:                                    # the pre-inference is 2 chunks in
+                two_in.set()
+                assert queued.wait(10)                    # ... when the ranking is queued
             yield
         return "kv"
 
     w = Worker()
     f_pre = w.submit(1, prefix_job)
-    time.sleep(0.12)                                      # the pre-inference is 2 chunks in
+    assert two_in.wait(10)
     f_rank = w.submit(0, lambda: order.append("rank") or "scores")
-    assert f_rank.result(5) == "scores" and f_pre.result(5) == "kv"
-    i = order.index("rank")
-    assert 1 <= i <= 4 and len(order) == 7                # ranked mid-way, pre-inference then resumed
+    queued.set()
+    assert f_rank.result(10) == "scores" and f_pre.result(10) == "kv"
+    assert order.index("rank") == 2 and len(order) == 7  # ranked at the next step, pre-inference then resumed
 
 
 def test_instance_prefix_serves_every_request_time(model, data):

@@ -10,8 +10,6 @@ import pytest
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.profiles import DeviceProfile
-from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.messages import Token, encode
 from relayinfer.sdk import Client
 from relayinfer.sdk.linkem import PROFILES, LinkProxyThread
 
@@ -87,36 +85,31 @@ def test_split_through_lte_equals_device_only(cloud, onnx_engine, chat_prompt_id
     assert counters["cuts"] == 0 and counters["loss_stalls_down"] == 0
 
 
-def _handshake_bytes_down(url: str, fingerprint: str) -> int:
-    """Bytes the cloud sends a device before its first Token: HTTP 101 + Welcome."""
-    import asyncio
-
-    async def measure():
-        ch = await proto_ws.open_channel(link.url, fingerprint, open_timeout=10)
-        n = link.bytes_down
-        await ch.close()
-        return n
-
-    with LinkProxyThread(url, None) as link:
-        return asyncio.run(asyncio.wait_for(measure(), 20))
+def _cut_after_first_token(link):
+    """An on_event hook that cuts the link's connections when the first token is shown: the stream
+    is known to have started (the handshake and Generate went through), whatever the machine's load."""
+    def on_event(ev):
+        if ev.index == 0:
+            on_event.cut = link.cut()
+    on_event.cut = None
+    return on_event
 
 
 def test_link_cut_mid_stream_device_completes(cloud, onnx_engine, chat_prompt_ids, device_only):
-    hs = _handshake_bytes_down(cloud.url, onnx_engine.fingerprint)
-    # a Token frame is 77 bytes before permessage-deflate, ~15-50 after it: a few tokens get through
-    cut_at = hs + len(encode(Token("0" * 12, 1000, 3, 123.4))) + 40
-    with LinkProxyThread(cloud.url, LTE, seed=2, cut_after_bytes=cut_at, cut_direction="down") as link:
+    with LinkProxyThread(cloud.url, LTE, seed=2) as link:
         # prefill takes seconds on this device: the cut comes long before it could take over
         c = Client(cloud_url=link.url, engine=onnx_engine, profile=SLOWER_DEVICE, target_tpot_ms=30.0,
                    cloud_budget=None)
-        box = generate_bounded(c, chat_prompt_ids[1], 60.0)
+        hook = _cut_after_first_token(link)
+        box = generate_bounded(c, chat_prompt_ids[1], 60.0, on_event=hook)
         counters = link.counters()
     r = box["result"]
     assert box["error"] is None and r is not None
+    assert hook.cut == 1  # the request's one connection was open when the first token was shown
     assert r.token_ids == device_only[1]
     assert r.fault == "connection-lost" and r.mode == "split"
     assert 1 <= r.cloud_tokens <= MAX_NEW // 2 and r.device_tokens == len(r.token_ids) - r.cloud_tokens
-    assert counters["bytes_down"] == cut_at and counters["cuts"] == 1 and counters["active"] == 0
+    assert counters["cuts"] == 1 and counters["active"] == 0
     assert wait_idle(cloud) == (0.0, 0.0)  # the cloud noticed and freed the request
 
 
@@ -146,8 +139,9 @@ def test_blackhole_while_device_prefills_ends_bounded(cloud, onnx_engine, chat_p
     last_token_at = box["events"][-1][0]
     # the device's own work after the black hole: prefill (~40 tokens x 80 ms) + catch-up + 24 decodes
     assert last_token_at - hook.at < 20.0
-    # and the call returns promptly after its last token, although the close handshake gets no answer
-    assert box["returned_at"] - last_token_at < 3.0, box["returned_at"] - last_token_at
+    # and the call returns after its last token without waiting out the websocket close timeout
+    # (10 s) although the close handshake gets no answer: the close is bounded by SEND_TIMEOUT_S
+    assert box["returned_at"] - last_token_at < 6.0, box["returned_at"] - last_token_at
     assert wait_idle(cloud) == (0.0, 0.0)
 
 

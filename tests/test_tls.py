@@ -183,7 +183,8 @@ def test_cli_cloud_serve_checks_the_tls_files(pki, tmp_path):
     for args, msg in ((["--certfile", str(cert)], "--certfile and --keyfile go together"),
                       (["--keyfile", str(key)], "--certfile and --keyfile go together"),
                       (["--certfile", str(cert), "--keyfile", str(tmp_path / "nope.pem")], "no such file")):
-        out = subprocess.run(exe + ["cloud", "serve", *args], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(exe + ["cloud", "serve", "--port", "0", "--http-port", "0", *args], capture_output=True, text=True,
+                             timeout=120)
         assert out.returncode == 2, out.stderr
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0]
