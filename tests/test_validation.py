@@ -27,6 +27,15 @@ HI = [{"role": "user", "content": "Hi"}]
 VOCAB = 49152
 INF, NAN = float("inf"), float("nan")
 
+
+def _slow():
+    from relayinfer.device.profiles import DeviceProfile
+
+    return DeviceProfile("test-slow", prefill_ms_per_token=100.0)  # the cloud's first tokens come first
+
+
+SLOW = _slow()
+
 # --- the rule table, through SamplingParams (every door builds one) ------------------------------
 
 BAD_PARAMS = [
@@ -115,7 +124,10 @@ BAD_HTTP = [  # body (besides model, messages, max_tokens=2), the field named
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+    ({"stream": "yes"}, "stream"), ({"ignore_eos": 1}, "ignore_eos"), ({"stop": 5}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
 ]
 
 
@@ -125,16 +137,18 @@ def test_http_bad_values_get_400_naming_the_field(base, body, param):
     assert r.status_code == 400, r.text
     e = r.json()["error"]
     assert e["param"] == param and e["type"] == "invalid_request_error", e
-    assert " must be " in e["message"] or "only allowed" in e["message"] or "needs" in e["message"], e
+    assert e["message"].startswith(f"{param} must be ") and ", got " in e["message"], e  # the one format
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": [VOCAB]}, "prompt"), ({"prompt": [1, -1]}, "prompt"), ({"prompt": "Hi", "logprobs": 21}, "logprobs"),
-    ({"prompt": "Hi", "logprobs": True}, "logprobs"), ({"prompt": "Hi", "best_of": 0}, "best_of"),
-    ({"prompt": "Hi", "seed": 2 ** 64}, "seed")])
+    ({"prompt": [VOCAB]}, "prompt[0]"), ({"prompt": [1, -1]}, "prompt[1]"), ({"prompt": [[1], [2, VOCAB]]}, "prompt[1][1]"),
+    ({"prompt": "Hi", "logprobs": 21}, "logprobs"), ({"prompt": "Hi", "logprobs": True}, "logprobs"),
+    ({"prompt": "Hi", "best_of": 0}, "best_of"), ({"prompt": "Hi", "seed": 2 ** 64}, "seed"),
+    ({"prompt": "Hi", "echo": 1}, "echo")])
 def test_completions_bad_values_get_400_naming_the_field(base, body, param):
     r = comp(base, **{"max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(f"{param} must be "), r.text
 
 
 def test_http_signed_seeds_accepted_and_reproducible(base, service):
@@ -218,16 +232,22 @@ def test_sdk_generate_raises_naming_the_field(onnx_engine, kw, field):
     assert e.value.field == "prompt[1]"
 
 
-def test_seed_minus_one_split_answer_equals_device_only(service, onnx_engine, tokenizer):
-    """Cloud and device map the signed seed identically: a seeded answer handed off after 3 cloud
-    tokens equals the device's own."""
+def test_seed_minus_one_split_answer_equals_device_only(service, torch_engine, onnx_engine, tokenizer):
+    """Cloud and device map the signed seed identically: a seeded answer handed off after the
+    cloud's first tokens equals the device's own and the cloud engine's, on the batched and the
+    per-request path."""
     from relayinfer.sdk import Client
 
+    prompt = tokenizer.encode_chat("Tell me a story about the sea.")
     kw = dict(max_new_tokens=10, temperature=0.9, seed=-1)
-    alone = Client(engine=onnx_engine, mode="device-only").complete("Tell me a story.", **kw)
-    split = Client(cloud_url=service.url, engine=onnx_engine, cloud_budget=3).complete("Tell me a story.", **kw)
-    assert split.fault is None and split.cloud_tokens >= 1, (split.fault, split.error)
-    assert split.token_ids == alone.token_ids and len(alone.token_ids) >= 4
+    ref = torch_engine.generate(prompt, SamplingParams(**kw)).token_ids
+    assert Client(engine=onnx_engine, mode="device-only").complete(prompt, **kw).token_ids == ref
+    with ServiceThread(CloudService(torch_engine, torch_engine.fingerprint), http_port=None) as per_request:
+        for svc in (service, per_request):
+            c = Client(cloud_url=svc.url, engine=onnx_engine, profile=SLOW, target_tpot_ms=30.0, cloud_budget=4)
+            split = c.complete(prompt, **kw)
+            assert split.fault is None and split.mode == "split", (svc.llm, split.fault, split.error)
+            assert 0 < split.handoff_index < len(split.token_ids) and split.token_ids == ref, svc.llm
 
 
 # --- the relay's ranking instance and the pathology service --------------------------------------
@@ -393,7 +413,7 @@ def test_websocket_request_that_fails_leaves_the_device_to_finish_alone(torch_en
     svc = CloudService(Failing(torch_engine), torch_engine.fingerprint)
     with ServiceThread(svc, http_port=None) as running:
         alone = Client(engine=onnx_engine, mode="device-only").complete("Hi there!", max_new_tokens=8)
-        split = Client(cloud_url=running.url, engine=onnx_engine, cloud_budget=None).complete("Hi there!",
-                                                                                               max_new_tokens=8)
+        split = Client(cloud_url=running.url, engine=onnx_engine, profile=SLOW, cloud_budget=None).complete(
+            "Hi there!", max_new_tokens=8)
     assert split.fault == "cloud-error" and "internal error" in (split.error or ""), (split.fault, split.error)
     assert split.token_ids == alone.token_ids and split.cloud_tokens >= 1

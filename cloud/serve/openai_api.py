@@ -97,6 +97,14 @@ def _field(body: dict, name: str, default, rule: str | None = None):
     return default if v is None else check(rule or name, v, name)
 
 
+def _bool(body: dict, name: str, field: str | None = None) -> bool:
+    """`body[name]` as a JSON boolean (False when absent or null); raises FieldError naming `field`."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise FieldError(field or name, "a boolean", v)
+    return bool(v)
+
+
 def _bad_unicode(v, path: str) -> str | None:
     """The path of the first string in `v` (a decoded JSON value) holding a lone surrogate."""
     if isinstance(v, str):
@@ -215,37 +223,27 @@ def _parse_common(body, model_name: str, chat: bool, aliases: Collection[str] = 
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, "'stop' must be a string or a list of up to 4 strings", "stop", "invalid_value")
+        raise FieldError("stop", "a string or a list of up to 4 strings", stop)
     stops = [s for s in stops if s]  # an empty stop string matches nothing
     stop_ids = check_ids("stop_token_ids", [] if body.get("stop_token_ids") is None else body["stop_token_ids"],
                          vocab_size - 1, max_len=MAX_STOP_IDS)  # vLLM extension
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be a boolean", "stream", "invalid_type")
+    stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise APIError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
+        raise FieldError("stream_options", "an object", opts)
     if opts is not None and not stream:  # as vLLM: the options of a stream need a stream
-        raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
-                       "invalid_value")
-    include_usage = (opts or {}).get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise APIError(400, "'stream_options.include_usage' must be a boolean", "stream_options.include_usage",
-                       "invalid_type")
+        raise FieldError("stream_options", "left out unless stream is true", opts)
+    include_usage = _bool(opts or {}, "include_usage", "stream_options.include_usage")
     bias = body.get("logit_bias")
     pairs: list[tuple[int, float]] = []
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-            raise APIError(400, f"'logit_bias' must map up to {MAX_LOGIT_BIAS} token ids to numbers",
-                           "logit_bias", "invalid_value")
+            raise FieldError("logit_bias", f"an object mapping up to {MAX_LOGIT_BIAS} token ids to numbers", bias)
         for k, v in bias.items():
             try:
                 tid = int(k)
             except ValueError:
-                raise APIError(400, f"'logit_bias' key {k!r} is not a token id", "logit_bias",
-                               "invalid_value") from None
+                raise FieldError("logit_bias", "keyed by token ids", k) from None
             pairs.append((check("token_id", tid, "logit_bias", hi=vocab_size - 1), check("logit_bias", v)))
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=_field(body, "top_k", 0), seed=_field(body, "seed", None),
@@ -324,9 +322,7 @@ def _prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[int]], l
             ids = tokenizer.encode_prompt(item)
             text = item
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            ids = list(item)
-            if ids and (max(ids) >= vocab_size or min(ids) < 0):
-                raise APIError(400, f"'{p}' holds a token id outside [0, {vocab_size})", p, "invalid_value")
+            ids = check_ids(p, item, vocab_size - 1)
             text = tokenizer.decode(ids)
         else:
             raise APIError(400, f"'{p}' must be a string or a list of token ids", p, "invalid_type")
@@ -442,26 +438,19 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
             except (TypeError, ValueError) as e:
                 raise APIError(400, f"invalid 'messages': {e}", "messages", "invalid_value") from None
             texts = [""]
-            lp = body.get("logprobs")
-            if lp is not None and not isinstance(lp, bool):
-                raise APIError(400, "'logprobs' must be a boolean", "logprobs", "invalid_type")
+            lp = _bool(body, "logprobs")
             top = _field(body, "top_logprobs", None)
-            if top is not None and not lp:
-                raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+            if top is not None and not lp:  # as OpenAI and vLLM
+                raise FieldError("top_logprobs", "left out unless logprobs is true", top)
             logprobs = (top or 0) if lp else None
             echo = False
         else:
             prompts, texts = _prompts(body, tokenizer, vocab)
             logprobs = _field(body, "logprobs", None)
-            echo = body.get("echo")
-            if echo is not None and not isinstance(echo, bool):
-                raise APIError(400, "'echo' must be a boolean", "echo", "invalid_type")
-            echo = bool(echo)
+            echo = _bool(body, "echo")
         if logprobs is not None:
             params = replace(params, logprobs=logprobs)
-        ignore_eos = body.get("ignore_eos")
-        if ignore_eos is not None and not isinstance(ignore_eos, bool):
-            raise APIError(400, "'ignore_eos' must be a boolean", "ignore_eos", "invalid_type")
+        ignore_eos = _bool(body, "ignore_eos")
         if ignore_eos and not isinstance(engine, AsyncLLMEngine):
             raise _unsupported("ignore_eos", "not on the P/D gateway")
         return _Request(prompts, params, stops, stream, include_usage, n, logprobs, echo, max_set, texts,
