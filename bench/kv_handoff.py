@@ -1,4 +1,4 @@
-"""KV hand-off (issue 11 part 4): when does sending the prompt's KV beat the device's own prefill?
+"""KV hand-off: when does sending the prompt's KV beat the device's own prefill?
 
 The device imports the cloud's KV iff (protocol.kvhandoff.kv_handoff_pays)
 

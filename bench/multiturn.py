@@ -1,4 +1,4 @@
-"""Multi-turn reuse (issue 11 part 3) on real chitchat conversations: per turn, TTFT, cloud tokens,
+"""Multi-turn reuse on real chitchat conversations: per turn, TTFT, cloud tokens,
 cloud-cached and device-cached prompt tokens, device prompt-prefill time, with and without reuse.
 
 Each conversation (3-6 user turns from `chitchat-dataset`) is played twice through the SDK against

@@ -1,4 +1,4 @@
-"""Device ONNX model formats compared in one run (issue 15): 1-thread prefill and decode tokens/s,
+"""Device ONNX model formats compared in one run: 1-thread prefill and decode tokens/s,
 file sizes and export time.
 
 Variants (rows):

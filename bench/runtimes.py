@@ -210,7 +210,7 @@ def onnx_weight_bytes(onnx_file: Path) -> int:
 
 
 # The engine constructors of each variant, in one place: the ONNX export and the torch model are
-# being changed (issue 15 parts 2-4); only these functions know their APIs.
+# differ between variants; only these functions know their APIs.
 
 def make_torch(model_path, threads, shared):
     from relayinfer.cloud.engine.torch_engine import TorchEngine

@@ -373,7 +373,7 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     return res
 
 
-# -- the hand-off benchmark (issue 11 part 5): batched cloud, real answer lengths, buckets, profiles --
+# -- the hand-off benchmark: batched cloud, real answer lengths, buckets, profiles --
 
 BUCKETS = (("<256", 0, 256), ("256-511", 256, 512), (">=512", 512, None), (">=1024", 1024, None))
 BUCKET_TARGETS = (160, 384, 720, 1150)  # prompt lengths drawn per bucket (<256, 256-511, 512-1023, >=1024)
@@ -453,7 +453,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                       capacity_rates=CAPACITY_RATES, capacity_window_s: float = 12.0, capacity_max_requests: int = 16,
                       kv_cache_mb: int = 256, time_limit_s: float = 1500.0, long_answers: bool = True,
                       command: str | None = None) -> dict:
-    """The split benchmark of issue 11 part 5 (see bench/SPLIT.md): one batched cloud
+    """The hand-off split benchmark (see bench/SPLIT.md): one batched cloud
     (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
     thread, in its own forked process pinned to the first core this process may use, `_CloudProcess`)
     and, per device profile,

@@ -40,7 +40,7 @@ from relayinfer.protocol.errors import ModelFileError
 from relayinfer.protocol.model_file import ModelConfig, open_gguf, read_config
 
 WEIGHTS = ("gguf", "fp32")
-ACCURACY_LEVEL = 0  # MatMulNBits: 0 = activations stay fp32 (4 = int8 activations; see README)
+ACCURACY_LEVEL = 0  # MatMulNBits: 0 = activations stay fp32 (4 = int8 activations; see docs/SPLIT.md)
 OPSET = 21
 MS = "com.microsoft"
 _BLOCK = 32  # GGUF block length of Q4_0/Q4_1/Q8_0 (QK4_1 = QK8_0 = 32)

@@ -213,7 +213,7 @@ class OnnxEngine:
 
         positions: int RoPE positions of the new tokens [S] (default kv.length + arange(S)); the
         cache slots stay kv.length.. whatever the positions (a refined prompt keeps its tokens'
-        original positions, issue 17). Returns (logits float32 [vocab] of the last token, kv with
+        original positions). Returns (logits float32 [vocab] of the last token, kv with
         length + S).
 
         Raises:

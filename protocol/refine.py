@@ -17,7 +17,7 @@ al. 2023, "Compressing Context to Enhance Inference Efficiency of LLMs"), at the
 positions when its engine takes `positions` (`device.split.prefill_at`). Prompts below
 `MIN_REFINE_TOKENS` tokens are never refined (as SnapKV compresses nothing below its capacity);
 `refine='auto'` takes the keep ratio by prompt length from
-`REFINE_BY_LENGTH` (`choose_refine`). Table: README "Settings, refinement, profiles",
+`REFINE_BY_LENGTH` (`choose_refine`). Table: docs/BENCHMARKS.md "Prompt refinement",
 `bench/results/refine.md`.
 """
 from __future__ import annotations

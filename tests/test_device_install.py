@@ -1,4 +1,4 @@
-"""The torch-free device side (issue 11, part 1): with torch and relayinfer.cloud made unimportable,
+"""The torch-free device side: with torch and relayinfer.cloud made unimportable,
 the SDK, the CLI module and every device module import, `Client(cloud_url=...)` alone (the Welcome
 names the cloud's /v1/device-model) fetches the device model from a real cloud (no local export) and runs a split generation; the CLI's
 cloud sub-commands exit 2 naming the extra to install. Also: an interrupted download resumes."""

@@ -1,5 +1,5 @@
 """Fault matrix of the split request: every phase x every cloud fault x both modes ends in a bounded
-time with the right tokens and a named fault (issue 9, items 1-3 and 7).
+time with the right tokens and a named fault.
 
 A scripted fake cloud (the real protocol layer, no model) sends the right tokens (the device-only
 greedy answer) and then fails in one of the ways a phone meets: socket closed, request-level Error,

@@ -1,4 +1,4 @@
-"""What a new user meets first (issue 14): URL and port checks before any model loads, one rule for
+"""What a new user meets first: URL and port checks before any model loads, one rule for
 empty input at every entry point, plain-words errors with the protocol code only in --json, planned
 outcomes apart from faults, the export progress only when an export happens, the HTTP API without
 `model`. CLI cases run in-process through typer's CliRunner."""

@@ -1,4 +1,4 @@
-"""HTTP clients that leave are cancelled (issue 9, item 4).
+"""HTTP clients that leave are cancelled.
 
 A real `CloudService` with the batching engine on loopback; a raw socket client sends an OpenAI
 request with a ~3000-token chat prompt (context length 8192) and closes the connection: before the

@@ -1,4 +1,4 @@
-"""One auth policy for both ports (issue 9, item 5).
+"""One auth policy for both ports.
 
 A real `CloudService` with `auth_token` set (batching engine, OpenAI API, exported device model) on
 loopback: every HTTP route but `/healthz` answers 401 in OpenAI's error shape (with

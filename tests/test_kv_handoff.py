@@ -1,4 +1,4 @@
-"""KV hand-off (issue 11 part 4): the cloud sends the prompt's KV (fp16, the ONNX past-KV layout)
+"""KV hand-off: the cloud sends the prompt's KV (fp16, the ONNX past-KV layout)
 instead of the device prefilling it; the choice is made from the link bandwidth and the device's
 prefill speed; greedy tokens equal those of the re-prefill path."""
 from __future__ import annotations

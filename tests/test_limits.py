@@ -1,4 +1,4 @@
-"""Limits of the cloud service (issue 9, items 3 and 7): admission by min(context, KV capacity),
+"""Limits of the cloud service: admission by min(context, KV capacity),
 capped budgets, a dead engine reported by /healthz, sessions and requests per session bounded with
 OVERLOADED + retry-after, bounded history, frame limits before and after the handshake, and every
 resource back to zero when a device vanishes."""

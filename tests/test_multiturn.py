@@ -1,4 +1,4 @@
-"""Multi-turn reuse (issue 11 part 3): a conversation keeps the device KV cache and one websocket
+"""Multi-turn reuse: a conversation keeps the device KV cache and one websocket
 across turns, the cloud keeps the session's last KV; greedy answers equal the answers without reuse."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The OpenAI API as exactly as OpenAI/vLLM give it (issue 13): one module-scoped cloud service with
+"""The OpenAI API as exactly as OpenAI/vLLM give it: one module-scoped cloud service with
 the batching engine (its HTTP side serves the OpenAI routes), checked field by field against the
 right values, plus the tokenizer's user-text/control-token boundary, the SDK's shown text and the
 shared sampler's penalties across the split hand-off."""

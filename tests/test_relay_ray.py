@@ -1,4 +1,4 @@
-"""Ranking instances placed by Ray (issue 16): the client launches them as Ray actors (a local Ray,
+"""Ranking instances placed by Ray: the client launches them as Ray actors (a local Ray,
 CPU only), ranks through the same affinity router and protocol, and gets the same scores as through
 locally spawned instance processes and as the model itself (the shipped checkpoint, real ML-100K
 histories at real request times).

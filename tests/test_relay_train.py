@@ -48,7 +48,7 @@ def test_checkpoint_roundtrip_under_cache_dir(data, tmp_path, monkeypatch):
 def test_shipped_default_checkpoint(data):
     """The checkpoint serving and the benchmark use by default: its hash is the recorded one, it loads
     (the current layer), it ranks, and its recorded HR@10 is above popularity's (NDCG@10 is not: see the
-    README's GR relay section). Nothing is trained on the fly."""
+    model quality in docs/BENCHMARKS.md). Nothing is trained on the fly."""
     info = json.loads(DEFAULT_CHECKPOINT_INFO.read_text())
     assert ensure_checkpoint() == default_checkpoint()
     model, metrics = load(default_checkpoint())

@@ -1,4 +1,4 @@
-"""TLS on both ports (issue 9, item 6), with certificates made by `trustme` (a throw-away CA).
+"""TLS on both ports, with certificates made by `trustme` (a throw-away CA).
 
 The same cloud configuration serves once over plain ws:// + http:// and once over wss:// +
 https:// (token required on both). Over TLS with the CA: a split generation (mode split) gives the

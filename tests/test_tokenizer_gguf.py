@@ -1,4 +1,4 @@
-"""The GGUF's tokenizer metadata (issue 13, item 9): `add_bos_token` / `add_eos_token`, BOS/EOS in the
+"""The GGUF's tokenizer metadata: `add_bos_token` / `add_eos_token`, BOS/EOS in the
 chat template, the supported `tokenizer.ggml.pre` types and a clear error for the others.
 
 Model files are made by editing the metadata of the shipped one with `gguf` (tensors left out: the

@@ -56,7 +56,7 @@ class TrainConfig:
     attn_norm: int | None = None  # the model's attention normaliser n (HSTUConfig.attn_norm); None = the
                                   # longest trained sequence, max_len history events + the candidate
                                   # position (101), as the reference sizes n to its data (8192 = the
-                                  # model's max_len, as before issue 16's retrain)
+                                  # model's max_len, the shipped checkpoint's)
 
 
 def pad(seqs: list[np.ndarray], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +175,7 @@ def save(model: HSTU, metrics: dict, path: Path | None = None) -> Path:
 
 def load(path: Path | None = None) -> tuple[HSTU, dict]:
     """Load the checkpoint -> (model in eval mode, metrics). Raises FileNotFoundError if absent and
-    ValueError for a checkpoint of the older layer (per-head bucketed biases, before issue 16)."""
+    ValueError for a checkpoint of the older layer (per-head bucketed biases, no request time)."""
     path = path or checkpoint_path()
     ck = torch.load(path, map_location="cpu", weights_only=True)
     ck["config"].pop("query_chunk", None)   # an execution setting, not part of the model

@@ -5,7 +5,7 @@ Routes (https://platform.openai.com/docs/api-reference): `POST /v1/chat/completi
 lines ending with `data: [DONE]`), `GET /v1/models` (with `max_model_len`, the most prompt +
 answer tokens one request can hold) and `GET /openapi.json` (an OpenAPI 3.1 description of these
 routes, `openapi_spec()`). Every request field of OpenAI's API is either implemented or refused with
-a 400 naming it; the README's "OpenAI API" table lists each one and any difference from OpenAI/vLLM.
+a 400 naming it; docs/SERVING.md's "OpenAI API" table lists each one and any difference from OpenAI/vLLM.
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with status 400 (invalid
 request, prompt too long: code `context_length_exceeded`), 404 (unknown model, unknown path), 405
 (wrong method) or 500 (engine failure); no request body can cause a 5xx. Every number is checked
@@ -55,7 +55,7 @@ DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
 MAX_BATCH = 64  # prompts per /v1/completions request
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "budget": "length", "abort": "stop"}
 _ROLES = {"system", "developer", "user", "assistant"}
-# accepted and ignored (they change nothing about the answer): documented in the README table
+# accepted and ignored (they change nothing about the answer): documented in docs/SERVING.md
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
             "prompt_cache_key"}
 # every top-level request field this server reads (implemented, refused by name, or in _IGNORED); any
