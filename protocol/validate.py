@@ -18,6 +18,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 __all__ = ["FieldError", "Rule", "RULES", "SEED_MIN", "SEED_MAX", "MAX_TOKENS", "MAX_STOP_IDS",
            "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "MAX_N", "check", "check_ids", "check_vocab"]
 
@@ -125,6 +127,10 @@ def check_ids(field: str, ids: Any, hi: int, *, rule: str = "token_id", max_len:
               min_len: int = 0) -> list[int]:
     """A list of ids (each by `RULES[rule]`, at most `hi`) with `min_len`..`max_len` entries, as
     ints; raises FieldError naming `field` (or ``field[i]`` for the first bad entry)."""
+    if isinstance(ids, np.ndarray):  # an integer array (in-process callers): checked in one pass
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise FieldError(field, "a list of ids", ids.tolist())
+        ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise FieldError(field, "a list of ids", ids)
     if len(ids) < min_len or (max_len is not None and len(ids) > max_len):

@@ -417,3 +417,35 @@ def test_websocket_request_that_fails_leaves_the_device_to_finish_alone(torch_en
             "Hi there!", max_new_tokens=8)
     assert split.fault == "cloud-error" and "internal error" in (split.error or ""), (split.fault, split.error)
     assert split.token_ids == alone.token_ids and split.cloud_tokens >= 1
+
+
+# --- the P/D gateway's doors (HTTP, websocket and its Python engine) -----------------------------
+
+def test_pd_doors_refuse_naming_the_field_and_serve_signed_seeds(torch_engine):
+    from relayinfer.cloud.pd.service import PDEngine, PDService
+    from test_pd import gateway
+
+    blocks = (16 << 20) // (16 * 46080)
+    llm = PDEngine(gateway(torch_engine, n_prefill=1, n_decode=1), torch_engine.cfg,
+                   min(torch_engine.context_length, blocks * 16), blocks, model=torch_engine.model)
+    with ServiceThread(PDService(torch_engine, torch_engine.fingerprint, llm=llm, model_name=MODEL)) as svc:
+        url = f"http://127.0.0.1:{svc.http_port}"
+        for body, param in [({"seed": 2 ** 64}, "seed"), ({"temperature": "1"}, "temperature"),
+                            ({"top_k": True}, "top_k"), ({"stop_token_ids": [VOCAB]}, "stop_token_ids[0]")]:
+            r = chat(url, max_tokens=2, **body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        seeded = [chat(url, max_tokens=4, temperature=0.7, seed=s) for s in (-1, -1, SEED_MIN)]
+        assert all(r.status_code == 200 for r in seeded), [r.text for r in seeded]
+        assert seeded[0].json()["choices"][0]["message"]["content"] == seeded[1].json()["choices"][0]["message"]["content"]
+
+        async def script(ch):
+            await ch.send(Generate("bad", [1, VOCAB], 4))
+            return await asyncio.wait_for(ch.recv(), 60)
+        e = _ws(svc, script)
+        assert isinstance(e, Error) and e.code == ErrorCode.BAD_REQUEST.value and e.message.startswith("prompt_ids[1] must be ")
+
+        async def direct():
+            return [o async for o in llm.generate("direct", [1, VOCAB], SamplingParams(max_new_tokens=2))]
+        with pytest.raises(FieldError, match=r"^prompt_ids\[1\] must be "):
+            asyncio.run(direct())  # refused before the gateway (in the service's loop) is reached
+        assert svc.health() is None
