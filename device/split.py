@@ -77,6 +77,7 @@ from relayinfer.protocol.kvhandoff import common_prefix, kv_bytes_per_token, kv_
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
                                          Token)
 from relayinfer.protocol.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
+from relayinfer.protocol.validate import FieldError, check
 
 from .settings import CatchUp, Timing, choose_settings
 from .speed import SpeedController, tpot_from_arrivals
@@ -262,9 +263,17 @@ class SplitOptions:
     kv_overhead_ms: float = 20.0
 
     def __post_init__(self):
+        """Raises ValueError (`FieldError` for numbers, by `protocol.validate`) naming a bad field."""
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         check_refine(self.refine)
+        if self.cloud_budget != "auto":
+            self.cloud_budget = check("cloud_budget", self.cloud_budget, optional=True)
+        for name in ("target_tpot_ms", "connect_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise FieldError(name, "a finite number > 0", v)
+        self.prefill_chunk = check("max_new_tokens", self.prefill_chunk, "prefill_chunk")
         if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
             raise ValueError(f"progress_timeout_s must be > 0, got {self.progress_timeout_s}")
         if self.kv_handoff not in (True, False, "auto"):

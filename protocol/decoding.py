@@ -2,7 +2,8 @@
 
 Sampling runs on numpy logits on both sides, so a seeded request draws the same token at the same
 answer position whichever side computes it: the generator for position `i` is seeded with
-`(seed, i)`. That is what makes a seeded split generation continue exactly across the hand-off.
+`(seed_key(seed), i)` (`seed_key`: the signed 64-bit seed as its unsigned bits). That is what
+makes a seeded split generation continue exactly across the hand-off.
 """
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from .errors import PromptTooLongError
+from .validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, FieldError, check, check_ids
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding settings. temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable the
-    filters; `seed` None draws from fresh entropy. `max_new_tokens` counts generated tokens,
+    """Decoding settings, each in the range of `protocol.validate.RULES`. temperature in [0, 2], 0
+    means greedy (argmax); top_k 0 (or -1) and top_p 1.0 disable the filters (top_p 0 keeps the
+    most likely token); `seed` an integer in [-2**63, 2**63 - 1] (OpenAI's signed 64-bit seed,
+    mapped by `seed_key`), None draws from fresh entropy. `max_new_tokens` counts generated tokens,
     EOS included. `stop_ids`: token ids that end the answer (finish reason 'stop').
 
     Logit adjustments (applied in this order, before temperature and the filters; the neutral
@@ -48,25 +52,31 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k (engine only)
 
     def __post_init__(self):
-        """Raises ValueError naming the first field out of range, its value and the allowed range."""
-        if not self.max_new_tokens >= 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be 0 (greedy) or more, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (off) or more, got {self.top_k}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be 0 (off) or more, got {self.min_tokens}")
-        for t, b in self.logit_bias:
-            if not -100 <= b <= 100:
-                raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {b}")
+        """Checks and normalises every field by the shared rule table (`protocol.validate.RULES`):
+        integral floats become ints, top_k -1 becomes 0 (off), stop_ids a tuple. Token ids are
+        only bounded here by 0..2**31-1; `protocol.validate.check_vocab` bounds them by the model.
+
+        Raises:
+            protocol.validate.FieldError (a ValueError) naming the first bad field, its value and
+            the allowed range; also min_tokens > max_new_tokens (vLLM's rule), more than
+            MAX_STOP_IDS stop ids or MAX_LOGIT_BIAS logit-bias entries.
+        """
+        put = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (frozen)
+        for name in ("temperature", "top_p", "top_k", "max_new_tokens", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens"):
+            put(name, check(name, getattr(self, name)))
+        put("top_k", max(0, self.top_k))
+        put("seed", check("seed", self.seed, optional=True))
+        put("logprobs", check("logprobs", self.logprobs, optional=True))
+        if self.min_tokens > self.max_new_tokens:
+            raise FieldError("min_tokens", f"at most max_new_tokens ({self.max_new_tokens})", self.min_tokens)
+        put("stop_ids", tuple(check_ids("stop_ids", self.stop_ids, (1 << 31) - 1, max_len=MAX_STOP_IDS)))
+        bias = self.logit_bias
+        if isinstance(bias, (str, bytes)) or not isinstance(bias, Sequence) or len(bias) > MAX_LOGIT_BIAS or \
+                not all(isinstance(e, Sequence) and len(e) == 2 for e in bias):
+            raise FieldError("logit_bias", f"at most {MAX_LOGIT_BIAS} (token id, bias) pairs", bias)
+        put("logit_bias", tuple((check("token_id", t, f"logit_bias[{t!r}]"), check("logit_bias", b, f"logit_bias[{t!r}]"))
+                                for t, b in bias))
 
     @property
     def adjusts_logits(self) -> bool:
@@ -166,7 +176,7 @@ def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequ
     The logits are first adjusted by `adjust_logits` (penalties over `context`: the prompt's
     `n_prompt` ids then the `index` answer ids so far; `min_tokens` masks `eos_id` and stop ids).
     Greedy when temperature is 0; otherwise softmax(logits / T) filtered by top-k then top-p
-    (nucleus, `top_p_keep`), drawn with `np.random.default_rng((seed, index))` (`draw`). Every
+    (nucleus, `top_p_keep`), drawn with `np.random.default_rng((seed_key(seed), index))` (`draw`). Every
     side (cloud engine, split service, device) calls this with the same arguments at the same
     position, so a seeded answer is the same whichever side draws each token. No step sorts the
     whole vocabulary (top-k: one partition; top-p: see `top_p_keep`).
@@ -186,7 +196,17 @@ def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequ
         q = np.zeros_like(p)
         q[keep] = p[keep]
         p = q / q.sum()
-    return draw(p, np.random.default_rng(None if params.seed is None else (params.seed, index)))
+    return draw(p, np.random.default_rng(None if params.seed is None else (seed_key(params.seed), index)))
+
+
+def seed_key(seed: int) -> int:
+    """The generator key of a request seed: OpenAI's seed is a signed 64-bit integer, in
+    [-2**63, 2**63 - 1] (`protocol.validate.SEED_MIN`..`SEED_MAX`), and numpy's generators take
+    non-negative integers, so the seed is read as the unsigned 64-bit integer of the same bits,
+    `seed % 2**64` (0..2**63-1 are unchanged, -1 is 2**64-1). Every side that samples (cloud
+    engine, split service, device) maps it here, so a seeded answer continues exactly across the
+    hand-off."""
+    return seed % (1 << 64)
 
 
 class Engine(Protocol):

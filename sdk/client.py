@@ -20,6 +20,7 @@ from typing import AsyncIterator, Iterator, Sequence
 from relayinfer.device.split import CloudEstimate, GenerationResult, SplitOptions, SplitSession, TokenEvent
 from relayinfer.protocol.checks import check_cloud_url, check_prompt_text
 from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.validate import FieldError, check_ids, check_vocab
 
 _END = object()
 CLOUD_FAULTS = ("cloud-unreachable", "cloud-refused", "cloud-overloaded")  # the cloud did not take the request
@@ -304,7 +305,14 @@ class Client:
         for k in ("mode", "target_tpot_ms", "cloud_budget", "refine", "kv_handoff"):
             if k in sampling:
                 opts[k] = sampling.pop(k)
+        unknown = sorted(set(sampling) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            raise FieldError(unknown[0], f"one of the sampling fields {', '.join(SamplingParams.__dataclass_fields__)} "
+                             "or mode, target_tpot_ms, cloud_budget, refine, kv_handoff", sampling[unknown[0]])
         params = SamplingParams(**{**sampling, "stop_ids": tuple(sampling.get("stop_ids", ()))})
+        vocab = self.tokenizer.vocab_size
+        check_ids("prompt", ids, vocab - 1, min_len=1)  # the shared rules (`protocol.validate`), as the cloud's
+        check_vocab(vocab, params.stop_ids, params.logit_bias)
         options = SplitOptions(**opts)
         auto = options.mode == "split" and (options.cloud_budget == "auto" or
                                             (options.kv_handoff == "auto" and options.link_bytes_per_s is not None))
@@ -395,8 +403,10 @@ class Client:
 
         Raises (here, before anything runs):
             ValueError: an empty prompt (an empty or blank string, no messages or none with text, no
-                token ids: the rule of `protocol.checks.check_prompt_text`), or a sampling value out
-                of range (named with its allowed range).
+                token ids: the rule of `protocol.checks.check_prompt_text`); `FieldError` (a
+                ValueError whose `.field` names the field) for a sampling or split value outside the
+                shared rules of `protocol.validate` (its message gives the allowed range), a prompt
+                token id outside the vocabulary, or an unknown keyword.
             PromptTooLongError: the prompt and `max_new_tokens` do not fit the model's context.
         """
         return Stream(self._runner(prompt, dict(sampling)))

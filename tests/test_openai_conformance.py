@@ -207,7 +207,7 @@ def test_stop_token_ids(base, torch_engine, tokenizer):
              max_tokens=8, temperature=0, stop_token_ids=[1])
     ch = r.json()["choices"][0]
     assert ch["finish_reason"] == "stop" and "<|im_start|>" not in ch["text"]
-    error(comp(base, prompt="x", stop_token_ids=["a"]), 400, "stop_token_ids")
+    error(comp(base, prompt="x", stop_token_ids=["a"]), 400, "stop_token_ids[0]")  # the entry that is wrong
 
 
 def test_ignore_eos_runs_to_max_tokens_and_unknown_fields_are_refused(base, torch_engine, tokenizer):

@@ -42,6 +42,7 @@ from relayinfer.protocol.errors import ErrorCode
 from relayinfer.protocol.limits import Charge, ConnectionGate, ConnectionLimits, MemoryBudget
 from relayinfer.protocol.messages import MAX_FRAME_BYTES, Embeddings, Error, Tensor, TileBatch
 from relayinfer.protocol.patho import TILE_MPP, TILE_PX, jpeg_decode, patho_fingerprint
+from relayinfer.protocol.validate import RULES, FieldError, check, check_ids
 from relayinfer.protocol.ws import ServerChannel, serve
 
 from .encoder import TileEncoder
@@ -52,6 +53,7 @@ __all__ = ["SlideScreener", "PathoService", "PathoServiceThread"]
 log = logging.getLogger("relayinfer.patho")
 
 DEVICE_FEATURE_DIM = 1280  # EfficientNet-Lite0 pooled features (cloud/patho/effnet.py)
+MAX_ID_CHARS = 256  # slide_id length
 
 
 class SlideScreener:
@@ -282,6 +284,21 @@ class PathoService:
         n = len(msg.coords)
         if any(len(c) != 2 for c in msg.coords):
             raise _Refused(ErrorCode.BAD_REQUEST, "coords must be [x, y] pairs")
+        try:  # the shared rules (`protocol.validate`): level-0 pixel offsets, scores in [0, 1], finite features
+            for i, c in enumerate(msg.coords):
+                check_ids(f"coords[{i}]", c, RULES["coord"].hi, rule="coord")
+            if msg.device_scores:
+                if len(msg.device_scores) != n:
+                    raise FieldError("device_scores", f"empty or one score per tile ({n})", msg.device_scores)
+                for i, v in enumerate(msg.device_scores):
+                    check("device_score", v, f"device_scores[{i}]")
+            if len(msg.slide_id) > MAX_ID_CHARS:
+                raise FieldError("slide_id", f"at most {MAX_ID_CHARS} characters", msg.slide_id[:MAX_ID_CHARS] + "...")
+            if msg.features is not None and msg.features.dtype in ("float16", "float32") and \
+                    not np.isfinite(msg.features.to_numpy()).all():
+                raise FieldError("features", "finite numbers (no NaN or infinity)", "a tensor with non-finite values")
+        except FieldError as e:
+            raise _Refused(ErrorCode.BAD_REQUEST, str(e)) from None
         kinds = [k for k, present in (("tiles", msg.tiles.shape[:1] != [0] and msg.tiles.nbytes > 0),
                                       ("jpeg", bool(msg.jpeg)), ("features", msg.features is not None)) if present]
         if len(kinds) > 1:

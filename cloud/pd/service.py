@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from relayinfer.cloud.serve.service import CloudService
 from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.validate import check, check_ids, check_vocab
 from relayinfer.cloud.engine.llm_engine import check_fits
 
 from .gateway import Gateway
@@ -59,6 +60,12 @@ class PDEngine:
 
     async def generate(self, request_id: str, prompt_ids, params: SamplingParams, cloud_budget: int | None = None,
                        tag: str | None = None) -> AsyncIterator:
+        """The gateway's answer as `StepOutput`s. Raises `FieldError` (a ValueError) naming a prompt
+        id outside the vocabulary, a negative `cloud_budget` or a stop id outside the vocabulary,
+        `PromptTooLongError` when the request cannot fit the smallest instance."""
+        prompt_ids = check_ids("prompt_ids", prompt_ids, self.engine.cfg.vocab_size - 1, min_len=1)
+        check("cloud_budget", cloud_budget, optional=True)
+        check_vocab(self.engine.cfg.vocab_size, params.stop_ids, params.logit_bias)
         self.engine.check_fits(len(prompt_ids), params.max_new_tokens)
         gen = self.gateway.generate(request_id, list(prompt_ids), params, cloud_budget, tag=tag,
                                     split=cloud_budget is not None)

@@ -29,6 +29,7 @@ from relayinfer.cloud.relay.expander import Expander
 from relayinfer.cloud.relay.latency import LatencyModel
 from relayinfer.cloud.relay.pool import DramTier, Entry, HBMPool
 from relayinfer.cloud.relay.trigger import Trigger, TriggerConfig
+from relayinfer.protocol.validate import MAX_TIMESTAMP, SEED_MAX, check, check_ids
 
 MAX_HISTORY = 16_384
 MAX_CANDS = 4_096
@@ -108,15 +109,20 @@ class RankingInstance:
 
     # ---- input checks ----------------------------------------------------------------------------
     def _tensors(self, items, ts, cands=None):
-        items = torch.as_tensor(np.asarray(items, np.int64))
-        ts = torch.as_tensor(np.asarray(ts, np.int64))
-        n = self.model.cfg.num_items
-        if items.ndim != 1 or len(items) == 0:
+        if len(items) == 0:
             raise ValueError("empty history: at least one history event is required")
-        if items.shape != ts.shape:
+        if len(items) != len(ts):
             raise ValueError(f"history has {len(items)} items but {len(ts)} timestamps")
         if len(items) > MAX_HISTORY:
             raise ValueError(f"history longer than {MAX_HISTORY} events")
+        # the shared rules (`protocol.validate`): int64 ids, timestamps in [0, 2**40] s (no gap overflows)
+        check_ids("item_ids", items, SEED_MAX, rule="int64")
+        check_ids("timestamps", ts, MAX_TIMESTAMP, rule="timestamp")
+        if cands is not None:
+            check_ids("candidate_ids", cands, SEED_MAX, rule="int64")
+        items = torch.as_tensor(np.asarray(items, np.int64))
+        ts = torch.as_tensor(np.asarray(ts, np.int64))
+        n = self.model.cfg.num_items
         if int(items.min()) < 1 or int(items.max()) > n:
             raise ValueError(f"unknown history item id (valid ids are 1..{n})")
         if cands is not None:
@@ -131,6 +137,7 @@ class RankingInstance:
     def submit_pre_infer(self, user: int, items, ts) -> tuple[str, PreInferJob | None]:
         """Admission only. Outcome: admitted | pending | cached | dram | disabled | short | load | footprint."""
         items, ts, _ = self._tensors(items, ts)
+        check("user_id", user)
         key = history_key(user, items.numpy(), ts.numpy())
         with self.lock:
             if not self.cfg.relay:
@@ -175,6 +182,8 @@ class RankingInstance:
         history event's time) and the prefix source hbm | dram | recompute | none. The cached prefix
         does not depend on the request time, so one prefix serves the user's rankings at any time."""
         items, ts, cands = self._tensors(items, ts, cands)
+        check("user_id", user)
+        check("timestamp", request_ts, "request_ts", optional=True)
         rts = None if request_ts is None else torch.tensor([int(request_ts)])
         key = history_key(user, items.numpy(), ts.numpy())
         with self.lock:

@@ -8,7 +8,10 @@ routes, `openapi_spec()`). Every request field of OpenAI's API is either impleme
 a 400 naming it; docs/SERVING.md's "OpenAI API" table lists each one and any difference from OpenAI/vLLM.
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with status 400 (invalid
 request, prompt too long: code `context_length_exceeded`), 404 (unknown model, unknown path), 405
-(wrong method) or 500 (engine failure); no request body can cause a 5xx.
+(wrong method) or 500 (engine failure); no request body can cause a 5xx. Every number is checked
+once, by the shared rules of `relayinfer.protocol.validate` (400 with `param` naming the field and
+the allowed range in the message). A stream whose request fails after its headers ends with an error
+event in vLLM's shape, a last chunk per open choice with finish_reason "error", and `data: [DONE]`.
 
 Text: one incremental detokenizer (`Tokenizer.stream_decoder`) per choice; control tokens (EOS,
 `<|im_end|>`, a `stop_token_ids` id) add no text, a character cut by `max_tokens` is dropped, and
@@ -31,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -42,17 +44,15 @@ from aiohttp import web
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine
 from relayinfer.protocol.checks import check_prompt_text
-from relayinfer.protocol.decoding import SamplingParams, token_logprobs
+from relayinfer.protocol.decoding import SamplingParams, seed_key, token_logprobs
 from relayinfer.protocol.errors import PromptTooLongError
+from relayinfer.protocol.validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOKENS, FieldError, check, check_ids
 
 log = logging.getLogger("relayinfer.openai")
 
 DEFAULT_MAX_TOKENS_CHAT = 256  # OpenAI: up to the context; capped here at min(256, what fits)
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
-MAX_N = 16  # choices per prompt
 MAX_BATCH = 64  # prompts per /v1/completions request
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300  # entries
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "budget": "length", "abort": "stop"}
 _ROLES = {"system", "developer", "user", "assistant"}
 # accepted and ignored (they change nothing about the answer): documented in docs/SERVING.md
@@ -89,21 +89,20 @@ def _unsupported(param: str, what: str | None = None) -> APIError:
                     "unsupported_parameter")
 
 
-def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
-    """`body[name]` checked to lie in [lo, hi]; `default` when absent or null. Integers follow JSON
-    Schema (2.0 is the integer 2). Raises APIError(400) naming `name`."""
+def _field(body: dict, name: str, default, rule: str | None = None):
+    """`body[name]` by the shared rule `RULES[rule or name]` (`protocol.validate`; integers follow
+    JSON Schema: 2.0 is the integer 2, true is no number); `default` when absent or null. Raises
+    FieldError naming `name`, which the routes answer with 400, `param` = `name`."""
     v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-        raise APIError(400, f"'{name}' must be a{'n integer' if integer else ' number'}", name, "invalid_type")
-    if integer:
-        if isinstance(v, float) and not v.is_integer():
-            raise APIError(400, f"'{name}' must be an integer, got {v}", name, "invalid_type")
-        v = int(v)
-    if not lo <= v <= hi:
-        raise APIError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name, "invalid_value")
-    return v
+    return default if v is None else check(rule or name, v, name)
+
+
+def _bool(body: dict, name: str, field: str | None = None) -> bool:
+    """`body[name]` as a JSON boolean (False when absent or null); raises FieldError naming `field`."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise FieldError(field or name, "a boolean", v)
+    return bool(v)
 
 
 def _bad_unicode(v, path: str) -> str | None:
@@ -128,10 +127,10 @@ def _bad_unicode(v, path: str) -> str | None:
 
 def _choice_seed(seed: int | None, j: int) -> int | None:
     """Seed of choice `j` of a request seeded with `seed`: choice 0 keeps it, others derive
-    distinct reproducible seeds from (seed, j)."""
+    distinct reproducible seeds in [0, 2**63) from (seed_key(seed), j)."""
     if seed is None or j == 0:
         return seed
-    return int(np.random.SeedSequence([seed, j]).generate_state(2, np.uint32).astype(np.uint64)
+    return int(np.random.SeedSequence([seed_key(seed), j]).generate_state(2, np.uint32).astype(np.uint64)
                .view(np.uint64)[0] >> np.uint64(1))
 
 
@@ -170,9 +169,10 @@ def _require_text(body: dict, chat: bool) -> None:
                 raise APIError(400, str(e), name, "invalid_value") from None
 
 
-def _parse_common(body, model_name: str, chat: bool,
-                  aliases: Collection[str] = ()) -> tuple[SamplingParams, list[str], bool, bool, int, bool]:
-    """Sampling, stop strings, stream, include_usage, n and "max_tokens was given" from the body.
+def _parse_common(body, model_name: str, chat: bool, aliases: Collection[str] = (),
+                  vocab_size: int = 1 << 31) -> tuple[SamplingParams, list[str], bool, bool, int, bool]:
+    """Sampling, stop strings, stream, include_usage, n and "max_tokens was given" from the body,
+    every number by the shared rules of `protocol.validate` (token ids below `vocab_size`).
     `model` may be omitted (the served model, as llama.cpp's server does), `model_name` or one of
     its `aliases` (the GGUF file's name). Raises APIError(400/404) naming the field."""
     if not isinstance(body, dict):
@@ -206,63 +206,51 @@ def _parse_common(body, model_name: str, chat: bool,
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise _unsupported("modalities", "only ['text']")
-    n = _number(body, "n", 1, 1, MAX_N, integer=True)
-    best_of = _number(body, "best_of", n, 1, MAX_N, integer=True)
+    n = _field(body, "n", 1)
+    best_of = _field(body, "best_of", n)
     if best_of != n:
         raise _unsupported("best_of", "only best_of == n (no server-side ranking)")
-    temperature = float(_number(body, "temperature", 1.0, 0.0, 2.0))
-    top_p = float(_number(body, "top_p", 1.0, 0.0, 1.0))
+    temperature = _field(body, "temperature", 1.0)
+    top_p = _field(body, "top_p", 1.0)
     if top_p == 0:  # the nucleus is the single most likely token
         temperature, top_p = 0.0, 1.0
-    top_k = _number(body, "top_k", 0, -1, 1 << 20, integer=True)  # vLLM extension; -1 and 0 = off
-    mct = body.get("max_completion_tokens")
-    max_tokens = _number({"max_tokens": mct} if mct is not None else body, "max_tokens", None, 1, 1 << 20,
-                         integer=True)
-    if mct is not None and max_tokens is None:
-        max_tokens = _number({"max_completion_tokens": mct}, "max_completion_tokens", None, 1, 1 << 20, True)
-    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    max_tokens = _field(body, "max_tokens", None, "max_new_tokens")
+    mct = _field(body, "max_completion_tokens", None, "max_new_tokens")  # wins over max_tokens, as in vLLM
+    max_tokens = mct if mct is not None else max_tokens
+    min_tokens = _field(body, "min_tokens", 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise FieldError("min_tokens", f"at most max_tokens ({max_tokens})", min_tokens)
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, "'stop' must be a string or a list of up to 4 strings", "stop", "invalid_value")
+        raise FieldError("stop", "a string or a list of up to 4 strings", stop)
     stops = [s for s in stops if s]  # an empty stop string matches nothing
-    stop_ids = body.get("stop_token_ids")  # vLLM extension
-    if stop_ids is None:
-        stop_ids = []
-    if not isinstance(stop_ids, list) or len(stop_ids) > 64 or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
-        raise APIError(400, "'stop_token_ids' must be a list of up to 64 token ids", "stop_token_ids",
-                       "invalid_value")
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be a boolean", "stream", "invalid_type")
+    stop_ids = check_ids("stop_token_ids", [] if body.get("stop_token_ids") is None else body["stop_token_ids"],
+                         vocab_size - 1, max_len=MAX_STOP_IDS)  # vLLM extension
+    stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise APIError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
-    include_usage = bool((opts or {}).get("include_usage"))
+        raise FieldError("stream_options", "an object", opts)
+    if opts is not None and not stream:  # as vLLM: the options of a stream need a stream
+        raise FieldError("stream_options", "left out unless stream is true", opts)
+    include_usage = _bool(opts or {}, "include_usage", "stream_options.include_usage")
     bias = body.get("logit_bias")
     pairs: list[tuple[int, float]] = []
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-            raise APIError(400, f"'logit_bias' must map up to {MAX_LOGIT_BIAS} token ids to numbers",
-                           "logit_bias", "invalid_value")
+            raise FieldError("logit_bias", f"an object mapping up to {MAX_LOGIT_BIAS} token ids to numbers", bias)
         for k, v in bias.items():
             try:
                 tid = int(k)
             except ValueError:
-                raise APIError(400, f"'logit_bias' key {k!r} is not a token id", "logit_bias",
-                               "invalid_value") from None
-            pairs.append((tid, float(_number({"logit_bias": v}, "logit_bias", 0, -100, 100))))
+                raise FieldError("logit_bias", "keyed by token ids", k) from None
+            pairs.append((check("token_id", tid, "logit_bias", hi=vocab_size - 1), check("logit_bias", v)))
     params = SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=max(0, top_k), seed=seed,
-        max_new_tokens=max_tokens or 1, stop_ids=tuple(stop_ids),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 1e-6, 2.0)),
-        min_tokens=_number(body, "min_tokens", 0, 0, 1 << 20, integer=True), logit_bias=tuple(pairs))
-    return params, stops, stream, include_usage, n, max_tokens is not None
+        temperature=temperature, top_p=top_p, top_k=_field(body, "top_k", 0), seed=_field(body, "seed", None),
+        max_new_tokens=max_tokens or MAX_TOKENS, stop_ids=tuple(stop_ids),
+        presence_penalty=_field(body, "presence_penalty", 0.0), frequency_penalty=_field(body, "frequency_penalty", 0.0),
+        repetition_penalty=_field(body, "repetition_penalty", 1.0), min_tokens=min_tokens, logit_bias=tuple(pairs))
+    return params, stops, stream, bool(include_usage), n, max_tokens is not None
 
 
 def _messages(msgs) -> list[dict]:
@@ -334,9 +322,7 @@ def _prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[int]], l
             ids = tokenizer.encode_prompt(item)
             text = item
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            ids = list(item)
-            if ids and (max(ids) >= vocab_size or min(ids) < 0):
-                raise APIError(400, f"'{p}' holds a token id outside [0, {vocab_size})", p, "invalid_value")
+            ids = check_ids(p, item, vocab_size - 1)
             text = tokenizer.decode(ids)
         else:
             raise APIError(400, f"'{p}' must be a string or a list of token ids", p, "invalid_type")
@@ -448,7 +434,7 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
         return web.json_response(openapi_spec(model_name))
 
     def parse(body, chat: bool) -> _Request:
-        params, stops, stream, include_usage, n, max_set = _parse_common(body, model_name, chat, aliases)
+        params, stops, stream, include_usage, n, max_set = _parse_common(body, model_name, chat, aliases, vocab)
         if chat:
             msgs = _messages(body.get("messages"))
             try:
@@ -456,26 +442,19 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
             except (TypeError, ValueError) as e:
                 raise APIError(400, f"invalid 'messages': {e}", "messages", "invalid_value") from None
             texts = [""]
-            lp = body.get("logprobs")
-            if lp is not None and not isinstance(lp, bool):
-                raise APIError(400, "'logprobs' must be a boolean", "logprobs", "invalid_type")
-            top = _number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
-            if top is not None and not lp:
-                raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+            lp = _bool(body, "logprobs")
+            top = _field(body, "top_logprobs", None)
+            if top is not None and not lp:  # as OpenAI and vLLM
+                raise FieldError("top_logprobs", "left out unless logprobs is true", top)
             logprobs = (top or 0) if lp else None
             echo = False
         else:
             prompts, texts = _prompts(body, tokenizer, vocab)
-            logprobs = _number(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
-            echo = body.get("echo")
-            if echo is not None and not isinstance(echo, bool):
-                raise APIError(400, "'echo' must be a boolean", "echo", "invalid_type")
-            echo = bool(echo)
+            logprobs = _field(body, "logprobs", None)
+            echo = _bool(body, "echo")
         if logprobs is not None:
             params = replace(params, logprobs=logprobs)
-        ignore_eos = body.get("ignore_eos")
-        if ignore_eos is not None and not isinstance(ignore_eos, bool):
-            raise APIError(400, "'ignore_eos' must be a boolean", "ignore_eos", "invalid_type")
+        ignore_eos = _bool(body, "ignore_eos")
         if ignore_eos and not isinstance(engine, AsyncLLMEngine):
             raise _unsupported("ignore_eos", "not on the P/D gateway")
         return _Request(prompts, params, stops, stream, include_usage, n, logprobs, echo, max_set, texts,
@@ -485,7 +464,7 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
         p = req.params
         if not req.max_tokens_set:  # the default, capped to what fits (vLLM: up to the context)
             default = DEFAULT_MAX_TOKENS_CHAT if req.prompt_texts == [""] else DEFAULT_MAX_TOKENS_COMPLETION
-            p = replace(p, max_new_tokens=max(1, min(default, llm.max_model_len - len(ids))))
+            p = replace(p, max_new_tokens=max(1, min(max(default, p.min_tokens), llm.max_model_len - len(ids))))
         return replace(p, seed=_choice_seed(p.seed, j)) if j else p
 
     async def serve(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -636,6 +615,7 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
 
         await resp.prepare(request)
         tasks: list[asyncio.Task] = []
+        finished: set[int] = set()  # choices whose finish_reason was sent
         try:
             for ci in range(len(runs)):
                 if chat:
@@ -652,6 +632,7 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
                     raise item
                 if item is None:
                     left -= 1
+                    finished.add(ci)
                     await send(choice(ci, None, runs[ci].finish_reason))
                     continue
                 text, outs = item
@@ -662,8 +643,10 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
             await resp.write(b"data: [DONE]\n\n")
         except ConnectionResetError:  # the client closed the connection between two writes
             log.debug("client of %s went away mid-stream; request aborted", rid)
-        except Exception:  # the engine failed mid-stream: the headers are out, end the stream
+        except Exception as e:  # the request failed mid-stream: the headers are out, say so in the stream
             log.exception("%s failed mid-stream", rid)
+            await _stream_failed(resp, e, send, [choice(ci, None, "error") for ci in range(len(runs))
+                                                  if ci not in finished], rid)
         finally:
             for t in tasks:
                 t.cancel()
@@ -677,6 +660,8 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
                 return await handler(request)
             except APIError as e:
                 return e.response()
+            except FieldError as e:  # a value outside the shared rules (`protocol.validate`)
+                return APIError(400, str(e), e.field, "invalid_value").response()
             except web.HTTPException:
                 raise
             except asyncio.CancelledError:  # the client left (handler_cancellation): an ordinary event
@@ -720,6 +705,22 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
 
 
 _DONE = object()
+
+
+async def _stream_failed(resp: web.StreamResponse, e: Exception, send, finals: list[dict], rid: str) -> None:
+    """End a stream whose request failed after the headers went out, as vLLM does: an error event
+    `data: {"error": {"message", "type", "param", "code"}}` (vLLM's `create_streaming_error_response`;
+    the `openai` client raises `APIError` on it), then a last chunk with finish_reason "error" for
+    every choice still open (`finals`), then `data: [DONE]`. A client already gone is not written to."""
+    err = {"error": {"message": f"internal error while generating: {type(e).__name__}: {e}",
+                     "type": "server_error", "param": None, "code": 500}}
+    try:
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        for c in finals:
+            await send(c)
+        await resp.write(b"data: [DONE]\n\n")
+    except (ConnectionResetError, RuntimeError):  # the client left meanwhile (RuntimeError: transport closed)
+        log.debug("client of %s went away before the stream's error event", rid)
 
 
 async def _first(gen: AsyncIterator):

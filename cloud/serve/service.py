@@ -37,11 +37,11 @@ from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, 
                                           Pong, RefinedPrompt, Stop, Token, encode)
 from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
 from relayinfer.protocol.security import bearer_token, server_context, token_matches
+from relayinfer.protocol.validate import MAX_STOP_IDS, FieldError, check, check_ids, check_vocab
 
 log = logging.getLogger("relayinfer.cloud")
 
 MAX_REQUEST_ID = 64  # characters
-MAX_STOP_IDS = 64
 REUSE_WAIT_S = 1.0  # longest wait of a new turn for the previous, stopping turn's KV (per-request path)
 KEEPALIVE_S = 10.0  # websocket ping interval and timeout: a black-holed device is dropped within ~20 s
 REQUEST_MEMORY_MB = 512  # default share of the memory budget beyond the batching engine's KV pool (MiB)
@@ -297,10 +297,12 @@ class CloudService:
                     self._stop(req, "stop" if isinstance(msg, Stop) else "cancel")
                 elif isinstance(msg, ExtendBudget):
                     req = requests.get(msg.request_id)
-                    if msg.cloud_budget < 0:
-                        await channel.send(Error(ErrorCode.BAD_REQUEST.value,
-                                                 f"cloud_budget must be >= 0, got {msg.cloud_budget}", msg.request_id))
-                    elif req is not None:  # capped at max_new_tokens, which admission checked
+                    try:
+                        check("cloud_budget", msg.cloud_budget)
+                    except FieldError as e:
+                        await channel.send(Error(ErrorCode.BAD_REQUEST.value, str(e), msg.request_id))
+                        continue
+                    if req is not None:  # capped at max_new_tokens, which admission checked
                         req.budget = min(msg.cloud_budget, req.msg.max_new_tokens)
                         if req.batched:
                             self.llm.set_budget(msg.request_id, req.budget)
@@ -360,36 +362,24 @@ class CloudService:
         dead = self.health()
         if dead is not None:
             return Error(ErrorCode.INTERNAL.value, dead, rid)
-        if n == 0:
-            return Error(ErrorCode.BAD_REQUEST.value, "empty prompt", rid)
-        if msg.max_new_tokens < 1:
-            return Error(ErrorCode.BAD_REQUEST.value, f"max_new_tokens must be >= 1, got {msg.max_new_tokens}", rid)
-        if len(msg.stop_ids) > MAX_STOP_IDS:
-            return Error(ErrorCode.BAD_REQUEST.value, f"{len(msg.stop_ids)} stop_ids; at most {MAX_STOP_IDS}", rid)
-        if msg.cloud_budget is not None and msg.cloud_budget < 0:
-            return Error(ErrorCode.BAD_REQUEST.value, f"cloud_budget must be >= 0, got {msg.cloud_budget}", rid)
-        if msg.kv_from is not None and not 0 <= msg.kv_from <= n - 1:
-            return Error(ErrorCode.BAD_REQUEST.value, f"kv_from must be in [0, {max(n - 1, 0)}] (prompt of {n} tokens), "
-                         f"got {msg.kv_from}", rid)
-        if msg.kv_from is not None and msg.refine is not None:
-            return Error(ErrorCode.BAD_REQUEST.value, "kv_from and refine cannot be combined", rid)
         batched = self._batched(msg)
         limit = self.max_request_tokens(batched)
+        try:  # every field by the shared rules (`protocol.validate`), token ids by this model's vocabulary
+            check_ids("prompt_ids", msg.prompt_ids, vocab - 1, min_len=1)
+            check("cloud_budget", msg.cloud_budget, optional=True)
+            check("refine", msg.refine, optional=True)
+            check("kv_from", msg.kv_from, hi=max(n - 1, 0), optional=True)
+            if msg.kv_from is not None and msg.refine is not None:
+                raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
+            check_vocab(vocab, self._params(msg).stop_ids)
+        except FieldError as e:
+            return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
         if n + msg.max_new_tokens > limit:
             what = (f"the limit of {limit} tokens per request (min of the context length, {self.engine.context_length}, "
                     f"and the KV cache capacity, {self.llm.engine.num_blocks * self.llm.engine.block_size})"
                     if batched else f"the context length of {limit} tokens")
             return Error(ErrorCode.PROMPT_TOO_LONG.value,
                          f"prompt too long: {n} prompt tokens + {msg.max_new_tokens} new tokens exceed {what}", rid)
-        bad = next((t for t in msg.prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            return Error(ErrorCode.BAD_REQUEST.value, f"token id {bad} outside the vocabulary [0, {vocab})", rid)
-        try:
-            self._params(msg)
-        except ValueError as e:
-            return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
-        if msg.refine is not None and not 0 < msg.refine <= 1:
-            return Error(ErrorCode.BAD_REQUEST.value, f"refine keep ratio must be in (0, 1], got {msg.refine}", rid)
         if self.pending_tokens:  # last: a request that is wrong gets its own error first
             rate = getattr(self.llm.engine, "prefill_tok_s", None) if batched else None
             wait_ms = (self.pending_tokens + n) / rate * 1e3 if rate else 0.0
