@@ -254,7 +254,10 @@ class LLMEngine:
 
     def _enqueue(self, request_id: str, item) -> None:
         with self._lock:
-            if request_id in self.seqs or request_id in self.held or any(r == request_id for r, _ in self._inbox):
+            # a pending abort, release or budget entry of the same id is no second request (an id
+            # may be stopped before its task added it, or reused right after it ended)
+            if request_id in self.seqs or request_id in self.held or any(
+                    r == request_id and isinstance(it, (Sequence, _Import)) for r, it in self._inbox):
                 raise ValueError(f"request {request_id!r} is already running")
             self._inbox.append((request_id, item))
 

@@ -266,7 +266,7 @@ def _messages(msgs) -> list[dict]:
         role = m.get("role")
         if role in ("tool", "function"):
             raise _unsupported(f"{p}.role", f"role '{role}' (tool calling is not implemented)")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a JSON object or list is no role (nor hashable)
             raise APIError(400, f"'{p}.role' must be one of {sorted(_ROLES)}, got {role!r}", f"{p}.role",
                            "invalid_value")
         if m.get("tool_calls") or m.get("function_call"):

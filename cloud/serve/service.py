@@ -368,7 +368,10 @@ class CloudService:
             check_ids("prompt_ids", msg.prompt_ids, vocab - 1, min_len=1)
             check("cloud_budget", msg.cloud_budget, optional=True)
             check("refine", msg.refine, optional=True)
-            check("kv_from", msg.kv_from, hi=max(n - 1, 0), optional=True)
+            if msg.kv_from is not None and n < 2:
+                raise FieldError("kv_from", "left out for a one-token prompt (no prompt KV to hand off)", msg.kv_from)
+            # the hand-off carries tokens [kv_from, n - 1): at least one
+            check("kv_from", msg.kv_from, hi=n - 2, optional=True)
             if msg.kv_from is not None and msg.refine is not None:
                 raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
             check_vocab(vocab, self._params(msg).stop_ids)
@@ -419,8 +422,10 @@ class CloudService:
         self.metrics.active_requests.inc()
         sent, reason, prefill_ms, outcome = 0, "length", 0.0, "error"
         try:
-            gen = self.llm.generate(msg.request_id, msg.prompt_ids, self._params(msg), req.budget) \
-                if req.budget != 0 else _nothing()  # a zero budget streams nothing (as on the per-request path)
+            # a zero budget streams nothing (as on the per-request path), nor does a request whose
+            # Stop/Cancel came before its task started (no await between this check and the add)
+            gen = _nothing() if req.budget == 0 or req.stop.is_set() else \
+                self.llm.generate(msg.request_id, msg.prompt_ids, self._params(msg), req.budget)
             if req.budget == 0:
                 reason = "budget"
             async for out in gen:
