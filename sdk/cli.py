@@ -11,6 +11,7 @@ import typer
 
 from relayinfer.protocol.errors import RelayInferError
 from relayinfer.sdk.cli_common import bench_module, fail, serve_for  # noqa: F401  (also this module's API)
+from relayinfer.sdk.server_opts import server_tls as _server_tls
 
 app = typer.Typer(help="relayinfer: split inference between cloud and devices.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
@@ -228,21 +229,6 @@ def _check_ports(host: str, *ports: tuple[str, int | None]) -> None:
 
     try:
         check_ports_free(host, ports)
-    except ValueError as e:
-        fail(e)
-
-
-def _server_tls(certfile: str | None, keyfile: str | None):
-    """The server ssl.SSLContext of --certfile/--keyfile (None without them); exits 2 with one
-    line when only one is given or the files do not load."""
-    if certfile is None and keyfile is None:
-        return None
-    if certfile is None or keyfile is None:
-        fail(ValueError("--certfile and --keyfile go together: give both (TLS) or neither (plain ws/http)"))
-    from relayinfer.protocol.security import server_context
-
-    try:
-        return server_context(certfile, keyfile)
     except ValueError as e:
         fail(e)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import typer
 
+from relayinfer.sdk.cli_common import fail
+
 OPT_INSECURE_NO_AUTH = typer.Option(False, "--insecure-no-auth",
                                     help="Allow a non-loopback --host without --token (anyone who can connect is served).")
 OPT_MAX_CONNECTIONS = typer.Option(512, min=1, help="Open connections at most, all ports together; more get 503 + Retry-After.")
@@ -24,8 +26,8 @@ def server_policy(host: str, token: str | None, insecure_no_auth: bool, certfile
     try:
         check_exposure(host, token, insecure_no_auth)
     except ValueError as e:
-        _fail(e)
-    return _server_tls(certfile, keyfile)
+        fail(e)
+    return server_tls(certfile, keyfile)
 
 
 def connection_limits(max_connections: int, max_connections_per_client: int, header_timeout_s: float,
@@ -38,16 +40,19 @@ def connection_limits(max_connections: int, max_connections_per_client: int, hea
                                 retry_after_ms / 1e3)
     except ValueError as e:
         name, rest = str(e).split(" ", 1)  # 'header_timeout_s must be ...' -> '--header-timeout-s must be ...'
-        _fail(ValueError(f"--{name.replace('_', '-')} {rest}"))
+        fail(ValueError(f"--{name.replace('_', '-')} {rest}"))
 
 
-def _fail(e: Exception) -> None:
-    from relayinfer.sdk.cli import fail
+def server_tls(certfile: str | None, keyfile: str | None):
+    """The server ssl.SSLContext of --certfile/--keyfile (None without them); exits 2 with one
+    line when only one is given or the files do not load."""
+    if certfile is None and keyfile is None:
+        return None
+    if certfile is None or keyfile is None:
+        fail(ValueError("--certfile and --keyfile go together: give both (TLS) or neither (plain ws/http)"))
+    from relayinfer.protocol.security import server_context
 
-    fail(e)
-
-
-def _server_tls(certfile, keyfile):
-    from relayinfer.sdk.cli import _server_tls as tls
-
-    return tls(certfile, keyfile)
+    try:
+        return server_context(certfile, keyfile)
+    except ValueError as e:
+        fail(e)
