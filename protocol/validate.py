@@ -39,8 +39,14 @@ class FieldError(ValueError):
 
     def __init__(self, field: str, allowed: str, value: Any):
         self.field, self.allowed, self.value = field, allowed, value
-        shown = repr(value) if not isinstance(value, (list, tuple, dict)) or len(value) <= 8 else \
-            f"{type(value).__name__} of {len(value)} entries"
+        if isinstance(value, (list, tuple, dict)) and len(value) > 8:
+            shown = f"{type(value).__name__} of {len(value)} entries"
+        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+            shown = f"an integer of {value.bit_length()} bits"  # repr of 10**5000 would itself raise
+        elif isinstance(value, str) and len(value) > 80:
+            shown = f"a string of {len(value)} characters"
+        else:
+            shown = repr(value)
         super().__init__(f"{field} must be {allowed}, got {shown}")
 
 
@@ -70,12 +76,18 @@ class Rule:
             raise FieldError(field, self.allowed(top), v)
         if self.integer:
             if not isinstance(v, numbers.Integral):
-                f = float(v)
+                try:
+                    f = float(v)
+                except OverflowError:
+                    raise FieldError(field, self.allowed(top), given) from None
                 if not (math.isfinite(f) and f.is_integer()):
                     raise FieldError(field, self.allowed(top), v)
             v = int(v)
         else:
-            v = float(v)
+            try:
+                v = float(v)
+            except OverflowError:  # an integer beyond any float (10**400): no number in range either
+                raise FieldError(field, self.allowed(top), given) from None
             if not math.isfinite(v):
                 raise FieldError(field, self.allowed(top), v)
         if not (self.lo < v if self.lo_open else self.lo <= v) or not v <= top:

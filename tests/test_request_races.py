@@ -90,3 +90,15 @@ def test_a_role_that_is_no_string_gets_400_naming_it(service, role):
                       json={"model": MODEL, "messages": [{"role": role, "content": "Hi"}], "max_tokens": 2}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages[0].role"
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty", "seed", "max_tokens"])
+def test_an_integer_beyond_any_float_gets_400_naming_the_field(service, field):
+    """10**400 is valid JSON and a Python int, but no float: 400 naming the field, not a 500."""
+    r = requests.post(f"http://127.0.0.1:{service.http_port}/v1/chat/completions",
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                            field: 10 ** 400}, timeout=60)
+    assert r.status_code == 400, r.text
+    e = r.json()["error"]
+    assert e["param"] == field and e["message"].startswith(f"{field} must be ") and "bits" in e["message"], e
