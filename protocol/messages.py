@@ -199,13 +199,17 @@ class Token(_Msg, tag="token"):
     """Cloud -> device: one generated token. ``index``: 0-based position in the generated answer;
     ``t_cloud_ms``: cloud wall-clock milliseconds since the Generate was received;
     ``cached_tokens`` (first token only, omitted when 0): prompt tokens whose KV the cloud reused
-    (prefix cache or the session's previous turn) instead of prefilling them."""
+    (prefix cache or the session's previous turn) instead of prefilling them; ``finish_reason``
+    (omitted when None): set on the token that ends the answer, as the sampler decided it ("eos",
+    "stop" for a stop id or stop string, "length" for max_tokens); a device reads it instead of
+    re-deriving the end."""
 
     request_id: str
     token_id: int
     index: int
     t_cloud_ms: float
     cached_tokens: int = 0
+    finish_reason: Union[str, None] = None
 
 
 class RefinedPrompt(_Msg, tag="refined_prompt"):
