@@ -522,3 +522,25 @@ def test_an_integer_beyond_any_float_gets_400_naming_the_field(service, field):
     assert r.status_code == 400, r.text
     e = r.json()["error"]
     assert e["param"] == field and e["message"].startswith(f"{field} must be ") and "bits" in e["message"], e
+
+
+@pytest.mark.parametrize("kv_from", [None, 1], ids=["batched", "per-request"])
+def test_the_token_that_ends_the_answer_carries_the_finish_reason(service, tokenizer, kv_from):
+    """The cloud's last token names the end as the sampler decided it, and only that token does:
+    'length' at max_tokens, 'eos' on EOS (a chat prompt answered to its end), on both cloud paths."""
+    chat = tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+
+    async def script(ch):
+        out = []
+        for rid, prompt, n in (("len", chat, 3), ("eos", chat, 200)):
+            await ch.send(Generate(rid, prompt, n, kv_from=kv_from))
+            toks, end = await _until_end(ch, rid)
+            out.append(([t for t in toks if isinstance(t, Token)], end))  # KVTransfer frames aside
+        return out
+
+    (toks_len, done_len), (toks_eos, done_eos) = _ws(service, script)
+    assert isinstance(done_len, Done) and done_len.reason == "length" and len(toks_len) == 3
+    assert [t.finish_reason for t in toks_len] == [None, None, "length"]
+    assert isinstance(done_eos, Done) and done_eos.reason == "eos", done_eos
+    assert toks_eos[-1].token_id == tokenizer.eos_id and toks_eos[-1].finish_reason == "eos"
+    assert all(t.finish_reason is None for t in toks_eos[:-1])

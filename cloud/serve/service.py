@@ -436,8 +436,9 @@ class CloudService:
                     stats_of = getattr(self.llm.engine, "request_stats", None)  # the P/D view has none
                     stats = stats_of(msg.request_id) if stats_of is not None else None
                     req.cached = stats.prefix_hit_tokens if stats is not None else 0
+                end = out.finish_reason if out.finish_reason != "budget" else None  # a budget cut is no end
                 await channel.send(Token(msg.request_id, out.token_id, out.index, (time.perf_counter() - t0) * 1e3,
-                                         req.cached if sent == 0 else 0))
+                                         req.cached if sent == 0 else 0, end))
                 sent += 1
                 self.metrics.cloud_tokens.inc()
                 if out.finish_reason:
@@ -561,18 +562,16 @@ class CloudService:
                 tok = sample(logits, params, i, msg.prompt_ids + out_ids if params.adjusts_logits else (),
                              len(msg.prompt_ids), self.engine.eos_id)
                 out_ids.append(tok)
-                await channel.send(Token(msg.request_id, tok, i, ms(), req.cached if i == 0 else 0))
+                end = is_stop(tok, self.engine.eos_id, params) or ("length" if i + 1 == params.max_new_tokens else None)
+                await channel.send(Token(msg.request_id, tok, i, ms(), req.cached if i == 0 else 0, end))
                 if kept is not None and i == 0:  # right after the first token
                     await channel.send(RefinedPrompt(msg.request_id, kept))
                 if msg.kv_from is not None and i == 0:  # the KV hand-off, right after the first token
                     await channel.send_large(await loop.run_in_executor(self.worker, self._kv_transfer, msg, kv))
                 sent += 1
                 self.metrics.cloud_tokens.inc()
-                end = is_stop(tok, self.engine.eos_id, params)
                 if end:
                     reason = end
-                    break
-                if i + 1 == params.max_new_tokens:
                     break
                 if self.step_delay_ms:
                     await asyncio.sleep(self.step_delay_ms / 1e3)
