@@ -34,7 +34,7 @@ import torch
 
 from relayinfer.cloud.engine.llm_engine import LLMEngine
 from relayinfer.cloud.engine.torch_engine import TorchEngine
-from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
+from relayinfer.protocol.decoding import SamplingParams, finish_reason, sample
 from relayinfer.protocol.tokenizer import Tokenizer
 from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
@@ -67,7 +67,7 @@ def baseline_profiles(te: TorchEngine, prompts, params) -> list[dict]:
             tok = sample(logits, params, i)
             toks.append(tok)
             times.append(time.perf_counter() - t0)
-            if is_stop(tok, -1 if IGNORE_EOS else te.eos_id, params) or i + 1 == params.max_new_tokens:
+            if finish_reason(tok, i + 1, params, -1 if IGNORE_EOS else te.eos_id):
                 break
             logits, kv = te.decode(tok, kv)
         out.append({"tokens": toks, "times": times})

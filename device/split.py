@@ -71,7 +71,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams, check_prompt, is_stop, sample
+from relayinfer.protocol.decoding import SamplingParams, check_prompt, finish_reason, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.kvhandoff import common_prefix, kv_bytes_per_token, kv_handoff_pays, kv_layers
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
@@ -450,9 +450,9 @@ class _Run:
         self.answer.append(tok)
         self.source.append(source)
         self.ready_ms.append(self.now())
-        reason = is_stop(tok, self.s.engine.eos_id, self.params)
-        if reason or len(self.answer) >= self.params.max_new_tokens:
-            self.complete, self.finish_reason = True, reason or "length"
+        reason = finish_reason(tok, len(self.answer), self.params, self.s.engine.eos_id)
+        if reason:
+            self.complete, self.finish_reason = True, reason
         self.changed.set()
         self.wake.set()
 

@@ -252,12 +252,25 @@ def check_prompt(n_prompt: int, max_new_tokens: int, context_length: int) -> Non
             f"{context_length - n_prompt} new tokens fit")
 
 
-def is_stop(token_id: int, eos_id: int, params: SamplingParams) -> str | None:
-    """The finish reason if `token_id` ends the answer, else None."""
+def finish_reason(token_id: int, n_generated: int, params: SamplingParams, eos_id: int,
+                  budget: int | None = None) -> str | None:
+    """The one finish rule: why the answer ends at `token_id`, or None when it goes on.
+
+    `n_generated`: answer tokens so far, `token_id` included (1 for the first token); `eos_id`:
+    the model's EOS id (-1 when EOS is ignored); `budget`: the cloud's token budget for a split
+    request (None: no budget). In order: 'eos' (token_id is EOS), 'stop' (a `params.stop_ids` id),
+    'length' (`n_generated` reached `params.max_new_tokens`), 'budget' (`n_generated` reached
+    `budget`: the cloud's share ends, the answer itself does not). Stop *strings* are a property
+    of the text and are cut where the text is rendered (the OpenAI server), after this rule.
+    """
     if token_id == eos_id:
         return "eos"
     if token_id in params.stop_ids:
         return "stop"
+    if n_generated >= params.max_new_tokens:
+        return "length"
+    if budget is not None and n_generated >= budget:
+        return "budget"
     return None
 
 
@@ -278,12 +291,11 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams) 
         tok = sample(logits, params, i, prompt + out.token_ids if params.adjusts_logits else (), len(prompt),
                      engine.eos_id)
         out.token_ids.append(tok)
-        reason = is_stop(tok, engine.eos_id, params)
+        reason = finish_reason(tok, i + 1, params, engine.eos_id)
         if reason:
             out.finish_reason = reason
             break
-        if i + 1 < params.max_new_tokens:
-            logits, kv = engine.decode(tok, kv)
+        logits, kv = engine.decode(tok, kv)
     steps = max(len(out.token_ids) - 1, 1)
     out.decode_ms_per_token = (time.perf_counter() - t1) * 1e3 / steps
     return out

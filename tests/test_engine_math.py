@@ -192,3 +192,16 @@ def test_cached_free_counter_matches_scan(ops, prefix):
             bm.free_sequence(live.pop(r % len(live)))
         assert bm.num_cached_free_blocks == bm.scan_cached_free_blocks()
         assert bm.num_free_blocks + sum(b.ref_count > 0 for b in bm.blocks) == bm.num_blocks
+
+
+def test_finish_reason_orders_eos_stop_length_budget():
+    """The one finish rule: EOS, then a stop id, then max_new_tokens, then the cloud budget."""
+    from relayinfer.protocol.decoding import finish_reason
+    p = SamplingParams(max_new_tokens=4, stop_ids=(7,))
+    assert finish_reason(2, 1, p, eos_id=2) == "eos"
+    assert finish_reason(7, 1, p, eos_id=2) == "stop"
+    assert finish_reason(5, 3, p, eos_id=2) is None
+    assert finish_reason(5, 4, p, eos_id=2) == "length"
+    assert finish_reason(5, 4, p, eos_id=2, budget=4) == "length"  # the answer's own end wins
+    assert finish_reason(5, 2, p, eos_id=2, budget=2) == "budget"
+    assert finish_reason(2, 1, p, eos_id=-1) is None  # EOS ignored

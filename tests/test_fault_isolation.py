@@ -83,15 +83,15 @@ def test_sampler_fault_ends_only_its_request(torch_engine, chat_prompt_ids, refe
 
 
 def test_stop_check_fault_ends_only_its_sequence(torch_engine, chat_prompt_ids, reference, monkeypatch):
-    real = le.is_stop
+    real = le.finish_reason
     marked = SamplingParams(max_new_tokens=8)  # same rule as GREEDY, another object
 
-    def is_stop(tok, eos, params):
+    def finish_reason(tok, n, params, eos, budget=None):
         if params is marked:
             raise RuntimeError("stop callback exploded")
-        return real(tok, eos, params)
+        return real(tok, n, params, eos, budget)
 
-    monkeypatch.setattr(le, "is_stop", is_stop)
+    monkeypatch.setattr(le, "finish_reason", finish_reason)
     engine = LLMEngine(torch_engine, kv_cache_bytes=16 << 20)
     engine.add_request("ok", chat_prompt_ids[2], GREEDY)
     engine.add_request("bad", chat_prompt_ids[1], marked)

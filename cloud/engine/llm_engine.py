@@ -21,7 +21,7 @@ from typing import AsyncIterator, Callable, NamedTuple, Sequence as Seq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.models.llama import Llama
-from relayinfer.protocol.decoding import SamplingParams, is_stop, token_logprobs
+from relayinfer.protocol.decoding import SamplingParams, finish_reason, token_logprobs
 from relayinfer.protocol.errors import PromptTooLongError
 
 from .block_manager import BlockManager
@@ -492,9 +492,8 @@ class LLMEngine:
             m.tpot.observe(now - seq.last_token_s)
         seq.last_token_s = now
         m.gen_tokens.inc()
-        reason = is_stop(tok, -1 if seq.ignore_eos else self.eos_id, seq.params)
-        if reason is None and seq.num_output_tokens >= seq.max_tokens:
-            reason = "length" if seq.max_tokens >= seq.params.max_new_tokens else "budget"
+        reason = finish_reason(tok, seq.num_output_tokens, seq.params, -1 if seq.ignore_eos else self.eos_id,
+                               seq.max_tokens if seq.max_tokens < seq.params.max_new_tokens else None)
         out = StepOutput(seq.request_id, tok, idx, reason, lp)
         if reason:
             self._finish(seq, reason)

@@ -27,7 +27,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams, is_stop, sample
+from relayinfer.protocol.decoding import SamplingParams, finish_reason, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.model_file import file_sha256
 from relayinfer.protocol.kvhandoff import common_prefix, kv_messages
@@ -562,7 +562,7 @@ class CloudService:
                 tok = sample(logits, params, i, msg.prompt_ids + out_ids if params.adjusts_logits else (),
                              len(msg.prompt_ids), self.engine.eos_id)
                 out_ids.append(tok)
-                end = is_stop(tok, self.engine.eos_id, params) or ("length" if i + 1 == params.max_new_tokens else None)
+                end = finish_reason(tok, i + 1, params, self.engine.eos_id)
                 await channel.send(Token(msg.request_id, tok, i, ms(), req.cached if i == 0 else 0, end))
                 if kept is not None and i == 0:  # right after the first token
                     await channel.send(RefinedPrompt(msg.request_id, kept))
