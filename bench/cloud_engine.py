@@ -34,8 +34,8 @@ import torch
 
 from relayinfer.cloud.engine.llm_engine import LLMEngine
 from relayinfer.cloud.engine.torch_engine import TorchEngine
-from relayinfer.protocol.decoding import SamplingParams, finish_reason, sample
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, sample
+from relayinfer.protocol.model.tokenizer import Tokenizer
 from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
 TTFT_SLO_S, TPOT_SLO_S = 1.0, 0.100

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from relayinfer.cloud.engine.llm_engine import LLMEngine
 from relayinfer.cloud.engine.torch_engine import TorchEngine
-from relayinfer.protocol.decoding import SamplingParams
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.decoding import SamplingParams
+from relayinfer.protocol.model.tokenizer import Tokenizer
 from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
 GROUPS = {"aten::addmm": "matmul", "aten::mm": "matmul", "aten::linear": "matmul", "aten::matmul": "matmul",

@@ -27,8 +27,8 @@ import torch
 
 from relayinfer.cloud.engine.llm_engine import LLMEngine
 from relayinfer.cloud.engine.torch_engine import TorchEngine
-from relayinfer.protocol.decoding import SamplingParams
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.decoding import SamplingParams
+from relayinfer.protocol.model.tokenizer import Tokenizer
 from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
 LENGTHS, SEED = [32, 64, 96, 128], 0

@@ -168,7 +168,7 @@ def run(label: str, out: Path, prompt_tokens: int, max_new: int, idle_at: int, s
     from relayinfer.device import split as split_mod
     from relayinfer.device.profiles import DeviceProfile, load_profile
     from relayinfer.device.onnx_engine import OnnxEngine
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.model.decoding import SamplingParams
     from relayinfer.sdk import Client
     from relayinfer.sdk.datasets import chitchat_prompts_by_length
 

@@ -73,7 +73,7 @@ BIG_STR = "A" * (1 << 20)
 WS_CODES = {"bad_frame", "frame_too_large", "unknown_message", "version_mismatch", "fingerprint_mismatch",
             "unauthorized", "handshake_required", "prompt_too_long", "bad_request", "overloaded",
             "unknown_request", "internal"}
-HANDSHAKE_WS_LIMIT = 4096 + 64 * 1024  # protocol.ws.ws_max_size(HANDSHAKE_MAX_BYTES)
+HANDSHAKE_WS_LIMIT = 4096 + 64 * 1024  # protocol.transport.ws.ws_max_size(HANDSHAKE_MAX_BYTES)
 SEVERITY = {  # finding kind -> high (a crash, a hang, a leak, a lost answer), medium (a wrong answer), low (a vague error)
     **dict.fromkeys(("http_5xx", "server_died", "server_unhealthy", "unhealthy_at_end", "server_failed_to_start",
                      "ws_internal_error", "ws_no_answer", "ws_no_result", "http_timeout", "http_connection_dropped",
@@ -956,7 +956,7 @@ class Runner:
 
     # -- websocket --
     async def open(self, token: str | None | _Missing = MISSING, hello: dict | None = None):
-        from relayinfer.protocol import ws as pws
+        from relayinfer.protocol.transport import ws as pws
 
         return await pws.open_channel(self.server.ws_url, self.server.fingerprint,
                                       self.server.token if token is MISSING else token,
@@ -1301,7 +1301,8 @@ def _git() -> dict:
 def _model_limits() -> tuple[int, int]:
     """(vocab size, context length) of the default model, from the export cache when there (no torch)."""
     try:
-        from relayinfer.protocol.model_file import ModelConfig, default_model_path, model_cache_dir, open_gguf, read_config
+        from relayinfer.protocol.model.model_file import (ModelConfig, default_model_path, model_cache_dir,
+            open_gguf, read_config)
 
         path = default_model_path()
         cached = model_cache_dir(path) / "config.json"

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     from relayinfer.cloud.export import ensure_device_model
     from relayinfer.cloud.onnx_graph import write_model
     from relayinfer.device.onnx_engine import OnnxEngine
-    from relayinfer.protocol.model_file import default_model_path, model_cache_dir
+    from relayinfer.protocol.model.model_file import default_model_path, model_cache_dir
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
     load0 = round(os.getloadavg()[0], 1)  # the machine is shared: ratios within a run only

@@ -39,7 +39,7 @@ def _runner(num_blocks: int, block_size: int = 16):
     import torch
 
     from relayinfer.cloud.engine.model_runner import ModelRunner
-    from relayinfer.protocol.model_file import ModelConfig
+    from relayinfer.protocol.model.model_file import ModelConfig
 
     class _Shape(torch.nn.Module):
         def __init__(self, cfg):
@@ -164,7 +164,7 @@ def bench_perf(quick: bool = False) -> dict:
 
     from relayinfer.cloud.engine.llm_engine import LLMEngine
     from relayinfer.cloud.engine.torch_engine import TorchEngine
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.model.decoding import SamplingParams
 
     torch.set_num_threads(1)
     te = TorchEngine(None, threads=1)

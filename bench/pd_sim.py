@@ -50,7 +50,7 @@ from relayinfer.cloud.pd.ratio import Hysteresis, PerfModel, Workload, best_rati
 
 def real_lengths(n_chat: int = 600, n_long: int = 300, seed: int = 0) -> dict:
     """(prompt, output) token lengths of real chitchat conversations and long contexts made of them."""
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.protocol.model.tokenizer import Tokenizer
     from relayinfer.sdk.datasets import _chitchat, chitchat_messages
 
     tok = Tokenizer.from_gguf(None)

@@ -5,7 +5,7 @@ Prompts (SmolLM2's chat template): chitchat conversations near each of `lengths`
 conversations are shorter), multi-conversation long contexts: several random conversations
 concatenated into one chat, the last one ending on its user turn (`multi_conversation_prompt`).
 The full prompt's greedy answer (`answer_tokens` tokens, TorchEngine) is the reference. Each
-selection method keeps `keep` of the prompt (`protocol.refine.refine_indices`: forced system turn,
+selection method keeps `keep` of the prompt (`cloud.refine.refine_indices`: forced system turn,
 last `WINDOW` tokens, whole-header scaffold charged to the budget only for turns with kept content):
 
 * ``attention``: SnapKV observation-window scores (attention of the last 16 prompt positions summed
@@ -13,8 +13,8 @@ last `WINDOW` tokens, whole-header scaffold charged to the budget only for turns
 * ``norm``: the same attention with every (layer, head) rank-normalised before the sum, so no head
   or attention sink dominates (per-head voting; SnapKV sec. 4 selects per head), max-pooled;
 * ``turns``: chunk-level selection, a turn's content scored by its mean attention, kept whole
-  (`protocol.refine.chunk_mean_scores`; ChunkKV, Liu et al. 2025, arXiv 2502.00299);
-* ``mix``: attention rank mixed half and half with recency (`protocol.refine.mix_recency`; H2O's
+  (`cloud.refine.chunk_mean_scores`; ChunkKV, Liu et al. 2025, arXiv 2502.00299);
+* ``mix``: attention rank mixed half and half with recency (`cloud.refine.mix_recency`; H2O's
   heavy hitters plus recent tokens, Zhang et al. 2023, arXiv 2306.14048);
 * ``last``: attention with the last user turn always kept whole (`keep_last_turn`);
 * ``h2o``: accumulated attention of every prompt query (H2O, Zhang et al. 2023, sec. 3), max-pooled;
@@ -260,11 +260,11 @@ def markdown_table(summary: dict) -> str:
 
 
 def refine_table(summary: dict, method: str | None = None, max_loss: float = 0.05) -> tuple:
-    """`protocol.refine.REFINE_BY_LENGTH` from a summary: per length bucket (`BUCKETS`), the
-    smallest keep ratio at which `method` (default `protocol.refine.SELECTION`, the cloud's) beat
+    """`protocol.model.refine.REFINE_BY_LENGTH` from a summary: per length bucket (`BUCKETS`), the
+    smallest keep ratio at which `method` (default `cloud.refine.SELECTION`, the cloud's) beat
     recency by more than its standard error (paired) and lost at most `max_loss` nats/token; None
     (off) where no ratio did."""
-    from relayinfer.protocol.refine import SELECTION
+    from relayinfer.cloud.refine import SELECTION
 
     method = method or SELECTION
     table = []
@@ -286,8 +286,9 @@ def _score_prompts(work, answer_tokens: int, seed: int, threads: int, deadline: 
     import torch
 
     from relayinfer.cloud.engine.torch_engine import TorchEngine
-    from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.cloud.refine import WINDOW, select
+    from relayinfer.protocol.model.refine import TemplateMarkers
+    from relayinfer.protocol.model.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
     tok = Tokenizer.from_gguf()
@@ -365,7 +366,7 @@ def make_prompts(lengths, per_length: int, seed: int) -> list[list[int]]:
     tokens, multi-conversation long contexts from it on (missing ones dropped)."""
     import random
 
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.protocol.model.tokenizer import Tokenizer
     from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
     tok = Tokenizer.from_gguf()

@@ -249,7 +249,7 @@ def llama_bench_binary() -> Path | None:
 def build_rows(wanted, model_path, log) -> tuple[list[Row], dict]:
     """Load the asked engines (rows); returns (rows, {family: note}) for engines that could not load
     (plus '_model': facts about the GGUF)."""
-    from relayinfer.protocol.model_file import open_gguf, read_config
+    from relayinfer.protocol.model.model_file import open_gguf, read_config
     rows, notes, shared = [], {}, {}
     reader = open_gguf(model_path)
     cfg = read_config(reader)
@@ -428,8 +428,8 @@ def main(argv=None) -> int:
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
     loadavg = os.getloadavg()
 
-    from relayinfer.protocol.model_file import resolve_model_path
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.protocol.model.model_file import resolve_model_path
+    from relayinfer.protocol.model.tokenizer import Tokenizer
     model_path = resolve_model_path(args.model)
     tok = Tokenizer.from_gguf(model_path)
     prompt = chitchat_ids(tok, max(lengths + contexts))

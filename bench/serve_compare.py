@@ -343,8 +343,8 @@ def main(argv=None) -> int:
             _die("llama.cpp is not built: run bench/llamacpp.sh first (or --servers relayinfer)")
         bindir = Path(r.stdout.strip().splitlines()[-1])
 
-    from relayinfer.protocol.model_file import resolve_model_path
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.protocol.model.model_file import resolve_model_path
+    from relayinfer.protocol.model.tokenizer import Tokenizer
     q_path = resolve_model_path(None)
     tok = Tokenizer.from_gguf(q_path)
     models = {"q4_1": str(q_path)}

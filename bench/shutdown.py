@@ -70,7 +70,7 @@ async def load(http_url: str, ws_url: str | None, n_http: int, n_ws: int, concur
     websocket Generates (one session each, `concurrency` at a time); counts by outcome."""
     import aiohttp
 
-    from relayinfer.protocol import ws as proto_ws
+    from relayinfer.protocol.transport import ws as proto_ws
     from relayinfer.protocol.messages import Done, Error, Generate
 
     counts = {"http_ok": 0, "http_err": 0, "ws_ok": 0, "ws_err": 0}

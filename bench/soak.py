@@ -76,7 +76,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.messages import HANDSHAKE_MAX_BYTES, Cancel, Done, Error, Generate, Stop, Token, encode
 from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
@@ -193,7 +193,8 @@ class ServerProcess:
 def model_config():
     """The default model's `ModelConfig` (vocabulary size, context length): from the export cache's
     config.json when there is one (instant), else read from the GGUF file (seconds)."""
-    from relayinfer.protocol.model_file import ModelConfig, default_model_path, model_cache_dir, open_gguf, read_config
+    from relayinfer.protocol.model.model_file import (ModelConfig, default_model_path, model_cache_dir, open_gguf,
+        read_config)
 
     path = default_model_path()
     cached = model_cache_dir(path) / "config.json"
@@ -907,7 +908,7 @@ def run_soak(devices: int = 100, duration_s: float = 600.0, *, cloud_url: str | 
     `http_url` (its HTTP side) and `token` are needed, and `server_pid` to read its RSS.
     `settings`: further `SoakConfig` fields (seconds, tokens)."""
     from relayinfer.cloud.serve.service import split_frame_limit
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.protocol.model.tokenizer import Tokenizer
 
     say = progress or (lambda m: None)
     cfg = SoakConfig(devices=devices, duration_s=duration_s, fault_rate=fault_rate, seed=seed, **settings)

@@ -279,8 +279,8 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.serve.service import ServiceThread
-    from relayinfer.protocol.model_file import default_model_path
-    from relayinfer.protocol.refine import WINDOW, refine_indices
+    from relayinfer.protocol.model.model_file import default_model_path
+    from relayinfer.cloud.refine import WINDOW, refine_indices
     from relayinfer.sdk import Client
     from relayinfer.sdk.engines import load_engine
 
@@ -473,7 +473,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from relayinfer.device.calibrate import calibrated
     from relayinfer.device.profiles import load_profile
-    from relayinfer.protocol.model_file import default_model_path
+    from relayinfer.protocol.model.model_file import default_model_path
     from relayinfer.sdk import Client
     from relayinfer.sdk.engines import load_engine
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from relayinfer.cloud.engine.torch_engine import TorchEngine
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.tokenizer import Tokenizer
 from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 from relayinfer.cloud.onnx_graph import io_names, write_model  # noqa: F401  (io_names: public API)
-from relayinfer.protocol.device_model import DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, device_model_dir, onnx_file_name
-from relayinfer.protocol.model_file import file_sha256, fingerprint, read_config, open_gguf, resolve_model_path
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.device_model import (DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, device_model_dir,
+    onnx_file_name)
+from relayinfer.protocol.model.model_file import file_sha256, fingerprint, read_config, open_gguf, resolve_model_path
+from relayinfer.protocol.model.tokenizer import Tokenizer
 
 QUANTIZATIONS = (None, *WEIGHTS)  # None = DEFAULT_WEIGHTS ('gguf')
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_meta.json")  # what a device needs besides the ONNX file

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from relayinfer.protocol.device_model import WEIGHTS  # noqa: F401  (this module's API)
-from relayinfer.protocol.errors import ModelFileError
-from relayinfer.protocol.model_file import ModelConfig, open_gguf, read_config
+from relayinfer.protocol.model.device_model import WEIGHTS  # noqa: F401  (this module's API)
+from relayinfer.protocol.model.errors import ModelFileError
+from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config
 
 ACCURACY_LEVEL = 0  # MatMulNBits: 0 = activations stay fp32 (4 = int8 activations; see docs/SPLIT.md)
 OPSET = 21

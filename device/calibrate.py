@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from relayinfer.protocol.model_file import cache_dir
+from relayinfer.protocol.model.model_file import cache_dir
 
 from .profiles import DeviceProfile
 

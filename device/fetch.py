@@ -9,9 +9,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from relayinfer.protocol.errors import ErrorCode, ModelFileError, RemoteError
-from relayinfer.protocol.model_file import cache_dir, file_sha256
-from relayinfer.protocol.security import context_for_url
+from relayinfer.protocol.errors import ErrorCode, RemoteError
+from relayinfer.protocol.model.errors import ModelFileError
+from relayinfer.protocol.model.model_file import cache_dir, file_sha256
+from relayinfer.protocol.transport.security import context_for_url
 from relayinfer.device.onnx_engine import FORMAT_VERSION, onnx_file_name
 
 DEVICE_FILES = (onnx_file_name(), "config.json", "tokenizer.json", "tokenizer_meta.json")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.errors import ChannelClosed, RelayInferError
 
 CLOSE_TIMEOUT_S = 1.0  # bound on closing the websocket (a black-holed peer never answers)
@@ -51,7 +51,7 @@ class CloudLink:
     """A lazily opened, shared websocket to the cloud.
 
     Args:
-        url, fingerprint, token, ssl: as for `protocol.ws.open_channel`.
+        url, fingerprint, token, ssl: as for `protocol.transport.ws.open_channel`.
         connect_timeout_s: bound on opening and on the handshake (s), each.
 
     Raises (from `request`): what `open_channel` raises (OSError, TimeoutError, RemoteError, ...).

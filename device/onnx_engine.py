@@ -19,12 +19,12 @@ from typing import Sequence
 
 import numpy as np
 
-from relayinfer.protocol.decoding import GenerationOutput, SamplingParams, generate
-from relayinfer.protocol.errors import ModelFileError
-from relayinfer.protocol.device_model import (  # noqa: F401  (part of this module's API)
+from relayinfer.protocol.model.decoding import GenerationOutput, SamplingParams, generate
+from relayinfer.protocol.model.errors import ModelFileError
+from relayinfer.protocol.model.device_model import (  # noqa: F401  (part of this module's API)
     DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, device_model_dir, onnx_file_name)
-from relayinfer.protocol.model_file import ModelConfig
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.model_file import ModelConfig
+from relayinfer.protocol.model.tokenizer import Tokenizer
 
 MIN_CAPACITY = 256  # tokens of a fresh cache buffer
 

@@ -12,7 +12,7 @@ Three coroutines share one answer list:
 The shown stream is answer[0:h] from the cloud then answer[h:] from the device: no gap, no duplicate.
 With greedy sampling the cloud and the device agree on every token, so the split answer equals the
 cloud-only and device-only answers (fp32; tested). Seeded sampling draws position i with the same
-generator on both sides (see `protocol.decoding.sample`).
+generator on both sides (see `protocol.model.decoding.sample`).
 
 Faults (every one ends the request in a bounded time; `GenerationResult.fault` records which):
 
@@ -70,13 +70,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams, check_prompt, finish_reason, sample
+from relayinfer.protocol.transport import ws as proto_ws
+from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.kvhandoff import common_prefix, kv_bytes_per_token, kv_handoff_pays, kv_layers
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
                                          Token)
-from relayinfer.protocol.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
+from relayinfer.protocol.model.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
 from relayinfer.protocol.validate import FieldError, check
 
 from .settings import CatchUp, Timing, choose_settings
@@ -236,7 +236,7 @@ class SplitOptions:
     interval from the device timing and the cloud estimates, and extends it during the request if
     needed), an int, or None (until the device takes over). connect_timeout_s: handshake bound.
     prefill_chunk: prompt tokens per device prefill call. refine: prompt refinement, None (off),
-    'auto' (a keep ratio by prompt length from the measured table, `protocol.refine.choose_refine`)
+    'auto' (a keep ratio by prompt length from the measured table, `protocol.model.refine.choose_refine`)
     or a keep ratio in (0, 1] (used on prompts of at least `MIN_REFINE_TOKENS` tokens): the device
     prefills the system turn at once, then only the prompt tokens the cloud keeps (`RefinedPrompt`,
     sent right after the first token), at their original positions where its engine takes

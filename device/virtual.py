@@ -34,7 +34,7 @@ from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Stop, Token
 from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 

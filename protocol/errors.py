@@ -99,30 +99,3 @@ class ChannelClosed(RelayInferError):
         self.close_code = close_code
         self.reason = reason
         self.clean = clean
-
-
-# --- model-side errors (model files, prompts, engines) ---------------------------------------
-
-
-class ModelFileError(RelayInferError):
-    """The model file is missing, not a GGUF file, truncated or corrupt, or lacks a tensor."""
-
-    code = ErrorCode.BAD_REQUEST
-
-
-class UnsupportedModelError(RelayInferError):
-    """The model file is valid but not a Llama-family architecture (or tokenizer) we run."""
-
-    code = ErrorCode.BAD_REQUEST
-
-
-class PromptTooLongError(RelayInferError):
-    """Prompt tokens + max_new_tokens exceed the model's context length."""
-
-    code = ErrorCode.PROMPT_TOO_LONG
-
-
-class UnknownEngineError(RelayInferError):
-    """An engine name other than the ones offered ('torch', 'onnx')."""
-
-    code = ErrorCode.BAD_REQUEST

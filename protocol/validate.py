@@ -161,3 +161,34 @@ def check_vocab(vocab_size: int, stop_ids: Iterable[int] = (), logit_bias: Itera
     check_ids(stop_field, list(stop_ids), vocab_size - 1)
     for t, _ in logit_bias:
         check("token_id", t, f"{bias_field}[{t!r}]", hi=vocab_size - 1)
+
+
+def check_prompt_text(prompt, field: str = "prompt") -> None:
+    """The one rule for empty input, at every entry point: a prompt must hold some text (or
+    tokens). Refused: a string that is empty or only whitespace, an empty list, a list of messages
+    whose contents are all empty or whitespace, an empty list of token ids.
+
+    Raises:
+        ValueError: the prompt is empty by this rule (the message says which form was empty).
+    """
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{field} is empty: give a message with some text")
+        return
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        if len(prompt) == 0:
+            raise ValueError(f"{field} is empty: give a message with some text, a list of messages, or token ids")
+        if all(isinstance(m, dict) for m in prompt) and not any(_has_text(m.get("content")) for m in prompt):
+            raise ValueError(f"{field} has {len(prompt)} message(s) but none with text: give at least one "
+                             "message whose content is not empty")
+        return
+    raise ValueError(f"{field} must be a string, a list of messages or a list of token ids, got "
+                     f"{type(prompt).__name__}")
+
+
+def _has_text(content) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}]
+        return any(isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"].strip() for p in content)
+    return False

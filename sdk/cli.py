@@ -99,7 +99,7 @@ def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
         from relayinfer.cloud.export import EXPORT_SECONDS, device_model_ready, ensure_device_model
     except ImportError:  # torch-free install: the device model must already be exported (load_engine says so)
         from relayinfer.device.onnx_engine import device_model_dir
-        from relayinfer.protocol.errors import ModelFileError
+        from relayinfer.protocol.model.errors import ModelFileError
 
         try:
             return device_model_dir(model)
@@ -153,9 +153,9 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Generate an answer on one runtime (no split)."""
-    from relayinfer.protocol.checks import check_prompt_text
-    from relayinfer.protocol.decoding import SamplingParams, check_prompt
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.protocol.validate import check_prompt_text
+    from relayinfer.protocol.model.decoding import SamplingParams, check_prompt
+    from relayinfer.protocol.model.tokenizer import Tokenizer
     from relayinfer.sdk.engines import ENGINES, load_engine
 
     _log_to_stderr()
@@ -225,7 +225,7 @@ def _cloud_service(model, device: str, threads: int | None, token: str | None, e
 def _check_ports(host: str, *ports: tuple[str, int | None]) -> None:
     """Exit 2 with one line naming the port when a listening command cannot bind one of `ports`
     ((option name, port); 0 = any free port, skipped). Called before any model loads."""
-    from relayinfer.protocol.checks import check_ports_free
+    from relayinfer.sdk.checks import check_ports_free
 
     try:
         check_ports_free(host, ports)
@@ -373,8 +373,8 @@ def demo(
 ):
     """The main job: an embedded cloud service on loopback and a device session against it."""
     from relayinfer.device.profiles import load_profile
-    from relayinfer.protocol.checks import check_prompt_text
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.validate import check_prompt_text
+    from relayinfer.protocol.model.decoding import SamplingParams
 
     say = (lambda m: typer.echo(m, err=True)) if not as_json else (lambda m: None)
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -457,8 +457,8 @@ def chat(
     The chat is one `Conversation`: one websocket for all turns, and each turn prefills only what
     the previous turns did not (the device keeps its KV cache, the cloud its own)."""
     from relayinfer.device.profiles import load_profile
-    from relayinfer.protocol.checks import check_cloud_url
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.sdk.checks import check_cloud_url
+    from relayinfer.protocol.model.decoding import SamplingParams
 
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     try:  # bad input fails here, before the model loads
@@ -756,9 +756,10 @@ def relay_bench(out: Path = typer.Option(None, help="results JSON (plot written 
 
 
 def _run_relay(args: list[str]) -> None:
-    """Run `relayinfer relay ARGS` (cloud/relay/cli.py, imported only now: it needs torch), with
-    `relay bench` added here: its driver is in bench/, which the library does not import."""
-    mod = _need_cloud("`relayinfer relay`", "relayinfer.cloud.relay.cli")
+    """Run `relayinfer relay ARGS` (sdk/relay_cli.py, loaded only now, after the cloud side it runs:
+    it needs torch), with `relay bench` added here: its driver is in bench/, which the library does
+    not import."""
+    mod = _need_cloud("`relayinfer relay`", "relayinfer.sdk.relay_cli", "relayinfer.cloud.relay.server")
     if not any(c.name == "bench" for c in mod.relay_app.registered_commands):
         mod.relay_app.command("bench")(relay_bench)
     typer.main.get_command(mod.relay_app).main(args=args, prog_name="relayinfer relay")

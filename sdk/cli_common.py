@@ -34,7 +34,7 @@ def serve_for(svc, duration_s: float | None, up) -> None:
     on stderr and exit code 3 (`lifecycle.EXIT_FAILED`), for a supervisor to restart it. `up()` (a
     coroutine function) starts `svc` and announces it; `svc.stop()` runs on the way out, bounded
     (`lifecycle.run_server`: open requests get 5 s, then what is left is cancelled)."""
-    from relayinfer.protocol.lifecycle import run_server
+    from relayinfer.protocol.transport.lifecycle import run_server
 
     code = run_server(svc, up, duration_s)
     if code:

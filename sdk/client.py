@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
 from relayinfer.device.split import CloudEstimate, GenerationResult, SplitOptions, SplitSession, TokenEvent
-from relayinfer.protocol.checks import check_cloud_url, check_prompt_text
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.sdk.checks import check_cloud_url
+from relayinfer.protocol.validate import check_prompt_text
+from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.validate import FieldError, check_ids, check_vocab
 
 _END = object()
@@ -121,7 +122,7 @@ def device_model_url(cloud_url: str, token: str | None = None, ssl=None, timeout
         OSError, TimeoutError: the cloud cannot be reached within `timeout_s` (s)."""
     from urllib.parse import urlsplit, urlunsplit
 
-    from relayinfer.protocol import ws as proto_ws
+    from relayinfer.protocol.transport import ws as proto_ws
 
     async def ask():
         ch = await proto_ws.open_channel(cloud_url, "", token, client="relayinfer-device", open_timeout=timeout_s,
@@ -201,7 +202,7 @@ class Client:
                  profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True,
                  cloud_http_url: str | None = None, progress=None, kv_handoff: bool | str = "auto",
                  link_bytes_per_s: float | None = None):
-        from relayinfer.protocol.security import context_for_url
+        from relayinfer.protocol.transport.security import context_for_url
 
         if cloud_url is not None:
             cloud_url = check_cloud_url(cloud_url)
@@ -217,7 +218,7 @@ class Client:
             raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
         if engine is None:
             from relayinfer.device.onnx_engine import OnnxEngine, device_model_dir, onnx_file_name
-            from relayinfer.protocol.errors import ModelFileError
+            from relayinfer.protocol.model.errors import ModelFileError
 
             if cloud_http_url is not None and model is None:
                 if quantize:
@@ -271,7 +272,7 @@ class Client:
         request). Without a cloud URL: None."""
         if self.cloud_url is None:
             return None
-        from relayinfer.protocol import ws as proto_ws
+        from relayinfer.protocol.transport import ws as proto_ws
 
         async def probe():
             ch = await proto_ws.open_channel(self.cloud_url, self.fingerprint, self.token, client="relayinfer-device",
@@ -358,7 +359,7 @@ class Client:
         import time
         import urllib.request
 
-        from relayinfer.protocol.security import context_for_url
+        from relayinfer.protocol.transport.security import context_for_url
 
         base = self.cloud_http_url or (device_model_url(self.cloud_url, self.token, self.ssl) if self.cloud_url else None)
         if base is None:
@@ -403,7 +404,7 @@ class Client:
 
         Raises (here, before anything runs):
             ValueError: an empty prompt (an empty or blank string, no messages or none with text, no
-                token ids: the rule of `protocol.checks.check_prompt_text`); `FieldError` (a
+                token ids: the rule of `protocol.validate.check_prompt_text`); `FieldError` (a
                 ValueError whose `.field` names the field) for a sampling or split value outside the
                 shared rules of `protocol.validate` (its message gives the allowed range), a prompt
                 token id outside the vocabulary, or an unknown keyword.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from relayinfer.protocol.errors import UnknownEngineError
+from relayinfer.protocol.model.errors import UnknownEngineError
 
 ENGINES = ("torch", "onnx")
 

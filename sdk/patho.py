@@ -91,7 +91,7 @@ def screen_slide(path: str | os.PathLike, cloud_url: str, coarse_model: str | os
     ``payload``: "jpeg" (tiles as JPEG, ``jpeg_quality``), "raw" (uint8 pixels), "features" (device
     features, scored by the cloud's feature ABMIL), or "auto" (``payload_mode(link_mbps, ...)``).
     ``blur_var``: candidate tiles whose Laplacian variance (grey levels²) is lower are dropped as
-    out of focus. ``threshold``: decision threshold on the slide score (e.g. from ``protocol.calibration``).
+    out of focus. ``threshold``: decision threshold on the slide score (e.g. from ``sdk.patho_calibration``).
     ``timeout_s`` bounds the whole exchange with the cloud. Raises SlideError for a bad slide or model,
     ValueError for a bad argument, RemoteError / ChannelClosed / OSError / TimeoutError from the cloud.
     """
@@ -160,8 +160,8 @@ async def _screen(url, token, ca, verify, args, threshold, calibration) -> Patho
     """Handshake first (a refused token or tile geometry fails before the slide is read), then the
     device work in a thread, then the batches (the next sent while the cloud encodes the previous:
     at most 2 in flight), then the report."""
-    from relayinfer.protocol.security import context_for_url
-    from relayinfer.protocol.ws import open_channel
+    from relayinfer.protocol.transport.security import context_for_url
+    from relayinfer.protocol.transport.ws import open_channel
 
     path, screen, tile_px, mpp, progress = args[0], args[1], args[4], args[3], args[-1]
     t0 = time.perf_counter()

@@ -158,7 +158,7 @@ def serve(
         _fail(ValueError("--certfile and --keyfile go together: give both (TLS) or neither"))
     tls = server_policy(host, token, insecure_no_auth, certfile, keyfile)  # exit 2 before the encoder loads
     limits = connection_limits(max_connections, max_connections_per_client, header_timeout_s, 60.0)
-    from relayinfer.protocol.checks import check_ports_free
+    from relayinfer.sdk.checks import check_ports_free
 
     try:  # a busy port fails in one line before the encoder loads
         check_ports_free(host, [("--port", port)])
@@ -215,7 +215,7 @@ def calibrate(
     exact Clopper-Pearson lower bound on sensitivity and the specificity at that threshold."""
     import csv
 
-    from relayinfer.protocol.calibration import calibrate_threshold
+    from relayinfer.sdk.patho_calibration import calibrate_threshold
 
     try:
         rows = [r for r in csv.reader(Path(scores_csv).read_text().splitlines()) if r]

@@ -1,6 +1,6 @@
 """Options and start-up checks every server command shares (`cloud serve`, `pd serve`, `patho serve`;
-`relay serve` mirrors them in cloud/relay/cli.py): auth, TLS and connection limits
-(protocol/security.py, protocol/limits.py). Torch-free."""
+`relay serve` mirrors them in sdk/relay_cli.py): auth, TLS and connection limits
+(protocol/transport/security.py, protocol/transport/limits.py). Torch-free."""
 from __future__ import annotations
 
 import typer
@@ -21,7 +21,7 @@ def server_policy(host: str, token: str | None, insecure_no_auth: bool, certfile
     """The start-up policy of every server command, before anything loads or binds: exit 2 when
     `host` is not loopback and there is no token (unless --insecure-no-auth), or when the TLS files
     do not go together or do not load. Returns the server ssl.SSLContext (None without TLS)."""
-    from relayinfer.protocol.security import check_exposure
+    from relayinfer.protocol.transport.security import check_exposure
 
     try:
         check_exposure(host, token, insecure_no_auth)
@@ -32,8 +32,8 @@ def server_policy(host: str, token: str | None, insecure_no_auth: bool, certfile
 
 def connection_limits(max_connections: int, max_connections_per_client: int, header_timeout_s: float,
                       idle_timeout_s: float, retry_after_ms: float = 5000.0):
-    """`protocol.limits.ConnectionLimits` of the shared server options (exit 2 naming a bad one)."""
-    from relayinfer.protocol.limits import ConnectionLimits
+    """`protocol.transport.limits.ConnectionLimits` of the shared server options (exit 2 naming a bad one)."""
+    from relayinfer.protocol.transport.limits import ConnectionLimits
 
     try:
         return ConnectionLimits(max_connections, max_connections_per_client, header_timeout_s, idle_timeout_s,
@@ -50,7 +50,7 @@ def server_tls(certfile: str | None, keyfile: str | None):
         return None
     if certfile is None or keyfile is None:
         fail(ValueError("--certfile and --keyfile go together: give both (TLS) or neither (plain ws/http)"))
-    from relayinfer.protocol.security import server_context
+    from relayinfer.protocol.transport.security import server_context
 
     try:
         return server_context(certfile, keyfile)

@@ -17,14 +17,14 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def model_path():
-    from relayinfer.protocol.model_file import default_model_path
+    from relayinfer.protocol.model.model_file import default_model_path
 
     return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from relayinfer.protocol.tokenizer import Tokenizer
+    from relayinfer.protocol.model.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(model_path)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from relayinfer.cloud.engine.block_manager import BlockManager, block_hash
 from relayinfer.cloud.engine.sequence import Sequence
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 BS = 4
 P = SamplingParams(max_new_tokens=32)

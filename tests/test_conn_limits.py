@@ -1,4 +1,4 @@
-"""Connection limits on every port (protocol/limits.py): request-head timeout (slowloris), caps on
+"""Connection limits on every port (protocol/transport/limits.py): request-head timeout (slowloris), caps on
 open connections in all and per client address at accept (503 + Retry-After), sessions counted at
 the websocket upgrade (not at Hello), and accept() errors logged once per interval."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.errors import ErrorCode, RemoteError
-from relayinfer.protocol.limits import ConnectionGate, ConnectionLimits, is_loopback, quiet_accept_errors
+from relayinfer.protocol.transport.limits import ConnectionGate, ConnectionLimits, is_loopback, quiet_accept_errors
 from relayinfer.protocol.messages import Error, decode
 
 FP = "f" * 64

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from relayinfer.cloud.engine.llm_engine import LLMEngine
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 BS = 16
 N = 20

@@ -67,7 +67,7 @@ def _run(code: str, *args: str, cache, timeout: float = 240.0) -> subprocess.Com
 
 
 def test_torch_free_device_fetches_the_model_and_splits(cloud, onnx_engine, tmp_path):
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.model.decoding import SamplingParams
 
     # no cloud_http_url: the Welcome names where the device model is (Client(cloud_url=...) alone)
     p = _run(DEVICE_RUN, cloud.url, "", TOKEN, cache=tmp_path)
@@ -96,7 +96,7 @@ def test_cloud_subcommands_name_the_extra_without_torch(tmp_path):
 
 def test_interrupted_download_resumes_with_a_range_request(cloud, device_model_dir, tmp_path):
     from relayinfer.device.fetch import download_device_model
-    from relayinfer.protocol.errors import ModelFileError
+    from relayinfer.protocol.model.errors import ModelFileError
 
     name, dest = "tokenizer.json", tmp_path / "dl"
     full = (device_model_dir / name).read_bytes()

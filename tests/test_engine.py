@@ -12,7 +12,7 @@ from relayinfer.cloud.engine.block_manager import BlockManager
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.engine.model_runner import kv_bytes_per_token
 from relayinfer.cloud.engine.sequence import Sequence
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=16)
 BS = 16

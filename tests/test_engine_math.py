@@ -16,7 +16,7 @@ from relayinfer.cloud.engine.block_manager import BlockManager
 from relayinfer.cloud.engine.sampler import sample_batch
 from relayinfer.cloud.engine.sequence import Sequence
 from relayinfer.cloud.models.llama import CAUSAL, ConcatKV, StaticKV, causal_mask, gqa_attention
-from relayinfer.protocol.decoding import SamplingParams, draw, sample, top_p_keep
+from relayinfer.protocol.model.decoding import SamplingParams, draw, sample, top_p_keep
 
 
 def expanded_attention64(q, k, v, mask):
@@ -196,7 +196,7 @@ def test_cached_free_counter_matches_scan(ops, prefix):
 
 def test_finish_reason_orders_eos_stop_length_budget():
     """The one finish rule: EOS, then a stop id, then max_new_tokens, then the cloud budget."""
-    from relayinfer.protocol.decoding import finish_reason
+    from relayinfer.protocol.model.decoding import finish_reason
     p = SamplingParams(max_new_tokens=4, stop_ids=(7,))
     assert finish_reason(2, 1, p, eos_id=2) == "eos"
     assert finish_reason(7, 1, p, eos_id=2) == "stop"

@@ -1,7 +1,7 @@
 """Fault isolation: an exception raised while serving one request ends that request only.
 
 Faults are injected into the real engine on the real model: the sampler raising for one request
-(`protocol.decoding.sample`, the numpy path a seeded, temperature > 0 request takes), a stop check
+(`protocol.model.decoding.sample`, the numpy path a seeded, temperature > 0 request takes), a stop check
 raising for one sequence, a batched forward failing once (or for good), a K/V import failing. Each
 time the other requests finish with the tokens they get alone, the failed one gets an error naming
 it, every KV block goes back, and the next request is served. Over HTTP and the websocket the
@@ -21,7 +21,7 @@ from relayinfer.cloud.engine import llm_engine as le
 from relayinfer.cloud.engine import sampler as sampler_mod
 from relayinfer.cloud.engine.llm_engine import (AsyncLLMEngine, EngineFailed, LLMEngine, RequestFailed,
                                                 MAX_FORWARD_FAILURES)
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8)
 BAD_SEED = 4242  # the injected sampler raises for requests with this seed
@@ -205,7 +205,7 @@ def test_http_request_whose_sampler_raises_gets_500_others_answer(cloud, bad_sam
 
 
 def _ws_generate(url, fp, gens) -> dict:
-    from relayinfer.protocol import ws as proto_ws
+    from relayinfer.protocol.transport import ws as proto_ws
     from relayinfer.protocol.messages import Done, Error, Token
 
     async def main():
@@ -289,7 +289,7 @@ def test_patho_encoder_fault_ends_only_its_slide():
     from relayinfer.cloud.patho.vit import VIT_TINY_TEST
     from relayinfer.protocol.messages import Embeddings, Error, Tensor, TileBatch
     from relayinfer.protocol.patho import jpeg_encode
-    from relayinfer.protocol.ws import open_channel
+    from relayinfer.protocol.transport.ws import open_channel
 
     enc = ViTEncoder(cfg=VIT_TINY_TEST, seed=0)
     real = enc.encode

@@ -18,8 +18,8 @@ import pytest
 from relayinfer.device.profiles import DeviceProfile, PacedEngine
 from relayinfer.device import split as split_mod
 from relayinfer.device.split import CloudEstimate, SplitOptions, SplitSession
-from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.transport import ws as proto_ws
+from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode
 from relayinfer.protocol.messages import Done, Error, Generate, Stop, Token
 

@@ -13,9 +13,10 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from relayinfer.protocol.checks import check_cloud_url, check_ports_free, check_prompt_text
-from relayinfer.protocol.decoding import SamplingParams, check_prompt
-from relayinfer.protocol.errors import PromptTooLongError
+from relayinfer.sdk.checks import check_cloud_url, check_ports_free
+from relayinfer.protocol.validate import check_prompt_text
+from relayinfer.protocol.model.decoding import SamplingParams, check_prompt
+from relayinfer.protocol.model.errors import PromptTooLongError
 from relayinfer.sdk.cli import app
 
 runner = CliRunner(env={"COLUMNS": "200"})  # usage errors come in a rich box: keep each on one line
@@ -248,7 +249,7 @@ def test_export_progress_when_it_happens(monkeypatch, tmp_path):
 # --- 4. the demo's default conversation and sampling ------------------------------------------
 
 def test_demo_default_answer_is_long_and_not_repetitive(onnx_engine, tokenizer):
-    from relayinfer.protocol.decoding import generate
+    from relayinfer.protocol.model.decoding import generate
     from relayinfer.sdk.cli import DEMO_CONVERSATION, DEMO_SAMPLING
     from relayinfer.sdk.datasets import chitchat_prompt
 

@@ -17,9 +17,9 @@ import pytest
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
-from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.errors import ErrorCode, RemoteError
-from relayinfer.protocol.security import bearer_token, token_matches
+from relayinfer.protocol.transport.security import bearer_token, token_matches
 
 openai = pytest.importorskip("openai")
 

@@ -6,6 +6,9 @@ The rules:
 - no import cycles between modules, counting imports inside functions too (a lazy import still
   ties the two modules together; a shared piece belongs in a lower or a small shared module);
 - protocol/ (the wire layer) imports nothing of cloud/, device/ or sdk/, and never torch;
+- the wire contract (the modules directly in protocol/) is sans-I/O: no asyncio, sockets, TLS or
+  websockets/aiohttp, and nothing of its own adapters (protocol/transport/) or of the shared model
+  side (protocol/model/); those two import the contract, never the other way round;
 - device/ (the on-device install, no torch) imports neither torch, cloud/ nor sdk/, anywhere;
 - cloud/ never imports device/ or sdk/ (what both sides need lives in protocol/);
 - sdk/ imports cloud/ only inside functions: the CLI and `load_engine` load the cloud side lazily,
@@ -21,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("protocol", "cloud", "device", "sdk")
+IO_PACKAGES = ("asyncio", "socket", "ssl", "websockets", "aiohttp")
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,10 @@ def violations(edges: list[Edge]) -> list[str]:
             bad.append(f"{e}: {src}/ must not import torch")
         if src == "protocol" and ours not in (None, "protocol"):
             bad.append(f"{e}: protocol/ imports only protocol/")
+        if src == "protocol" and e.src.count(".") == 2 and (
+                dst.split(".")[0] in IO_PACKAGES or dst.startswith(("relayinfer.protocol.transport",
+                                                                    "relayinfer.protocol.model"))):
+            bad.append(f"{e}: the wire contract is sans-I/O")
         if src == "device" and ours in ("cloud", "sdk"):
             bad.append(f"{e}: device/ must not import {ours}/")
         if src == "cloud" and ours in ("device", "sdk"):
@@ -174,6 +182,7 @@ def test_the_checks_catch_a_cycle_and_each_rule(tmp_path):
     """The same checks on a small fake tree that breaks every rule once."""
     files = {
         "protocol/__init__.py": "", "protocol/a.py": "import torch\nfrom relayinfer.device import b\n",
+        "protocol/w.py": "import asyncio\n",
         "device/__init__.py": "", "device/b.py": "def f():\n    from relayinfer.cloud import c\n",
         "cloud/__init__.py": "", "cloud/c.py": "from . import d\n", "cloud/d.py": "from .c import x\nimport relayinfer.sdk.e\n",
         "sdk/__init__.py": "", "sdk/e.py": "from relayinfer.cloud import c\n\ndef g():\n    import relayinfer.cloud.d\n",
@@ -185,5 +194,6 @@ def test_the_checks_catch_a_cycle_and_each_rule(tmp_path):
     assert cycles(mods, edges) == [["relayinfer.cloud.c", "relayinfer.cloud.d", "relayinfer.sdk.e"]]
     bad = violations(edges)
     assert sorted(b.split(": ", 1)[1] for b in bad) == sorted([
-        "protocol/ must not import torch", "protocol/ imports only protocol/", "device/ must not import cloud/",
+        "protocol/ must not import torch", "protocol/ imports only protocol/", "the wire contract is sans-I/O",
+        "device/ must not import cloud/",
         "cloud/ must not import sdk/", "sdk/ imports cloud/ only inside functions"])

@@ -13,9 +13,10 @@ import urllib.request
 import pytest
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread, split_frame_limit
-from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams
-from relayinfer.protocol.errors import ErrorCode, PromptTooLongError, RemoteError
+from relayinfer.protocol.transport import ws as proto_ws
+from relayinfer.protocol.model.decoding import SamplingParams
+from relayinfer.protocol.errors import ErrorCode, RemoteError
+from relayinfer.protocol.model.errors import PromptTooLongError
 from relayinfer.protocol.messages import HANDSHAKE_MAX_BYTES, Done, Error, Generate, Hello, Token, encode
 
 BLOCKS = 32  # KV cache of the test engine: 32 blocks x 16 tokens = 512 tokens

@@ -14,7 +14,7 @@ from relayinfer.device.settings import Timing, simulate
 from relayinfer.device.speed import SpeedController, count_stalls, release_time, tpot_from_arrivals
 from relayinfer.protocol.kvhandoff import kv_bytes_per_token, kv_layers, kv_messages, kv_part_messages, kv_parts
 from relayinfer.protocol.messages import decode, encode
-from relayinfer.protocol.model_file import ModelConfig
+from relayinfer.protocol.model.model_file import ModelConfig
 
 CFG = ModelConfig(n_layers=30, dim=576, ffn_dim=1536, n_heads=9, n_kv_heads=3, vocab_size=49152,
                   context_length=8192, rope_theta=100000.0, norm_eps=1e-5, bos_id=1, eos_id=2, tied_embeddings=True)

@@ -1,4 +1,4 @@
-"""One memory budget for every request path (protocol.limits.MemoryBudget): the batching engine's
+"""One memory budget for every request path (protocol.transport.limits.MemoryBudget): the batching engine's
 KV pool is reserved, requests on the per-request path (refinement, KV hand-off, no batching engine)
 are charged while they run and refused with OVERLOADED + retry_after_ms beyond the budget, OpenAI
 echo logprobs get 503 + Retry-After, pathology batches are charged while held; every charge is back
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread, per_request_bytes
-from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.errors import ErrorCode
-from relayinfer.protocol.limits import MemoryBudget
+from relayinfer.protocol.transport.limits import MemoryBudget
 from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Tensor, TileBatch
 
 BLOCKS = 32  # the test engine's KV pool: 32 blocks x 16 tokens x 46,080 bytes = 22.5 MiB

@@ -87,7 +87,7 @@ def test_device_reuse_truncates_to_common_prefix(onnx_engine):
     import asyncio
 
     from relayinfer.device.split import DeviceCache, SplitOptions, SplitSession
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.model.decoding import SamplingParams
 
     tok = onnx_engine.tokenizer()
     ids = tok.encode_chat(user_turns(1)[0])

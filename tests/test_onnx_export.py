@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 
 def _dequant_blocks(bits, q, scales, offsets):
@@ -29,7 +29,7 @@ def _unpack4(packed):
 @pytest.fixture(scope="module")
 def gguf_weights(model_path):
     from relayinfer.cloud.onnx_graph import _Weights
-    from relayinfer.protocol.model_file import open_gguf, read_config
+    from relayinfer.protocol.model.model_file import open_gguf, read_config
 
     reader = open_gguf(model_path)
     return _Weights(reader, read_config(reader))
@@ -169,7 +169,7 @@ def test_export_format_and_refused_options(model_path, device_model_dir):
     file's sha256; the former int8 option is refused with a clear error."""
     from relayinfer.cloud.export import device_model_ready, ensure_device_model
     from relayinfer.device.onnx_engine import FORMAT_VERSION, OnnxEngine, onnx_file_name
-    from relayinfer.protocol.model_file import file_sha256
+    from relayinfer.protocol.model.model_file import file_sha256
 
     assert device_model_dir.name == f"onnx-v{FORMAT_VERSION}"
     m = json.loads((device_model_dir / "manifest.json").read_text())

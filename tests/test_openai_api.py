@@ -11,7 +11,7 @@ from aiohttp import web
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.serve.openai_api import make_app
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 openai = pytest.importorskip("openai")
 

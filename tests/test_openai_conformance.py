@@ -14,8 +14,8 @@ import torch
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
-from relayinfer.protocol.decoding import SamplingParams, adjust_logits, sample, token_logprobs
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.decoding import SamplingParams, adjust_logits, sample, token_logprobs
+from relayinfer.protocol.model.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 KV_BYTES = 16 << 20  # 22 blocks of 16 tokens: max_model_len 352 < the 8,192-token context

@@ -4,9 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from relayinfer.protocol.calibration import (
-    binomial_tail, binomial_tail_sum, calibrate_threshold, clopper_pearson_lower, clopper_pearson_upper,
-)
+from relayinfer.sdk.patho_calibration import (binomial_tail, binomial_tail_sum, calibrate_threshold,
+    clopper_pearson_lower, clopper_pearson_upper)
 
 
 @pytest.mark.parametrize("n", [1, 10, 299, 921, 5000])

@@ -17,7 +17,7 @@ from relayinfer.device.slide import bundled_svs
 from relayinfer.protocol.errors import RemoteError
 from relayinfer.protocol.messages import Embeddings, Error, Tensor, TileBatch, encode
 from relayinfer.protocol.patho import jpeg_encode, patho_fingerprint
-from relayinfer.protocol.ws import open_channel
+from relayinfer.protocol.transport.ws import open_channel
 from relayinfer.sdk.patho import screen_slide, write_heatmap
 
 

@@ -14,7 +14,7 @@ from relayinfer.cloud.pd.gateway import Gateway, Group, GroupSpec, LocalHandle, 
 from relayinfer.cloud.pd.instance import Instance, InstanceConfig
 from relayinfer.cloud.pd.kv import from_messages, to_messages
 from relayinfer.cloud.pd.service import wait_idle
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6)
 

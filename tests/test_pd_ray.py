@@ -17,7 +17,7 @@ from relayinfer.cloud.pd.gateway import GroupSpec, Scenario  # noqa: E402
 from relayinfer.cloud.pd.instance import InstanceConfig  # noqa: E402
 from relayinfer.cloud.pd.service import make_pd_service, wait_idle  # noqa: E402
 from relayinfer.cloud.serve.service import ServiceThread  # noqa: E402
-from relayinfer.protocol.decoding import SamplingParams  # noqa: E402
+from relayinfer.protocol.model.decoding import SamplingParams  # noqa: E402
 
 MAX_NEW = 24
 # Starting Ray and four actors on a shared 2-core machine takes 1-2 minutes: beyond the default

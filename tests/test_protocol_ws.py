@@ -1,4 +1,4 @@
-"""relayinfer.protocol.ws against real websockets servers on 127.0.0.1 (free port, started per test)."""
+"""relayinfer.protocol.transport.ws against real websockets servers on 127.0.0.1 (free port, started per test)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed
 
-from relayinfer.protocol import ws
+from relayinfer.protocol.transport import ws
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
 from relayinfer.protocol.messages import (
     Cancel, Done, Embeddings, Error, Generate, Ping, Pong, Stop, Tensor, Token, decode, encode,

@@ -1,4 +1,4 @@
-"""Prompt refinement's scaffold (`protocol.refine`): markers read from the chat template, whole
+"""Prompt refinement's scaffold (`protocol.model.refine`): markers read from the chat template, whole
 headers, the system role checked, scaffold charged only for turns with kept content; ChatML (the
 shipped SmolLM2 template) and a Llama-3-style template on the same vocabulary."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from relayinfer.protocol.refine import (TemplateMarkers, chunk_mean_scores, last_user_turn, mix_recency,
-                                        refine_indices, system_prefix_len, turn_spans)
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.refine import TemplateMarkers, system_prefix_len, turn_spans
+from relayinfer.cloud.refine import chunk_mean_scores, last_user_turn, mix_recency, refine_indices
+from relayinfer.protocol.model.tokenizer import Tokenizer
 
 # Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template
 LLAMA3_TEMPLATE = (

@@ -1,6 +1,6 @@
 """Prompt refinement end to end: the device prefills the refined prompt at the kept tokens' original
 RoPE positions and continues the answer at n + k (`device.split.prefill_at`), and `refine='auto'`
-picks the keep ratio from the measured table (`protocol.refine.choose_refine`)."""
+picks the keep ratio from the measured table (`protocol.model.refine.choose_refine`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +9,8 @@ import torch
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.split import SplitOptions, takes_positions
-from relayinfer.protocol import refine as refine_mod
-from relayinfer.protocol.refine import REFINE_BY_LENGTH, check_refine, choose_refine
+from relayinfer.protocol.model import refine as refine_mod
+from relayinfer.protocol.model.refine import REFINE_BY_LENGTH, check_refine, choose_refine
 from relayinfer.sdk import Client
 
 from test_refine import CONV  # tests/ is on sys.path

@@ -115,7 +115,7 @@ def test_malformed_frame_does_not_kill_instance(cluster):
             reply = await ws.recv()
             assert b"bad_frame" in reply or b"handshake" in reply
         from relayinfer.protocol.messages import Cancel, Error
-        from relayinfer.protocol.ws import open_channel
+        from relayinfer.protocol.transport.ws import open_channel
         ch = await open_channel(p.url, p.fingerprint)
         await ch.send(Cancel(request_id="c1"))                   # a message an instance does not handle
         reply = await ch.recv()

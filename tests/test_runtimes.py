@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from relayinfer.protocol.decoding import SamplingParams, generate, sample
-from relayinfer.protocol.errors import (ModelFileError, PromptTooLongError, UnknownEngineError,
-                                        UnsupportedModelError)
-from relayinfer.protocol.model_file import open_gguf, read_config
-from relayinfer.protocol.tokenizer import Tokenizer
+from relayinfer.protocol.model.decoding import SamplingParams, generate, sample
+from relayinfer.protocol.model.errors import (ModelFileError, PromptTooLongError, UnknownEngineError,
+    UnsupportedModelError)
+from relayinfer.protocol.model.model_file import open_gguf, read_config
+from relayinfer.protocol.model.tokenizer import Tokenizer
 
 TOKENIZER_CASES = [
     "hello  world   three spaces",

@@ -16,9 +16,9 @@ import urllib.request
 import pytest
 from typer.testing import CliRunner
 
-from relayinfer.protocol import ws as proto_ws
+from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.errors import ErrorCode, RemoteError
-from relayinfer.protocol.security import check_exposure
+from relayinfer.protocol.transport.security import check_exposure
 from relayinfer.sdk.cli import app
 
 SERVERS = [["cloud", "serve", "--port", "0", "--http-port", "0"], ["pd", "serve", "--port", "0", "--http-port", "0"],

@@ -156,7 +156,7 @@ def test_an_idle_device_replans_when_the_cloud_is_slower_than_planned(tokenizer)
     from types import SimpleNamespace
 
     from relayinfer.device.split import CloudEstimate, SplitOptions, _Run
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.model.decoding import SamplingParams
 
     def run_with(tpot_ms: float):
         s = SimpleNamespace(opt=SplitOptions(), device_timing=(24.0, 16.57, 79.1), cloud_url="ws://cloud",

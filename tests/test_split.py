@@ -14,9 +14,9 @@ import pytest
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.profiles import DeviceProfile
-from relayinfer.protocol import refine as refine_mod
-from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model import refine as refine_mod
+from relayinfer.protocol.transport import ws as proto_ws
+from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode, RemoteError
 from relayinfer.protocol.messages import Generate, Token, encode
 from relayinfer.sdk import Client

@@ -23,7 +23,7 @@ import pytest
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.profiles import DeviceProfile
-from relayinfer.protocol.security import client_context, server_context
+from relayinfer.protocol.transport.security import client_context, server_context
 from relayinfer.sdk import Client
 
 trustme = pytest.importorskip("trustme")

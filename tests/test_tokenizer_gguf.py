@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from relayinfer.protocol.errors import UnsupportedModelError
-from relayinfer.protocol.tokenizer import SUPPORTED_PRE, Tokenizer
+from relayinfer.protocol.model.errors import UnsupportedModelError
+from relayinfer.protocol.model.tokenizer import SUPPORTED_PRE, Tokenizer
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGUFValueType

@@ -16,8 +16,8 @@ import requests
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
-from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams, sample, seed_key
+from relayinfer.protocol.transport import ws as proto_ws
+from relayinfer.protocol.model.decoding import SamplingParams, sample, seed_key
 from relayinfer.protocol.errors import ErrorCode
 from relayinfer.protocol.messages import Cancel, Done, Error, Generate, Stop, Token
 from relayinfer.protocol.validate import SEED_MAX, SEED_MIN, FieldError

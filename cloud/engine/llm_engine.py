@@ -2,7 +2,7 @@
 
 `LLMEngine` ties the pieces together (nano-vllm's `llm_engine.py`): `Scheduler` picks the step's
 tokens, `ModelRunner` computes them on the paged cache, sampling is `sampler.sample_batch` (argmax
-for greedy rows, else `protocol.decoding.sample`: numpy, seeded per answer position, so a seeded
+for greedy rows, else `protocol.model.decoding.sample`: numpy, seeded per answer position, so a seeded
 request draws the same tokens here as on `TorchEngine` or the device), and `BlockManager`
 frees/caches blocks. `add_request` and `abort` are thread-safe (they go through an inbox drained
 at the start of each step), so `step()` can run on a background thread while an event loop adds and
@@ -21,8 +21,8 @@ from typing import AsyncIterator, Callable, NamedTuple, Sequence as Seq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.models.llama import Llama
-from relayinfer.protocol.decoding import SamplingParams, finish_reason, token_logprobs
-from relayinfer.protocol.errors import PromptTooLongError
+from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, token_logprobs
+from relayinfer.protocol.model.errors import PromptTooLongError
 
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, kv_bytes_per_token

@@ -29,7 +29,7 @@ import torch
 
 from relayinfer.cloud.models.llama import CAUSAL, Llama, gqa_attention, rope
 from relayinfer.protocol.kvhandoff import kv_bytes_per_token as _kv_bytes_per_token
-from relayinfer.protocol.model_file import ModelConfig
+from relayinfer.protocol.model.model_file import ModelConfig
 
 from .scheduler import ScheduledSeq
 

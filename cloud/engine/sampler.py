@@ -3,7 +3,7 @@
 Greedy rows (temperature 0, no logit adjustments: the common case and the benchmarks') are one
 `torch.argmax` over their logits [B, vocab] (first maximum on ties, as `np.argmax`). Rows that draw
 (temperature > 0) or adjust logits (penalties, bias, min_tokens) go through
-`protocol.decoding.sample`, the numpy sampler the device and the split service also use: it is
+`protocol.model.decoding.sample`, the numpy sampler the device and the split service also use: it is
 seeded per (seed, answer position), so a seeded request draws the same token whatever else is in
 the batch and whichever side (cloud engine, `TorchEngine`, device) computes it, and it sorts no
 more than the nucleus' candidates (`decoding.top_p_keep`), never the whole vocabulary. A torch
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from relayinfer.protocol.decoding import sample
+from relayinfer.protocol.model.decoding import sample
 
 from .sequence import Sequence
 

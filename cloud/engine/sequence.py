@@ -12,7 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

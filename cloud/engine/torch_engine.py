@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from relayinfer.cloud.models.llama import Llama, ObservationScores, StaticKV, load_llama
-from relayinfer.protocol.decoding import GenerationOutput, SamplingParams, generate
-from relayinfer.protocol.model_file import ModelConfig, fingerprint, resolve_model_path
+from relayinfer.protocol.model.decoding import GenerationOutput, SamplingParams, generate
+from relayinfer.protocol.model.model_file import ModelConfig, fingerprint, resolve_model_path
 
 
 def pick_device(device: str | None) -> str:

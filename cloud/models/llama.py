@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relayinfer.protocol.model_file import ModelConfig, open_gguf, read_config
+from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config
 
 
 class KVCache(Protocol):
@@ -303,7 +303,7 @@ def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
     """
     import gguf
 
-    from relayinfer.protocol.errors import ModelFileError
+    from relayinfer.protocol.model.errors import ModelFileError
 
     reader = open_gguf(path)
     cfg = read_config(reader)

@@ -154,7 +154,7 @@ def export_coarse_model(out: str | Path, head_path: str | Path | None = None, se
     import hashlib
     import os
 
-    from relayinfer.protocol.model_file import file_sha256
+    from relayinfer.protocol.model.model_file import file_sha256
 
     torch.manual_seed(seed)
     head = nn.Linear(FEATURE_DIM, 1)
@@ -185,7 +185,7 @@ def export_coarse_model(out: str | Path, head_path: str | Path | None = None, se
 def ensure_coarse_model(head_path: str | Path | None = None, seed: int = 0, tile_px: int = 224) -> Path:
     """The cached coarse-screen ONNX file for (backbone, head, seed, tile_px), exported on first use
     (~3 s) into ``cache_dir()/patho/``. Returns its path (its metadata beside it, ``.onnx.json``)."""
-    from relayinfer.protocol.model_file import cache_dir, file_sha256
+    from relayinfer.protocol.model.model_file import cache_dir, file_sha256
 
     head_id = file_sha256(head_path)[:16] if head_path is not None else f"random{seed}"
     out = cache_dir() / "patho" / f"coarse-effnetlite0-{head_id}-{tile_px}.onnx"

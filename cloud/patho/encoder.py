@@ -94,7 +94,7 @@ class ViTEncoder(TileEncoder):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if weights is not None:
-            from relayinfer.protocol.model_file import file_sha256
+            from relayinfer.protocol.model.model_file import file_sha256
 
             sd = load_state_dict(weights)
             cfg = VisionTransformer.config_from_state_dict(sd, heads)

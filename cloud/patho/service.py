@@ -1,4 +1,4 @@
-"""The cloud fine screen as a websocket service over the shared protocol (``protocol.ws.serve``).
+"""The cloud fine screen as a websocket service over the shared protocol (``protocol.transport.ws.serve``).
 
 Same handshake, auth token, frame limits and TLS as the split service: the device's Hello carries
 ``patho_fingerprint(tile_px, mpp)`` (the tile geometry, see ``protocol/patho.py``) and the token.
@@ -13,13 +13,13 @@ Limits: ``max_tiles_per_slide`` tiles per request and ``max_slides_per_session``
 connection (more: Error BAD_REQUEST / OVERLOADED with the request id); a request's state is freed
 at its last batch, on a per-request Error, or when the connection ends. ``max_sessions`` open
 connections at most, counted at the websocket upgrade (more: a connection-level OVERLOADED with
-``retry_after_ms``). One memory budget (``memory_bytes``, `protocol.limits.MemoryBudget`) holds
+``retry_after_ms``). One memory budget (``memory_bytes``, `protocol.transport.limits.MemoryBudget`) holds
 every received batch while it is decoded and encoded (its frame, decoded tiles and embeddings) and
 the embeddings each open slide keeps: a batch that does not fit gets Error OVERLOADED with
 ``retry_after_ms`` (the slide is refused; the device sends it again later). websockets queues at
 most one further frame per connection (``max_queue=1``), so a connection holds at most about three
 frames (the one processed, one queued, one arriving); connections are capped at accept
-(`protocol.limits.ConnectionGate`). One compute thread runs the
+(`protocol.transport.limits.ConnectionGate`). One compute thread runs the
 models (``torch.set_num_threads(threads)``), so batches of different devices queue in arrival order.
 Malformed tiles (not JPEG, wrong size, mixed modes) get Error(BAD_REQUEST) naming what was wrong;
 a refused request stays refused: its batches still in flight get Error(UNKNOWN_REQUEST), unencoded.
@@ -39,11 +39,11 @@ import numpy as np
 import torch
 
 from relayinfer.protocol.errors import ErrorCode
-from relayinfer.protocol.limits import Charge, ConnectionGate, ConnectionLimits, MemoryBudget
+from relayinfer.protocol.transport.limits import Charge, ConnectionGate, ConnectionLimits, MemoryBudget
 from relayinfer.protocol.messages import MAX_FRAME_BYTES, Embeddings, Error, Tensor, TileBatch
 from relayinfer.protocol.patho import TILE_MPP, TILE_PX, jpeg_decode, patho_fingerprint
 from relayinfer.protocol.validate import RULES, FieldError, check, check_ids
-from relayinfer.protocol.ws import ServerChannel, serve
+from relayinfer.protocol.transport.ws import ServerChannel, serve
 
 from .encoder import TileEncoder
 from .mil import ABMIL
@@ -63,7 +63,7 @@ class SlideScreener:
 
     def __init__(self, encoder: TileEncoder, mil_weights: str | Path | None = None,
                  feature_mil_weights: str | Path | None = None, seed: int = 0) -> None:
-        from relayinfer.protocol.model_file import file_sha256
+        from relayinfer.protocol.model.model_file import file_sha256
 
         self.encoder = encoder
         torch.manual_seed(seed)
@@ -113,7 +113,7 @@ class PathoService:
     compute thread; ``max_frame_bytes``: frame limit after the handshake (64 MiB: ~420 raw 224-px tiles);
     ``max_sessions``: open connections at most; ``memory_bytes``: the memory budget of held frames,
     tiles and embeddings (bytes); ``retry_after_ms``: the back-off hint of OVERLOADED (ms);
-    ``limits``: connection limits (`protocol.limits.ConnectionLimits`, default ones when None).
+    ``limits``: connection limits (`protocol.transport.limits.ConnectionLimits`, default ones when None).
     Counters: ``stats`` (tiles, batches, slides, bytes received, encode seconds); ``budget`` (its
     ``used`` bytes are 0 when no slide is open)."""
 

@@ -48,7 +48,7 @@ from typing import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.engine.llm_engine import RequestFailed, StepOutput
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import RelayInferError
 
 from .instance import Handoff, Instance, InstanceDied, Rejected

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, EngineFailed, LLMEngine, StepOutput
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 
 from .kv import MODES, KVPayload, export_kv, writer
 

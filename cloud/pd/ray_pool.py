@@ -162,7 +162,7 @@ class InstanceActor:
 
 
 def _warm_params():
-    from relayinfer.protocol.decoding import SamplingParams
+    from relayinfer.protocol.model.decoding import SamplingParams
 
     return SamplingParams(max_new_tokens=2)
 

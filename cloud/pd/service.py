@@ -16,7 +16,7 @@ import asyncio
 from typing import AsyncIterator
 
 from relayinfer.cloud.serve.service import CloudService
-from relayinfer.protocol.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.validate import check, check_ids, check_vocab
 from relayinfer.cloud.engine.llm_engine import check_fits
 

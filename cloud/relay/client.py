@@ -19,7 +19,7 @@ from relayinfer.cloud.relay.instance_proc import InstanceProc, spawn_instance  #
 from relayinfer.cloud.relay.router import Router
 from relayinfer.protocol.errors import ChannelClosed, RelayInferError, RemoteError
 from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores
-from relayinfer.protocol.ws import ClientChannel, open_channel
+from relayinfer.protocol.transport.ws import ClientChannel, open_channel
 
 
 @dataclass

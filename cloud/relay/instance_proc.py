@@ -57,7 +57,7 @@ def spawn_instance(name: str, checkpoint: str, latency: str, config: dict | None
     token: the bearer token the instance requires (handed over in its environment, not on its
     command line; a RELAYINFER_TOKEN of this process is not passed on); needed for a non-loopback
     `host`, where the instance refuses to start without one."""
-    from relayinfer.protocol.security import TOKEN_ENV
+    from relayinfer.protocol.transport.security import TOKEN_ENV
 
     cmd = [sys.executable, "-m", "relayinfer.cloud.relay.server", "--port", "0", "--checkpoint", checkpoint,
            "--latency", latency, "--parent-pid", str(os.getpid()), "--lifetime-s", str(lifetime_s),

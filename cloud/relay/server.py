@@ -10,10 +10,10 @@ PreInfer (fire-and-forget signal; answered only by an Error on bad input), Rank 
 (prefix_source hbm|dram|recompute|none) or Error(BAD_REQUEST | OVERLOADED | INTERNAL); Ping is
 answered by the protocol session; any other message with a request_id -> Error(BAD_REQUEST).
 Plain HTTP `GET /stats` on the same port returns the instance counters as JSON.
-Auth and TLS as every server (`protocol.security`): `--token` (default: the `RELAYINFER_TOKEN`
+Auth and TLS as every server (`protocol.transport.security`): `--token` (default: the `RELAYINFER_TOKEN`
 environment variable) is required in the Hello and as `Authorization: Bearer` on `/stats` (401
 otherwise); `--certfile`/`--keyfile` serve wss:// and https://; a non-loopback `--host` without a
-token exits 2 unless `--insecure-no-auth`. Connections are capped at accept (`protocol.limits`).
+token exits 2 unless `--insecure-no-auth`. Connections are capped at accept (`protocol.transport.limits`).
 One compute thread runs the model; ranking requests go before queued pre-inferences.
 The process stops by itself when its parent dies, after --lifetime-s, or on SIGTERM/SIGINT.
 """
@@ -38,10 +38,11 @@ import torch
 
 from relayinfer.protocol.errors import ErrorCode, ProtocolError
 from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores, Tensor
-from relayinfer.protocol.limits import ConnectionGate, ConnectionLimits
-from relayinfer.protocol.model_file import file_sha256
-from relayinfer.protocol.security import TOKEN_ENV, bearer_token, check_exposure, server_context, token_matches
-from relayinfer.protocol.ws import ServerChannel, serve
+from relayinfer.protocol.transport.limits import ConnectionGate, ConnectionLimits
+from relayinfer.protocol.model.model_file import file_sha256
+from relayinfer.protocol.transport.security import (TOKEN_ENV, bearer_token, check_exposure, server_context,
+    token_matches)
+from relayinfer.protocol.transport.ws import ServerChannel, serve
 
 log = logging.getLogger("relayinfer.relay")
 

@@ -197,7 +197,7 @@ DEFAULT_CHECKPOINT_INFO = Path(__file__).with_name("hstu_ml100k.json")
 def default_checkpoint() -> Path:
     """The shipped checkpoint after checking its sha256 against DEFAULT_CHECKPOINT_INFO.
     Raises FileNotFoundError if it is missing, ValueError if its hash does not match."""
-    from relayinfer.protocol.model_file import file_sha256
+    from relayinfer.protocol.model.model_file import file_sha256
     info = json.loads(DEFAULT_CHECKPOINT_INFO.read_text())
     got = file_sha256(DEFAULT_CHECKPOINT)
     if got != info["sha256"]:
@@ -231,7 +231,7 @@ def train_and_save(cfg: TrainConfig | None = None, log=print, path: Path | None 
 
 def write_default_info(metrics: dict) -> None:
     """Record the shipped checkpoint's sha256, test metrics and the command that made it."""
-    from relayinfer.protocol.model_file import file_sha256
+    from relayinfer.protocol.model.model_file import file_sha256
     t = metrics.get("train") or {}
     cmd = "relayinfer relay train" + (f" --steps {t['steps']}" if t.get("steps", 500) != 500 else "") + \
         (f" --attn-norm {t['attn_norm']}" if t.get("attn_norm") not in (None, t.get("max_len", 100) + 1) else "") + \

@@ -43,9 +43,9 @@ import numpy as np
 from aiohttp import web
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine
-from relayinfer.protocol.checks import check_prompt_text
-from relayinfer.protocol.decoding import SamplingParams, seed_key, token_logprobs
-from relayinfer.protocol.errors import PromptTooLongError
+from relayinfer.protocol.validate import check_prompt_text
+from relayinfer.protocol.model.decoding import SamplingParams, seed_key, token_logprobs
+from relayinfer.protocol.model.errors import PromptTooLongError
 from relayinfer.protocol.validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOKENS, FieldError, check, check_ids
 
 log = logging.getLogger("relayinfer.openai")
@@ -152,7 +152,7 @@ class _Request:
 
 
 def _require_text(body: dict, chat: bool) -> None:
-    """The one rule for empty input of every entry point (`protocol.checks.check_prompt_text`): a
+    """The one rule for empty input of every entry point (`protocol.validate.check_prompt_text`): a
     blank prompt string or messages without any text get 400 naming the field. Malformed shapes
     are left to the field's own checks."""
     name = "messages" if chat else "prompt"
@@ -404,10 +404,10 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
 
     Args:
         engine: the `AsyncLLMEngine` (started lazily inside the app's event loop).
-        tokenizer: `relayinfer.protocol.tokenizer.Tokenizer` of the served model (chat template).
+        tokenizer: `relayinfer.protocol.model.tokenizer.Tokenizer` of the served model (chat template).
         model_name: the id that `/v1/models` lists and answers carry; requests may send it as
             `model`, one of `aliases` (e.g. the GGUF file's name), or no `model` at all.
-        budget: the server's `protocol.limits.MemoryBudget` (None: not charged); `echo` with
+        budget: the server's `protocol.transport.limits.MemoryBudget` (None: not charged); `echo` with
             `logprobs` runs one full forward per prompt outside the batch, charged its float32
             logits and hidden states while it runs, and answered 503 with `Retry-After`
             (`retry_after_s`, seconds) when they do not fit.

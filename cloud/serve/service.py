@@ -26,17 +26,18 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from relayinfer.protocol import ws as proto_ws
-from relayinfer.protocol.decoding import SamplingParams, finish_reason, sample
+from relayinfer.protocol.transport import ws as proto_ws
+from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, sample
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
-from relayinfer.protocol.model_file import file_sha256
+from relayinfer.protocol.model.model_file import file_sha256
 from relayinfer.protocol.kvhandoff import common_prefix, kv_messages
-from relayinfer.protocol.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
-                                        quiet_accept_errors, runner_kwargs)
+from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
+    quiet_accept_errors, runner_kwargs)
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, KVTransfer,
                                           Pong, RefinedPrompt, Stop, Token, encode)
-from relayinfer.protocol.refine import WINDOW, TemplateMarkers, select
-from relayinfer.protocol.security import bearer_token, server_context, token_matches
+from relayinfer.cloud.refine import WINDOW, select
+from relayinfer.protocol.model.refine import TemplateMarkers
+from relayinfer.protocol.transport.security import bearer_token, server_context, token_matches
 from relayinfer.protocol.validate import MAX_STOP_IDS, FieldError, check, check_ids, check_vocab
 
 log = logging.getLogger("relayinfer.cloud")
@@ -151,7 +152,7 @@ class CloudService:
         max_sessions: open device sessions at most, counted from the websocket upgrade (before the
             Hello: an open websocket that has not said Hello holds a slot); a device beyond it is
             refused with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
-        memory_bytes: the memory budget of every request path (bytes; `protocol.limits.MemoryBudget`).
+        memory_bytes: the memory budget of every request path (bytes; `protocol.transport.limits.MemoryBudget`).
             The batching engine's KV pool is charged from the start (its size, for good); each
             request on the per-request path (refinement, KV hand-off `kv_from`, every request
             without `llm`) is charged `per_request_bytes` while it runs, a kept multi-turn KV cache
@@ -159,7 +160,7 @@ class CloudService:
             A request that does not fit gets OVERLOADED with `retry_after_ms` (websocket) or 503
             with `Retry-After` (HTTP). Default: the KV pool + `REQUEST_MEMORY_MB` (512 MiB). Its
             use is on /metrics (`relayinfer_memory_*`).
-        limits: connection limits of both ports together (`protocol.limits.ConnectionLimits`:
+        limits: connection limits of both ports together (`protocol.transport.limits.ConnectionLimits`:
             open connections in all and per client address, request-head / handshake / Hello
             timeouts, keep-alive idle timeout); default `ConnectionLimits()`.
         max_requests_per_session: concurrent Generates per session at most (OVERLOADED beyond).
@@ -467,7 +468,7 @@ class CloudService:
     @property
     def special_ids(self) -> frozenset[int]:
         if self._special_ids is None:
-            from relayinfer.protocol.tokenizer import Tokenizer
+            from relayinfer.protocol.model.tokenizer import Tokenizer
 
             self._special_ids = Tokenizer.from_gguf(self.engine.model_path).special_ids
         return self._special_ids
@@ -479,7 +480,7 @@ class CloudService:
         if getattr(self, "_markers", None) is None:
             from dataclasses import replace
 
-            from relayinfer.protocol.tokenizer import Tokenizer
+            from relayinfer.protocol.model.tokenizer import Tokenizer
 
             m = TemplateMarkers.from_tokenizer(Tokenizer.from_gguf(self.engine.model_path))
             self._markers = m if self._special_ids is None else replace(m, special_ids=frozenset(self._special_ids))
@@ -634,7 +635,7 @@ class CloudService:
         app.router.add_get("/v1/device-model/{name}", self._device_model)
         if self.llm is not None:
             from relayinfer.cloud.serve.openai_api import openai_routes
-            from relayinfer.protocol.tokenizer import Tokenizer
+            from relayinfer.protocol.model.tokenizer import Tokenizer
 
             path = Path(self.engine.model_path)  # the GGUF's own name is an alias of the model id
             openai_routes(app, self.llm, Tokenizer.from_gguf(path), self.model_name, aliases=(path.name, path.stem),

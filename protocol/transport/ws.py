@@ -40,10 +40,11 @@ from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as _ws_serve
 from websockets.exceptions import ConnectionClosed
 
-from .errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
-from .limits import ConnectionGate, ConnectionLimits, gated_connection, quiet_accept_errors
-from .messages import MAX_FRAME_BYTES, Error, Hello, Message, Welcome
-from .session import ClientSession, HandshakeDone, MessageReceived, PeerError, ProtocolViolation, ServerSession
+from relayinfer.protocol.errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
+from relayinfer.protocol.transport.limits import ConnectionGate, ConnectionLimits, gated_connection, quiet_accept_errors
+from relayinfer.protocol.messages import MAX_FRAME_BYTES, Error, Hello, Message, Welcome
+from relayinfer.protocol.session import (ClientSession, HandshakeDone, MessageReceived, PeerError, ProtocolViolation,
+    ServerSession)
 
 __all__ = ["ws_max_size", "ServerChannel", "ClientChannel", "accept", "serve", "open_channel"]
 
@@ -286,7 +287,7 @@ def serve(
     that is sent instead of the Welcome before closing. ``release``, if given, is called once when
     an admitted connection ends, whatever ended it.
 
-    Connection limits (`protocol.limits`): ``gate`` (default: a new ``ConnectionGate`` with the
+    Connection limits (`protocol.transport.limits`): ``gate`` (default: a new ``ConnectionGate`` with the
     default ``ConnectionLimits``; share one between a server's ports) caps open connections, total
     and per client address, at accept (503 + Retry-After beyond); the websocket opening handshake
     (``open_timeout``), the TLS handshake and the Hello (``handshake_timeout``) are each bounded by

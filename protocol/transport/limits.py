@@ -14,7 +14,7 @@ One `ConnectionGate` per server process holds the limits of all its ports (`Conn
   which also closes a connection whose next head does not arrive in that time: see `runner_kwargs`);
 - on a websocket port (`gated_connection`, a ``websockets`` connection class) the opening handshake
   is bounded by websockets' ``open_timeout`` and the protocol Hello by the handshake timeout of
-  ``protocol.ws.serve``, both ``header_timeout_s``;
+  ``protocol.transport.ws.serve``, both ``header_timeout_s``;
 - a TLS handshake is bounded by ``header_timeout_s`` too (``ssl_handshake_timeout``).
 
 `MemoryBudget` is the one byte budget of a server's requests (see its docstring).

@@ -13,8 +13,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from .errors import PromptTooLongError
-from .validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, FieldError, check, check_ids
+from relayinfer.protocol.model.errors import PromptTooLongError
+from relayinfer.protocol.validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, FieldError, check, check_ids
 
 
 @dataclass(frozen=True)

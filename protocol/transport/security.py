@@ -117,7 +117,7 @@ def check_exposure(host: str | None, token: str | None, insecure_no_auth: bool =
         ValueError: `host` is not loopback, `token` is empty and `insecure_no_auth` is False (the
             message names --host, --token and --insecure-no-auth).
     """
-    from .limits import is_loopback
+    from relayinfer.protocol.transport.limits import is_loopback
 
     if token or insecure_no_auth or is_loopback(host):
         return

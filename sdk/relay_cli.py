@@ -1,5 +1,6 @@
 """CLI of the GR relay: `relayinfer relay train|serve` (mounted by sdk/cli.py, which adds `relay bench`:
-its driver, bench/relay.py, lives outside the library)."""
+its driver, bench/relay.py, lives outside the library). The cloud side is imported inside each
+command, so this module loads on any install."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,8 +41,8 @@ def serve(port: int = typer.Option(0, min=0, max=65535, help="Listen port; 0 = a
           header_timeout_s: float = typer.Option(10.0, min=0.001, help="Seconds for the opening handshake and the "
                                                                        "Hello, each.")) -> None:
     """Run one ranking instance in the foreground (prints READY <port> <fingerprint>)."""
-    from relayinfer.protocol.checks import check_ports_free
-    from relayinfer.protocol.security import check_exposure
+    from relayinfer.sdk.checks import check_ports_free
+    from relayinfer.protocol.transport.security import check_exposure
 
     try:  # the policy and a busy port fail in one line before the model loads
         check_exposure(host, token, insecure_no_auth)

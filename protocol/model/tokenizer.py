@@ -28,9 +28,9 @@ from typing import Iterable, Sequence
 import json
 from pathlib import Path
 
-from .errors import UnsupportedModelError
-from .model_file import field as gguf_field
-from .model_file import model_cache_dir, open_gguf, resolve_model_path
+from relayinfer.protocol.model.errors import UnsupportedModelError
+from relayinfer.protocol.model.model_file import field as gguf_field
+from relayinfer.protocol.model.model_file import model_cache_dir, open_gguf, resolve_model_path
 
 _CONTROL = 3  # llama.cpp token type CONTROL
 _USER_DEFINED = 4

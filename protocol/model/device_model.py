@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from relayinfer.protocol.model_file import model_cache_dir, resolve_model_path
+from relayinfer.protocol.model.model_file import model_cache_dir, resolve_model_path
 
 FORMAT_VERSION = 2  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV)
 WEIGHTS = ("gguf", "fp32")

@@ -1,13 +1,13 @@
-"""Input checks shared by every entry point (CLI, `Client`, HTTP API): cloud URLs, listen ports and
-empty prompts. Each raises `ValueError` with a message in plain words that names the field, the
-value and what is allowed, so the CLI can print it as one line (exit status 2) and the HTTP API can
-return it as a 400.
+"""Input checks of the CLI and the `Client`: cloud URLs and listen ports (the empty-prompt rule that
+every door shares is `protocol.validate.check_prompt_text`). Each raises `ValueError` with a message
+in plain words that names the field, the value and what is allowed, so the CLI can print it as one
+line (exit status 2).
 """
 from __future__ import annotations
 
 import errno
 import socket
-from typing import Iterable, Sequence
+from typing import Iterable
 from urllib.parse import urlsplit
 
 CLOUD_SCHEMES = ("ws", "wss")
@@ -87,34 +87,3 @@ def _bind_error(name: str, host: str, port: int, e: OSError) -> str:
     if e.errno == errno.EADDRNOTAVAIL:
         return f"--host {host!r} is not an address of this machine; use 127.0.0.1 or 0.0.0.0"
     return f"cannot listen on {host}:{port} ({name}): {e.strerror or e}"
-
-
-def check_prompt_text(prompt, field: str = "prompt") -> None:
-    """The one rule for empty input, at every entry point: a prompt must hold some text (or
-    tokens). Refused: a string that is empty or only whitespace, an empty list, a list of messages
-    whose contents are all empty or whitespace, an empty list of token ids.
-
-    Raises:
-        ValueError: the prompt is empty by this rule (the message says which form was empty).
-    """
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise ValueError(f"{field} is empty: give a message with some text")
-        return
-    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-        if len(prompt) == 0:
-            raise ValueError(f"{field} is empty: give a message with some text, a list of messages, or token ids")
-        if all(isinstance(m, dict) for m in prompt) and not any(_has_text(m.get("content")) for m in prompt):
-            raise ValueError(f"{field} has {len(prompt)} message(s) but none with text: give at least one "
-                             "message whose content is not empty")
-        return
-    raise ValueError(f"{field} must be a string, a list of messages or a list of token ids, got "
-                     f"{type(prompt).__name__}")
-
-
-def _has_text(content) -> bool:
-    if isinstance(content, str):
-        return bool(content.strip())
-    if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}]
-        return any(isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"].strip() for p in content)
-    return False

