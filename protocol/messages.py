@@ -170,8 +170,9 @@ class Generate(_Msg, tag="generate"):
     sampling: ``temperature`` (0 = greedy), ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed``;
     ``cloud_budget``: max tokens the cloud streams (None = to the end); ``refine``: keep ratio in
     (0, 1] for prompt refinement (None = off); ``stop_ids``: token ids that end generation;
-    ``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty`` / ``min_tokens``: as in
-    ``decoding.SamplingParams`` (defaults: off), so both sides sample the same answer.
+    ``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty`` / ``min_tokens`` /
+    ``logit_bias`` ([token id, bias] pairs, bias in [-100, 100]): as in
+    ``protocol.model.decoding.SamplingParams`` (defaults: off), so both sides sample the same answer.
     ``kv_from``: None, or ask for the KV hand-off: right after the first ``Token`` the cloud sends
     one ``KVTransfer`` with the KV of prompt tokens [kv_from, len(prompt_ids) - 1) (fp16; the
     device already holds the first ``kv_from``, e.g. from the previous turn of a conversation, and
@@ -193,6 +194,7 @@ class Generate(_Msg, tag="generate"):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     kv_from: Union[int, None] = None
+    logit_bias: list[tuple[int, float]] = []
 
 
 class Token(_Msg, tag="token"):

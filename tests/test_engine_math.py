@@ -205,3 +205,20 @@ def test_finish_reason_orders_eos_stop_length_budget():
     assert finish_reason(5, 4, p, eos_id=2, budget=4) == "length"  # the answer's own end wins
     assert finish_reason(5, 2, p, eos_id=2, budget=2) == "budget"
     assert finish_reason(2, 1, p, eos_id=-1) is None  # EOS ignored
+
+
+def test_generate_message_carries_every_sampling_field_both_ways():
+    """The one Generate <-> SamplingParams conversion: every sampling field, logit_bias included,
+    survives the wire (msgpack) unchanged; logprobs, which the split protocol does not carry, is
+    refused naming the field instead of being dropped."""
+    from relayinfer.protocol.messages import decode, encode
+    from relayinfer.protocol.model.decoding import generate_message, params_of
+    from relayinfer.protocol.validate import FieldError
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=-3, max_new_tokens=9, stop_ids=(5, 6),
+                       presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.1, min_tokens=2,
+                       logit_bias=((3, 2.5), (9, -100.0)))
+    g = decode(encode(generate_message("r", [1, 2, 3], p, cloud_budget=4, refine=0.5)))
+    assert params_of(g) == p and g.cloud_budget == 4 and g.refine == 0.5 and g.prompt_ids == [1, 2, 3]
+    with pytest.raises(FieldError) as e:
+        generate_message("r", [1], SamplingParams(logprobs=2))
+    assert e.value.field == "logprobs"

@@ -15,6 +15,7 @@ import numpy as np
 
 from relayinfer.protocol.model.errors import PromptTooLongError
 from relayinfer.protocol.validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, FieldError, check, check_ids
+from relayinfer.protocol.messages import Generate
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,37 @@ class GenerationOutput:
     finish_reason: str = "length"
     prefill_ms: float = 0.0
     decode_ms_per_token: float = 0.0
+
+
+# The sampling fields a Generate carries, by the same names as SamplingParams.
+WIRE_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
+
+
+def params_of(msg: Generate) -> SamplingParams:
+    """The SamplingParams of a Generate (the cloud's side of the conversion; `generate_message` is
+    the device's). Raises FieldError (a ValueError naming the field) for a value outside the rules."""
+    kw = {k: getattr(msg, k) for k in WIRE_SAMPLING}
+    kw["stop_ids"], kw["logit_bias"] = tuple(msg.stop_ids), tuple((t, b) for t, b in msg.logit_bias)
+    return SamplingParams(**kw)
+
+
+def generate_message(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+                     cloud_budget: int | None = None, refine: float | None = None,
+                     kv_from: int | None = None) -> Generate:
+    """The Generate that asks a cloud for `params` on `prompt_ids` (every sampling field travels, so
+    both sides sample the same answer).
+
+    Raises:
+        ValueError: `params.logprobs` is set; the split protocol carries no logprobs (the OpenAI
+            HTTP API does).
+    """
+    if params.logprobs is not None:
+        raise FieldError("logprobs", "left out for a split request (the OpenAI HTTP API returns logprobs)",
+                         params.logprobs)
+    kw = {k: getattr(params, k) for k in WIRE_SAMPLING}
+    kw["stop_ids"], kw["logit_bias"] = list(params.stop_ids), list(params.logit_bias)
+    return Generate(request_id, list(prompt_ids), cloud_budget=cloud_budget, refine=refine, kv_from=kv_from, **kw)
 
 
 def check_prompt(n_prompt: int, max_new_tokens: int, context_length: int) -> None:
