@@ -11,7 +11,7 @@ engine, tokenizer or HTTP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import numpy as np
 
@@ -105,6 +105,7 @@ class GenerationRequest:
     the request left it out (then `default_max_tokens`, capped to what fits)."""
 
     default_max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS_COMPLETION
+    chat: ClassVar[bool] = False  # the field set of /v1/chat/completions (else /v1/completions)
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -122,6 +123,24 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None
     ignore_eos: bool = False  # vLLM's: EOS does not end the answer (it runs to max_tokens or a stop)
+
+    @classmethod
+    def from_json(cls, body: Any, served: ServedModel) -> Self:
+        """The request of a decoded JSON `body` for the model `served` (an instance of `cls`).
+
+        Raises:
+            APIError: 400 naming the field (unknown, unsupported, malformed), 404 unknown model.
+            FieldError: a value outside the shared rules of `protocol.validate`.
+        """
+        _check_body(body, served, cls.chat)
+        common = _common_fields(body, served.vocab_size)
+        own = cls._own_fields(body, served.vocab_size)
+        return cls(**common, **own, ignore_eos=_bool(body, "ignore_eos"))
+
+    @classmethod
+    def _own_fields(cls, body: dict, vocab_size: int) -> dict:
+        """The endpoint's own fields of `body` (prompt or messages, logprobs...), checked."""
+        raise NotImplementedError
 
     def to_sampling_params(self, prompt_tokens: int, max_model_len: int, choice: int = 0) -> SamplingParams:
         """The engine's sampling of choice `choice` (0..n-1) for a prompt of `prompt_tokens` tokens.
@@ -150,25 +169,17 @@ class ChatCompletionRequest(GenerationRequest):
     chat template (role `developer` given as `system`, text parts joined)."""
 
     default_max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS_CHAT
+    chat: ClassVar[bool] = True
     messages: tuple[dict, ...] = ()
 
     @classmethod
-    def from_json(cls, body: Any, served: ServedModel) -> ChatCompletionRequest:
-        """The request of a decoded JSON `body` for the model `served`.
-
-        Raises:
-            APIError: 400 naming the field (unknown, unsupported, malformed), 404 unknown model.
-            FieldError: a value outside the shared rules of `protocol.validate`.
-        """
-        _check_body(body, served, chat=True)
-        common = _common_fields(body, served.vocab_size)
+    def _own_fields(cls, body: dict, vocab_size: int) -> dict:
         messages = parse_messages(body.get("messages"))
         lp = _bool(body, "logprobs")
         top = _field(body, "top_logprobs", None)
         if top is not None and not lp:  # as OpenAI and vLLM
             raise FieldError("top_logprobs", "left out unless logprobs is true", top)
-        return cls(**common, messages=tuple(messages), logprobs=(top or 0) if lp else None,
-                   ignore_eos=_bool(body, "ignore_eos"))
+        return {"messages": tuple(messages), "logprobs": (top or 0) if lp else None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,19 +191,9 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
 
     @classmethod
-    def from_json(cls, body: Any, served: ServedModel) -> CompletionRequest:
-        """The request of a decoded JSON `body` for the model `served`.
-
-        Raises:
-            APIError: 400 naming the field (unknown, unsupported, malformed), 404 unknown model.
-            FieldError: a value outside the shared rules of `protocol.validate`.
-        """
-        _check_body(body, served, chat=False)
-        common = _common_fields(body, served.vocab_size)
-        prompt = parse_prompt(body.get("prompt"), served.vocab_size)
-        logprobs = _field(body, "logprobs", None)
-        return cls(**common, prompt=tuple(prompt), logprobs=logprobs, echo=_bool(body, "echo"),
-                   ignore_eos=_bool(body, "ignore_eos"))
+    def _own_fields(cls, body: dict, vocab_size: int) -> dict:
+        prompt = parse_prompt(body.get("prompt"), vocab_size)
+        return {"prompt": tuple(prompt), "logprobs": _field(body, "logprobs", None), "echo": _bool(body, "echo")}
 
     def prompt_param(self, i: int) -> str:
         """The field that names prompt `i`: ``prompt``, or ``prompt[i]`` in a batch."""

@@ -105,6 +105,7 @@ class Choices:
         self.firsts: list = []
 
     def __len__(self) -> int:
+        """The number of choices (prompts x n)."""
         return len(self.runs)
 
     async def start(self) -> None:
@@ -125,6 +126,7 @@ class Choices:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def aclose(self) -> None:
+        """Leave every choice's generator (idempotent): what still runs is aborted in the engine."""
         for g in self.gens:
             await g.aclose()
 
@@ -155,9 +157,11 @@ class SSEStream:
         self.request_id, self._events, self._choices = request_id, events, choices
 
     def __aiter__(self) -> AsyncIterator[bytes]:
+        """The events, each `bytes` ready to write."""
         return self._events
 
     async def aclose(self) -> None:
+        """End the events and leave every choice's generator (idempotent)."""
         await self._events.aclose()
         await self._choices.aclose()
 

@@ -25,6 +25,7 @@ class OpenAIServingModels:
 
     @property
     def model_name(self) -> str:
+        """The served model's id (what answers carry as `model`)."""
         return self.served.name
 
     def show_available_models(self) -> dict:
