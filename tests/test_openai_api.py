@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
-from relayinfer.cloud.serve.openai_api import make_app
+from relayinfer.cloud.serve.openai.api_server import make_app
 from relayinfer.protocol.model.decoding import SamplingParams
 
 openai = pytest.importorskip("openai")

@@ -349,7 +349,7 @@ def test_openai_stream_that_fails_ends_with_error_event_finish_reason_and_done(t
     openai = pytest.importorskip("openai")
     from aiohttp import web
 
-    from relayinfer.cloud.serve.openai_api import make_app
+    from relayinfer.cloud.serve.openai.api_server import make_app
 
     async def main():
         real = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))

@@ -634,7 +634,7 @@ class CloudService:
         app.router.add_get("/v1/device-model/manifest", self._manifest_handler)
         app.router.add_get("/v1/device-model/{name}", self._device_model)
         if self.llm is not None:
-            from relayinfer.cloud.serve.openai_api import openai_routes
+            from relayinfer.cloud.serve.openai.api_server import openai_routes
             from relayinfer.protocol.model.tokenizer import Tokenizer
 
             path = Path(self.engine.model_path)  # the GGUF's own name is an alias of the model id

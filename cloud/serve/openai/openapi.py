@@ -90,6 +90,16 @@ def _comp_logprobs() -> dict:
 _FINISH = {"type": "string", "enum": ["stop", "length"]}
 
 
+def _response(obj: str, key: str, content: dict, logprobs: dict) -> dict:
+    """A whole (non-streamed) response of object type `obj` whose choices hold `key` (`content`'s
+    schema) and `logprobs`."""
+    choice = {"type": "object", "required": ["index", key, "finish_reason", "logprobs"], "properties": {
+        "index": {"type": "integer"}, key: content, "finish_reason": _FINISH, "logprobs": logprobs}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+        "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _usage(), "choices": {"type": "array", "items": choice}}}
+
+
 def openapi_spec(model_name: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document (a JSON-ready dict) of `/v1/chat/completions`, `/v1/completions`
     and `/v1/models` as served for `model_name`."""
@@ -111,24 +121,11 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
                               "maxItems": 64},
                              ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": 64}]},
         "echo": {"type": ["boolean", "null"]}, "logprobs": _range(_INT, 0, 20), "best_of": _range(_INT, 1, 16)}}
-    chat_resp = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": _usage(),
-        "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason",
-                                                                                "logprobs"],
-                                               "properties": {
-            "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _chat_logprobs(),
-            "message": {"type": "object", "required": ["role", "content", "refusal"], "properties": {
-                "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
-                "refusal": {"type": ["string", "null"]}}}}}}}}
-    comp_resp = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
-        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": _usage(),
-        "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text", "finish_reason",
-                                                                                "logprobs"],
-                                               "properties": {
-            "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
-            "logprobs": _comp_logprobs()}}}}}
+    chat_resp = _response("chat.completion", "message", {
+        "type": "object", "required": ["role", "content", "refusal"], "properties": {
+            "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+            "refusal": {"type": ["string", "null"]}}}, _chat_logprobs())
+    comp_resp = _response("text_completion", "text", {"type": "string"}, _comp_logprobs())
     errors = {str(c): {"description": d, "content": {"application/json": {"schema": _error()}}}
               for c, d in ((400, "invalid request"), (401, "missing or wrong bearer token"),
                            (404, "unknown model"), (500, "engine failure"))}

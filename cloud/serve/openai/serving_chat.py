@@ -1,0 +1,64 @@
+"""`OpenAIServingChat`: `/v1/chat/completions` without HTTP. The messages go through the model's
+chat template; the answer is `choices[].message` (or, streamed, a first chunk with the role and
+then `delta`s), with OpenAI's `logprobs.content[]` entries when asked."""
+from __future__ import annotations
+
+from relayinfer.cloud.serve.openai.protocol import APIError, ChatCompletionRequest
+from relayinfer.cloud.serve.openai.serving_engine import ChoiceFormat, Entry, OpenAIServing, SSEStream, token_str
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Chat completions over the engine (see `OpenAIServing` for the arguments)."""
+
+    request_id_prefix = "chatcmpl"
+    response_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    prompt_field = "messages"
+
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> dict | SSEStream:
+        """The answer to `req`: the `chat.completion` dict, or for `req.stream` the `SSEStream` of
+        `chat.completion.chunk` events (the caller must `aclose()` it).
+
+        Raises:
+            APIError: 400 for messages the template refuses, a request that cannot fit
+                (`context_length_exceeded`) or `ignore_eos` on the P/D gateway; any other request
+                error of the engine, before anything is answered.
+            FieldError: `min_tokens` above the default `max_tokens` that fits.
+        """
+        try:
+            ids = self.tokenizer.encode_chat(list(req.messages))
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"invalid 'messages': {e}", "messages", "invalid_value") from None
+        self._check_engine(req)
+        rid, created = self._new_id()
+        choices = self._choices(req, [ids], rid, ["messages"])
+        return await self._respond(req, choices, _ChatFormat(self.tokenizer, req.logprobs is not None), rid, created)
+
+
+class _ChatFormat(ChoiceFormat):
+    """Chat's choices: `message` / `delta` (the role in each choice's first chunk) and logprobs
+    `{"content": [{"token", "logprob", "bytes", "top_logprobs"}], "refusal": None}`."""
+
+    def __init__(self, tokenizer, logprobs: bool):
+        self.tok, self.logprobs = tokenizer, logprobs
+
+    def opening(self, ci: int) -> dict:
+        return {"index": ci, "delta": {"content": "", "role": "assistant"}, "finish_reason": None, "logprobs": None}
+
+    def full(self, ci: int, text: str, entries: list[Entry], finish: str) -> dict:
+        return {"index": ci, "message": {"role": "assistant", "content": text, "refusal": None},
+                "finish_reason": finish, "logprobs": self._logprobs(entries)}
+
+    def delta(self, ci: int, text: str | None, finish: str | None, entries: list[Entry]) -> dict:
+        return {"index": ci, "delta": {} if text is None else {"content": text}, "finish_reason": finish,
+                "logprobs": self._logprobs(entries) if entries else None}
+
+    def _logprobs(self, entries: list[Entry]) -> dict | None:
+        if not self.logprobs:
+            return None
+
+        def item(t: int, lp: float | None) -> dict:
+            s = token_str(self.tok, t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", errors="replace"))}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top or []]}
+                            for t, lp, top in entries], "refusal": None}
