@@ -38,7 +38,7 @@ import numpy as np
 
 from relayinfer.protocol.model.device_model import WEIGHTS  # noqa: F401  (this module's API)
 from relayinfer.protocol.model.errors import ModelFileError
-from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config
+from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config, rope_inv_freq
 
 ACCURACY_LEVEL = 0  # MatMulNBits: 0 = activations stay fp32 (4 = int8 activations; see docs/SPLIT.md)
 OPSET = 21
@@ -220,10 +220,9 @@ def _skip_norm(b: _Builder, x: str, residual: str, name: str, weight: np.ndarray
 
 
 def _rope_tables(b: _Builder, cfg: ModelConfig) -> tuple[str, str]:
-    """The RoPE cos/sin initializers float32 [context_length, head_dim/2] (rotate_half layout)."""
-    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32)
-                                     / cfg.head_dim))).astype(np.float32)
-    freqs = np.arange(cfg.context_length, dtype=np.float32)[:, None] * inv[None, :]
+    """The RoPE cos/sin initializers float32 [context_length, head_dim/2] (rotate_half layout) of
+    positions 0..context_length-1 times `rope_inv_freq`, in float32 as the torch model's `rope`."""
+    freqs = np.arange(cfg.context_length, dtype=np.float32)[:, None] * rope_inv_freq(cfg)[None, :]
     return b.init("rope.cos", np.cos(freqs)), b.init("rope.sin", np.sin(freqs))
 
 
