@@ -38,7 +38,7 @@ import numpy as np
 
 from relayinfer.protocol.model.device_model import WEIGHTS  # noqa: F401  (this module's API)
 from relayinfer.protocol.model.errors import ModelFileError
-from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config
+from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config, rope_inv_freq
 
 ACCURACY_LEVEL = 0  # MatMulNBits: 0 = activations stay fp32 (4 = int8 activations; see docs/SPLIT.md)
 OPSET = 21
@@ -156,132 +156,152 @@ class _Weights:
         return None
 
 
-def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_level: int = ACCURACY_LEVEL,
-                head_accuracy_level: int | None = None):
-    """The `onnx.ModelProto` of the GGUF at `model_path` (see the module docstring for its inputs
-    and outputs). `weights`: 'gguf' (MatMulNBits over the file's own blocks; tensors of other
-    types, e.g. F16 or K-quants, fall back to dense fp32) or 'fp32'. `accuracy_level`: of the
-    MatMulNBits nodes (0: fp32 activations; 4: activations quantized to int8 per block). At level 0
-    an 8-bit (Q8_0) output head is stored dequantized (fp32 Gemm) because ORT 1.32 runs 8-bit
-    MatMulNBits at level 0 by dequantizing the whole matrix per call (about 70x slower); the
-    embedding still reads the Q8_0 blocks (GatherBlockQuantized). `head_accuracy_level`: that of
-    the output head alone (None: `accuracy_level`).
+class _Linear:
+    """The projections x [.., K] @ W^T of one graph, W the row-concatenation of GGUF tensors.
 
-    Raises:
-        ValueError: unknown `weights`.
-        ModelFileError / UnsupportedModelError: bad or unsupported model file.
+    'gguf' weights: one MatMulNBits over the file's own Q4_1 / Q8_0 blocks when every tensor has
+    them at the same bit width (else a dense fp32 MatMul), plus for Q4_1 the block-offset term
+    (block sums of the input [.., K/32] @ offsets [K/32, N]); the block sums of one input are built
+    once and shared by every projection that reads it. 'fp32' weights: a dense fp32 MatMul.
     """
-    from onnx import TensorProto, helper
 
-    if weights not in WEIGHTS:
-        raise ValueError(f"unknown weights {weights!r}; choose one of {WEIGHTS}")
-    reader = open_gguf(model_path)
-    cfg = read_config(reader)
-    w = _Weights(reader, cfg)
-    b = _Builder()
-    h, kvh, hd, dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
-    eps = float(cfg.norm_eps)
+    def __init__(self, b: _Builder, w: _Weights, weights: str, accuracy_level: int):
+        self.b, self.w, self.weights, self.accuracy_level = b, w, weights, accuracy_level
+        self.block_sums: dict[str, str] = {}  # input name -> name of its per-block sums [.., K/32]
 
-    block_sums: dict[str, str] = {}
-
-    def linear(x: str, names: list[str], k: int, tag: str) -> str:
-        """x [.., K] @ W^T for the row-concatenation of the GGUF tensors `names` -> [.., N]."""
-        if weights == "gguf":
-            parts = [w.blocks(n, k) for n in names]
+    def __call__(self, x: str, names: list[str], k: int, tag: str) -> str:
+        """The output name of x [.., K] @ W^T -> [.., N] (N: the rows of `names` together); nodes and
+        initializers are named after `tag`."""
+        if self.weights == "gguf":
+            parts = [self.w.blocks(n, k) for n in names]
             if all(p is not None for p in parts) and len({p[0] for p in parts}) == 1:
-                bits = parts[0][0]
-                bq = b.init(f"{tag}.q", np.concatenate([p[1] for p in parts]))
-                sc = b.init(f"{tag}.scales", np.concatenate([p[2] for p in parts]))
-                n = sum(p[1].shape[0] for p in parts)
-                y = b.op("MatMulNBits", [x, bq, sc], domain=MS, name=tag, K=k, N=n, bits=bits,
-                         block_size=_BLOCK, accuracy_level=accuracy_level)[0]
-                if parts[0][3] is None:
-                    return y
-                if x not in block_sums:  # [.., K] -> [.., K/32]: the inputs summed per block
-                    r = b.op("Reshape", [x, b.init(f"{tag}.bshape", np.array([0, 0, k // _BLOCK, _BLOCK], np.int64))],
-                             name=f"{tag}.blocks")[0]
-                    block_sums[x] = b.op("ReduceSum", [r, b.init(f"{tag}.baxis", np.array([-1], np.int64))],
-                                         name=f"{tag}.block_sums", keepdims=0)[0]
-                off = b.init(f"{tag}.offsets", np.concatenate([p[3] for p in parts]).T)  # [K/32, N]
-                corr = b.op("MatMul", [block_sums[x], off], name=f"{tag}.offset")[0]
-                return b.op("Add", [y, corr], name=f"{tag}.add_offset")[0]
-        wt = np.concatenate([w.dense(n) for n in names]).T  # [K, N]
-        return b.op("MatMul", [x, b.init(f"{tag}.w", wt)], name=tag)[0]
+                return self._blocks(x, parts, k, tag)
+        wt = np.concatenate([self.w.dense(n) for n in names]).T  # [K, N]
+        return self.b.op("MatMul", [x, self.b.init(f"{tag}.w", wt)], name=tag)[0]
 
-    # RoPE tables [max_pos, head_dim/2], computed in float32 as `rope()` does
-    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))).astype(np.float32)
-    freqs = np.arange(cfg.context_length, dtype=np.float32)[:, None] * inv[None, :]
-    cos, sin = b.init("rope.cos", np.cos(freqs)), b.init("rope.sin", np.sin(freqs))
+    def _blocks(self, x: str, parts: list, k: int, tag: str) -> str:
+        """MatMulNBits over the concatenated blocks of `parts` ((bits, B, scales, offsets or None)
+        each), plus the Q4_1 block-offset term."""
+        b = self.b
+        bq = b.init(f"{tag}.q", np.concatenate([p[1] for p in parts]))
+        sc = b.init(f"{tag}.scales", np.concatenate([p[2] for p in parts]))
+        n = sum(p[1].shape[0] for p in parts)
+        y = b.op("MatMulNBits", [x, bq, sc], domain=MS, name=tag, K=k, N=n, bits=parts[0][0],
+                 block_size=_BLOCK, accuracy_level=self.accuracy_level)[0]
+        if parts[0][3] is None:
+            return y
+        sums = self._block_sums(x, k, tag)
+        off = b.init(f"{tag}.offsets", np.concatenate([p[3] for p in parts]).T)  # [K/32, N]
+        corr = b.op("MatMul", [sums, off], name=f"{tag}.offset")[0]
+        return b.op("Add", [y, corr], name=f"{tag}.add_offset")[0]
 
-    # embedding
-    emb_blocks = w.blocks("token_embd.weight", dim) if weights == "gguf" else None
-    if emb_blocks is not None and emb_blocks[0] == 8:
-        _, eq, es, _ = emb_blocks
-        b.init("embed.q", eq)
-        g = b.op("GatherBlockQuantized", ["embed.q", "input_ids", b.init("embed.scales3", es[..., None])],
-                 domain=MS, name="embed", bits=8, block_size=_BLOCK, gather_axis=0, quantize_axis=2)[0]
-        x = b.op("Reshape", [g, b.init("shape.embed", np.array([0, 0, dim], np.int64))], name="embed_flat")[0]
-    else:
-        emb = w.dense("token_embd.weight")
-        b.init("embed.w", emb)
-        x = b.op("Gather", ["embed.w", "input_ids"], name="embed")[0]
+    def _block_sums(self, x: str, k: int, tag: str) -> str:
+        """x [.., K] -> [.., K/32]: the inputs summed per block (built on first use of `x`)."""
+        if x not in self.block_sums:
+            b = self.b
+            r = b.op("Reshape", [x, b.init(f"{tag}.bshape", np.array([0, 0, k // _BLOCK, _BLOCK], np.int64))],
+                     name=f"{tag}.blocks")[0]
+            self.block_sums[x] = b.op("ReduceSum", [r, b.init(f"{tag}.baxis", np.array([-1], np.int64))],
+                                      name=f"{tag}.block_sums", keepdims=0)[0]
+        return self.block_sums[x]
 
-    hn = b.op("SimplifiedLayerNormalization", [x, b.init("l0.attn_norm", w.vector("blk.0.attn_norm.weight"))],
-              name="l0.attn_norm", axis=-1, epsilon=eps, stash_type=1)[0]
-    residual = x
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        qkv = linear(hn, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], dim, f"l{i}.qkv")
-        q, k, v = b.op("Split", [qkv, b.init(f"l{i}.qkv.split", np.array([h * hd, kvh * hd, kvh * hd], np.int64))],
-                       n_out=3, name=f"l{i}.qkv_split", axis=-1)
-        q = b.op("RotaryEmbedding", [q, "position_ids", cos, sin], domain=MS, name=f"l{i}.rope_q",
-                 num_heads=h, interleaved=0)[0]
-        k = b.op("RotaryEmbedding", [k, "position_ids", cos, sin], domain=MS, name=f"l{i}.rope_k",
-                 num_heads=kvh, interleaved=0)[0]
-        attn = b.op("GroupQueryAttention",
-                    [q, k, v, f"past_key.{i}", f"past_value.{i}", "seqlens_k", "total_sequence_length"],
-                    domain=MS, name=f"l{i}.gqa", outputs=[f"l{i}.gqa/out", f"present_key.{i}", f"present_value.{i}"],
-                    num_heads=h, kv_num_heads=kvh, do_rotary=0)[0]
-        o = linear(attn, [p + "attn_output.weight"], h * hd, f"l{i}.wo")
-        hn, _, _, residual = b.op("SkipSimplifiedLayerNormalization",
-                                  [o, residual, b.init(f"l{i}.ffn_norm", w.vector(p + "ffn_norm.weight"))],
-                                  n_out=4, domain=MS, name=f"l{i}.ffn_norm", epsilon=eps)
-        gu = linear(hn, [p + "ffn_gate.weight", p + "ffn_up.weight"], dim, f"l{i}.gate_up")
-        gate, up = b.op("Split", [gu, b.init(f"l{i}.gu.split", np.array([cfg.ffn_dim, cfg.ffn_dim], np.int64))],
-                        n_out=2, name=f"l{i}.gu_split", axis=-1)
-        act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"l{i}.sigmoid")[0]],
-                                name=f"l{i}.silu")[0], up], name=f"l{i}.swiglu")[0]
-        d = linear(act, [p + "ffn_down.weight"], cfg.ffn_dim, f"l{i}.down")
-        if i + 1 < cfg.n_layers:
-            hn, _, _, residual = b.op(
-                "SkipSimplifiedLayerNormalization",
-                [d, residual, b.init(f"l{i + 1}.attn_norm", w.vector(f"blk.{i + 1}.attn_norm.weight"))],
-                n_out=4, domain=MS, name=f"l{i + 1}.attn_norm", epsilon=eps)
-        else:
-            residual = b.op("Add", [d, residual], name="final_residual")[0]
 
-    last = b.op("Slice", [residual, b.init("slice.start", np.array([-1], np.int64)),
+def _rms_norm(b: _Builder, x: str, name: str, weight: np.ndarray, eps: float) -> str:
+    """RMSNorm of x [.., dim] (SimplifiedLayerNormalization; fp32 statistics); node and weight `name`."""
+    return b.op("SimplifiedLayerNormalization", [x, b.init(name, weight)], name=name, axis=-1, epsilon=eps,
+                stash_type=1)[0]
+
+
+def _skip_norm(b: _Builder, x: str, residual: str, name: str, weight: np.ndarray, eps: float) -> tuple[str, str]:
+    """(RMSNorm(x + residual), x + residual) (SkipSimplifiedLayerNormalization); node and weight `name`."""
+    hn, _, _, res = b.op("SkipSimplifiedLayerNormalization", [x, residual, b.init(name, weight)], n_out=4,
+                         domain=MS, name=name, epsilon=eps)
+    return hn, res
+
+
+def _rope_tables(b: _Builder, cfg: ModelConfig) -> tuple[str, str]:
+    """The RoPE cos/sin initializers float32 [context_length, head_dim/2] (rotate_half layout) of
+    positions 0..context_length-1 times `rope_inv_freq`, in float32 as the torch model's `rope`."""
+    freqs = np.arange(cfg.context_length, dtype=np.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+    return b.init("rope.cos", np.cos(freqs)), b.init("rope.sin", np.sin(freqs))
+
+
+def _embedding(lin: _Linear, cfg: ModelConfig) -> tuple[str, tuple | None]:
+    """(hidden states [1, S, dim] of `input_ids`, the embedding's Q8_0 blocks or None). 'gguf' with a
+    Q8_0 embedding: GatherBlockQuantized over its blocks; else a Gather over the dequantized table."""
+    b, dim = lin.b, cfg.dim
+    blocks = lin.w.blocks("token_embd.weight", dim) if lin.weights == "gguf" else None
+    if blocks is None or blocks[0] != 8:
+        b.init("embed.w", lin.w.dense("token_embd.weight"))
+        return b.op("Gather", ["embed.w", "input_ids"], name="embed")[0], None
+    _, eq, es, _ = blocks
+    b.init("embed.q", eq)
+    g = b.op("GatherBlockQuantized", ["embed.q", "input_ids", b.init("embed.scales3", es[..., None])],
+             domain=MS, name="embed", bits=8, block_size=_BLOCK, gather_axis=0, quantize_axis=2)[0]
+    return b.op("Reshape", [g, b.init("shape.embed", np.array([0, 0, dim], np.int64))], name="embed_flat")[0], blocks
+
+
+def _layer(lin: _Linear, cfg: ModelConfig, i: int, hn: str, residual: str,
+           rope: tuple[str, str]) -> tuple[str | None, str]:
+    """Decoder layer `i` on its normed input `hn` [1, S, dim] and residual stream: attention (fused
+    QKV, RoPE, GQA over the cache buffers past_*.i / present_*.i, output projection) and SwiGLU.
+    Returns (the next layer's normed input, the residual stream); after the last layer the first
+    is None and the second the final hidden states."""
+    b, p, eps = lin.b, f"blk.{i}.", float(cfg.norm_eps)
+    h, kvh, hd, ffn = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    qkv = lin(hn, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.dim, f"l{i}.qkv")
+    q, k, v = b.op("Split", [qkv, b.init(f"l{i}.qkv.split", np.array([h * hd, kvh * hd, kvh * hd], np.int64))],
+                   n_out=3, name=f"l{i}.qkv_split", axis=-1)
+    q = b.op("RotaryEmbedding", [q, "position_ids", *rope], domain=MS, name=f"l{i}.rope_q", num_heads=h,
+             interleaved=0)[0]
+    k = b.op("RotaryEmbedding", [k, "position_ids", *rope], domain=MS, name=f"l{i}.rope_k", num_heads=kvh,
+             interleaved=0)[0]
+    attn = b.op("GroupQueryAttention",
+                [q, k, v, f"past_key.{i}", f"past_value.{i}", "seqlens_k", "total_sequence_length"],
+                domain=MS, name=f"l{i}.gqa", outputs=[f"l{i}.gqa/out", f"present_key.{i}", f"present_value.{i}"],
+                num_heads=h, kv_num_heads=kvh, do_rotary=0)[0]
+    o = lin(attn, [p + "attn_output.weight"], h * hd, f"l{i}.wo")
+    hn, residual = _skip_norm(b, o, residual, f"l{i}.ffn_norm", lin.w.vector(p + "ffn_norm.weight"), eps)
+    gu = lin(hn, [p + "ffn_gate.weight", p + "ffn_up.weight"], cfg.dim, f"l{i}.gate_up")
+    gate, up = b.op("Split", [gu, b.init(f"l{i}.gu.split", np.array([ffn, ffn], np.int64))],
+                    n_out=2, name=f"l{i}.gu_split", axis=-1)
+    silu = b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"l{i}.sigmoid")[0]], name=f"l{i}.silu")[0]
+    act = b.op("Mul", [silu, up], name=f"l{i}.swiglu")[0]
+    d = lin(act, [p + "ffn_down.weight"], ffn, f"l{i}.down")
+    if i + 1 == cfg.n_layers:
+        return None, b.op("Add", [d, residual], name="final_residual")[0]
+    return _skip_norm(b, d, residual, f"l{i + 1}.attn_norm", lin.w.vector(f"blk.{i + 1}.attn_norm.weight"), eps)
+
+
+def _head(lin: _Linear, cfg: ModelConfig, hidden: str, emb_q8: tuple | None, head_level: int) -> None:
+    """logits [1, vocab] of the last position of `hidden` [1, S, dim]: final RMSNorm, then the
+    output head. Tied Q8_0 embedding (`emb_q8`): at `head_level` 4 a MatMulNBits over its blocks,
+    else a fp32 Gemm over the dequantized table; untied: the projection of `output.weight`."""
+    b = lin.b
+    last = b.op("Slice", [hidden, b.init("slice.start", np.array([-1], np.int64)),
                           b.init("slice.end", np.array([np.iinfo(np.int64).max], np.int64)),
                           b.init("slice.axis", np.array([1], np.int64))], name="last_position")[0]
     last = b.op("Squeeze", [last, b.init("squeeze.axis", np.array([1], np.int64))], name="last_squeeze")[0]
-    xn = b.op("SimplifiedLayerNormalization", [last, b.init("output_norm", w.vector("output_norm.weight"))],
-              name="output_norm", axis=-1, epsilon=eps, stash_type=1)[0]
-    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    q8_head = weights == "gguf" and cfg.tied_embeddings and emb_blocks is not None and emb_blocks[0] == 8
-    head_level = accuracy_level if head_accuracy_level is None else head_accuracy_level
+    xn = _rms_norm(b, last, "output_norm", lin.w.vector("output_norm.weight"), float(cfg.norm_eps))
+    q8_head = cfg.tied_embeddings and emb_q8 is not None
     if q8_head and head_level == 4:
-        b.init("embed.scales", emb_blocks[2])
+        b.init("embed.scales", emb_q8[2])
         b.op("MatMulNBits", [xn, "embed.q", "embed.scales"], domain=MS, name="lm_head", outputs=["logits"],
-             K=dim, N=cfg.vocab_size, bits=8, block_size=_BLOCK, accuracy_level=head_level)
+             K=cfg.dim, N=cfg.vocab_size, bits=8, block_size=_BLOCK, accuracy_level=head_level)
     elif cfg.tied_embeddings:
         if q8_head:
-            b.init("embed.w", w.dense("token_embd.weight"))
+            b.init("embed.w", lin.w.dense("token_embd.weight"))
         b.op("Gemm", [xn, "embed.w"], name="lm_head", outputs=["logits"], transB=1)
     else:
-        b.op("Identity", [linear(xn, [head], dim, "lm_head")], name="logits_out", outputs=["logits"])
+        b.op("Identity", [lin(xn, ["output.weight"], cfg.dim, "lm_head")], name="logits_out", outputs=["logits"])
+
+
+def _io_specs(cfg: ModelConfig) -> tuple[list, list]:
+    """The graph's (inputs, outputs) as `onnx.ValueInfoProto`s, in `io_names` order."""
+    from onnx import TensorProto, helper
 
     f32, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
-    cache = ["batch", kvh, "capacity", hd]
+    cache = ["batch", cfg.n_kv_heads, "capacity", cfg.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
               helper.make_tensor_value_info("position_ids", i64, ["batch", "seq"]),
               helper.make_tensor_value_info("seqlens_k", i32, ["batch"]),
@@ -291,7 +311,40 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_l
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", f32, cache))
             outputs.append(helper.make_tensor_value_info(f"present_{kind}.{i}", f32, cache))
-    graph = helper.make_graph(b.nodes, f"llama-{weights}", inputs, outputs, b.inits)
+    return inputs, outputs
+
+
+def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_level: int = ACCURACY_LEVEL,
+                head_accuracy_level: int | None = None):
+    """The `onnx.ModelProto` of the GGUF at `model_path` (see the module docstring for its inputs
+    and outputs) and its `ModelConfig`. `weights`: 'gguf' (MatMulNBits over the file's own blocks;
+    tensors of other types, e.g. F16 or K-quants, fall back to dense fp32) or 'fp32'.
+    `accuracy_level`: of the MatMulNBits nodes (0: fp32 activations; 4: activations quantized to
+    int8 per block). At level 0 an 8-bit (Q8_0) output head is stored dequantized (fp32 Gemm)
+    because ORT 1.32 runs 8-bit MatMulNBits at level 0 by dequantizing the whole matrix per call
+    (about 70x slower); the embedding still reads the Q8_0 blocks (GatherBlockQuantized).
+    `head_accuracy_level`: that of the output head alone (None: `accuracy_level`).
+
+    Raises:
+        ValueError: unknown `weights`.
+        ModelFileError / UnsupportedModelError: bad or unsupported model file.
+    """
+    from onnx import helper
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; choose one of {WEIGHTS}")
+    reader = open_gguf(model_path)
+    cfg = read_config(reader)
+    lin = _Linear(_Builder(), _Weights(reader, cfg), weights, accuracy_level)
+    b = lin.b
+    rope = _rope_tables(b, cfg)
+    x, emb_q8 = _embedding(lin, cfg)
+    hn = _rms_norm(b, x, "l0.attn_norm", lin.w.vector("blk.0.attn_norm.weight"), float(cfg.norm_eps))
+    residual = x
+    for i in range(cfg.n_layers):
+        hn, residual = _layer(lin, cfg, i, hn, residual, rope)
+    _head(lin, cfg, residual, emb_q8, accuracy_level if head_accuracy_level is None else head_accuracy_level)
+    graph = helper.make_graph(b.nodes, f"llama-{weights}", *_io_specs(cfg), b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
                               producer_name="relayinfer")
     model.ir_version = 10

@@ -67,38 +67,48 @@ def download_device_model(http_url: str, dest: str | os.PathLike, timeout_s: flo
             raise ModelFileError(f"the service's manifest lists no {name!r}")
         if (d / name).is_file() and file_sha256(d / name) == want:
             continue
-        h, tmp = hashlib.sha256(), d / f".{name}.part"
-        have = tmp.stat().st_size if tmp.is_file() else 0
-        try:
-            r = get(f"/v1/device-model/{name}", {"Range": f"bytes={have}-"} if have else None)
-        except urllib.error.HTTPError as e:
-            if e.code != 416:  # 416: the part is as long as the file or longer: start over
-                raise
-            e.close()
-            have = 0
-            r = get(f"/v1/device-model/{name}")
-        with r:
-            if have and r.status != 206:  # the server sent the whole file: start over
-                have = 0
-            total = have + int(r.headers.get("Content-Length") or 0)
-            if have:
-                with open(tmp, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 22), b""):
-                        h.update(chunk)
-            with open(tmp, "ab" if have else "wb") as f:
-                done = have
-                for chunk in iter(lambda: r.read(1 << 20), b""):
-                    h.update(chunk)
-                    f.write(chunk)
-                    done += len(chunk)
-                    if progress is not None:
-                        progress(name, done, total)
-        if h.hexdigest() != want:
-            tmp.unlink()
-            raise ModelFileError(f"sha256 mismatch for {name}: got {h.hexdigest()[:16]}..., manifest says {want[:16]}...")
-        os.replace(tmp, d / name)
+        _download_file(get, d, name, want, progress)
     (d / "manifest.json").write_text(json.dumps(manifest))
     return d
+
+
+def _download_file(get, d: Path, name: str, want: str, progress) -> None:
+    """Download `name` into `d` through `get(path, extra_headers)`, resuming from `d/.NAME.part`
+    (see `download_device_model`), and move it in place once its sha256 is `want`.
+
+    Raises:
+        ModelFileError: the sha256 does not match (the part file is deleted).
+    """
+    h, tmp = hashlib.sha256(), d / f".{name}.part"
+    have = tmp.stat().st_size if tmp.is_file() else 0
+    try:
+        r = get(f"/v1/device-model/{name}", {"Range": f"bytes={have}-"} if have else None)
+    except urllib.error.HTTPError as e:
+        if e.code != 416:  # 416: the part is as long as the file or longer: start over
+            raise
+        e.close()
+        have = 0
+        r = get(f"/v1/device-model/{name}")
+    with r:
+        if have and r.status != 206:  # the server sent the whole file: start over
+            have = 0
+        total = have + int(r.headers.get("Content-Length") or 0)
+        if have:
+            with open(tmp, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+        with open(tmp, "ab" if have else "wb") as f:
+            done = have
+            for chunk in iter(lambda: r.read(1 << 20), b""):
+                h.update(chunk)
+                f.write(chunk)
+                done += len(chunk)
+                if progress is not None:
+                    progress(name, done, total)
+    if h.hexdigest() != want:
+        tmp.unlink()
+        raise ModelFileError(f"sha256 mismatch for {name}: got {h.hexdigest()[:16]}..., manifest says {want[:16]}...")
+    os.replace(tmp, d / name)
 
 
 def _get(http_url: str, path: str, headers: dict, timeout_s: float, ctx, token: str | None):

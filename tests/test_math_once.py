@@ -1,6 +1,7 @@
 """The pieces of math written once and called from everywhere: KV bytes per token, RoPE's
-inverse frequencies, the display release rule and its stall count, TPOT from arrival times, and
-the one `KVTransfer` codec (the device hand-off and the P/D payload both use it)."""
+inverse frequencies (the torch model and the device graph), the display release rule and its
+stall count, TPOT from arrival times, and the one `KVTransfer` codec (the device hand-off and the
+P/D payload both use it)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,13 +9,13 @@ import pytest
 import torch
 
 from relayinfer.cloud.engine.model_runner import kv_bytes_per_token as engine_kv_bytes
-from relayinfer.cloud.models.llama import rope_inv_freq
+from relayinfer.cloud.models.llama import rope, rope_inv_freq
 from relayinfer.cloud.pd.kv import KVPayload, from_messages, to_messages
 from relayinfer.device.settings import Timing, simulate
 from relayinfer.device.speed import SpeedController, count_stalls, release_time, tpot_from_arrivals
 from relayinfer.protocol.kvhandoff import kv_bytes_per_token, kv_layers, kv_messages, kv_part_messages, kv_parts
 from relayinfer.protocol.messages import decode, encode
-from relayinfer.protocol.model.model_file import ModelConfig
+from relayinfer.protocol.model.model_file import ModelConfig, rope_inv_freq as model_inv_freq
 
 CFG = ModelConfig(n_layers=30, dim=576, ffn_dim=1536, n_heads=9, n_kv_heads=3, vocab_size=49152,
                   context_length=8192, rope_theta=100000.0, norm_eps=1e-5, bos_id=1, eos_id=2, tied_embeddings=True)
@@ -26,11 +27,25 @@ def test_kv_bytes_per_token_one_formula():
     assert engine_kv_bytes(CFG) == 46080 and engine_kv_bytes(CFG, torch.bfloat16) == 23040
 
 
-def test_rope_inv_freq_is_transformers_formula():
-    inv = rope_inv_freq(CFG)
-    assert inv.dtype == torch.float32 and inv.shape == (32,)
-    ref = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
-    assert torch.equal(inv, ref) and inv[0] == 1.0
+def test_rope_inv_freq_once_for_torch_and_the_device_graph():
+    """One numpy formula: bit for bit transformers' float32 torch values for SmolLM2, the torch
+    model's buffer, and the source of the ONNX graph's cos/sin tables (within 1 ulp of the torch
+    model's `rope` at every one of the 8,192 positions)."""
+    from onnx import numpy_helper
+
+    from relayinfer.cloud.onnx_graph import _Builder, _rope_tables
+
+    inv = model_inv_freq(CFG)
+    assert inv.dtype == np.float32 and inv.shape == (32,) and inv[0] == 1.0
+    ref = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))  # transformers' Llama
+    assert torch.equal(torch.from_numpy(inv), ref) and torch.equal(rope_inv_freq(CFG), ref)
+    b = _Builder()
+    assert _rope_tables(b, CFG) == ("rope.cos", "rope.sin")
+    tables = {t.name: numpy_helper.to_array(t) for t in b.inits}
+    cos, sin = rope(torch.arange(CFG.context_length), rope_inv_freq(CFG))
+    assert tables["rope.cos"].shape == (8192, 32)
+    assert np.abs(tables["rope.cos"] - cos[:, :32].numpy()).max() <= 1.2e-7
+    assert np.abs(tables["rope.sin"] - sin[:, :32].numpy()).max() <= 1.2e-7
 
 
 def test_release_rule_and_stalls_same_in_controller_and_simulation():

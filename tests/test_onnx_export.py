@@ -181,3 +181,96 @@ def test_export_format_and_refused_options(model_path, device_model_dir):
             ensure_device_model(model_path, bad)
         with pytest.raises(ValueError, match="gguf"):
             OnnxEngine(device_model_dir, quantize=bad)
+
+
+def _linear_layout(tag: str, k: int, n: int, gguf: bool) -> tuple[list, list]:
+    """(nodes, initializers) of one projection [.., K] -> [.., N] over Q4_1 blocks (MatMulNBits plus
+    the block-offset term) or dense fp32 weights."""
+    if not gguf:
+        return [("MatMul", tag)], [(f"{tag}.w", (k, n), "FLOAT")]
+    nodes = [("MatMulNBits", tag), ("Reshape", f"{tag}.blocks"), ("ReduceSum", f"{tag}.block_sums"),
+             ("MatMul", f"{tag}.offset"), ("Add", f"{tag}.add_offset")]
+    inits = [(f"{tag}.q", (n, k // 32, 16), "UINT8"), (f"{tag}.scales", (n, k // 32), "FLOAT"),
+             (f"{tag}.bshape", (4,), "INT64"), (f"{tag}.baxis", (1,), "INT64"),
+             (f"{tag}.offsets", (k // 32, n), "FLOAT")]
+    return nodes, inits
+
+
+def _expected_layout(cfg, gguf: bool) -> tuple[list, list]:
+    """The graph of the SmolLM2 GGUF (Q4_1 matrices, a tied Q8_0 embedding) in order: nodes as
+    (op_type, name) and initializers as (name, shape, dtype name)."""
+    dim, ffn, v, hd = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.head_dim
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+    inits = [("rope.cos", (cfg.context_length, hd // 2), "FLOAT"), ("rope.sin", (cfg.context_length, hd // 2), "FLOAT")]
+    if gguf:
+        nodes = [("GatherBlockQuantized", "embed"), ("Reshape", "embed_flat")]
+        inits += [("embed.q", (v, dim // 32, 32), "UINT8"), ("embed.scales3", (v, dim // 32, 1), "FLOAT"),
+                  ("shape.embed", (3,), "INT64")]
+    else:
+        nodes, inits = [("Gather", "embed")], inits + [("embed.w", (v, dim), "FLOAT")]
+    for i in range(cfg.n_layers):
+        p = f"l{i}."
+        lin = {tag: _linear_layout(p + tag, k, n, gguf)
+               for tag, k, n in (("qkv", dim, qkv), ("wo", dim, dim), ("gate_up", dim, 2 * ffn), ("down", ffn, dim))}
+        nodes += [("SkipSimplifiedLayerNormalization" if i else "SimplifiedLayerNormalization", p + "attn_norm"),
+                  *lin["qkv"][0], ("Split", p + "qkv_split"), ("RotaryEmbedding", p + "rope_q"),
+                  ("RotaryEmbedding", p + "rope_k"), ("GroupQueryAttention", p + "gqa"), *lin["wo"][0],
+                  ("SkipSimplifiedLayerNormalization", p + "ffn_norm"), *lin["gate_up"][0], ("Split", p + "gu_split"),
+                  ("Sigmoid", p + "sigmoid"), ("Mul", p + "silu"), ("Mul", p + "swiglu"), *lin["down"][0]]
+        inits += [(p + "attn_norm", (dim,), "FLOAT"), *lin["qkv"][1], (p + "qkv.split", (3,), "INT64"), *lin["wo"][1],
+                  (p + "ffn_norm", (dim,), "FLOAT"), *lin["gate_up"][1], (p + "gu.split", (2,), "INT64"),
+                  *lin["down"][1]]
+    nodes += [("Add", "final_residual"), ("Slice", "last_position"), ("Squeeze", "last_squeeze"),
+              ("SimplifiedLayerNormalization", "output_norm"), ("Gemm", "lm_head")]
+    inits += [(n, (1,), "INT64") for n in ("slice.start", "slice.end", "slice.axis", "squeeze.axis")]
+    inits += [("output_norm", (dim,), "FLOAT")] + ([("embed.w", (v, dim), "FLOAT")] if gguf else [])
+    return nodes, inits
+
+
+@pytest.fixture(scope="module", params=["gguf", pytest.param("fp32", marks=pytest.mark.slow)])
+def built_graph(request, model_path):
+    """(weights, onnx.ModelProto, ModelConfig) of the shipped model built by `build_model` (~15 s for
+    gguf, ~35 s for fp32)."""
+    from relayinfer.cloud.onnx_graph import build_model
+
+    model, cfg = build_model(model_path, request.param)
+    return request.param, model, cfg
+
+
+def test_graph_layout(built_graph):
+    """Every node (op type and name, in order), every initializer (name, shape, dtype, in order) and
+    the graph's inputs/outputs, for both weight formats; the level-0 gguf head is a fp32 Gemm over the
+    dequantized tied embedding."""
+    from onnx import TensorProto
+
+    from relayinfer.cloud.onnx_graph import io_names
+
+    weights, model, cfg = built_graph
+    g = model.graph
+    nodes, inits = _expected_layout(cfg, weights == "gguf")
+    assert [(n.op_type, n.name) for n in g.node] == nodes
+    assert [(t.name, tuple(t.dims), TensorProto.DataType.Name(t.data_type)) for t in g.initializer] == inits
+    ins, outs = io_names(cfg.n_layers)
+    assert [i.name for i in g.input] == ins and [o.name for o in g.output] == outs
+    head = g.node[-1]
+    assert list(head.input) == ["output_norm/out0", "embed.w"] and list(head.output) == ["logits"]
+    assert g.name == f"llama-{weights}" and model.ir_version == 10
+
+
+@pytest.mark.parametrize("built_graph", ["gguf"], indirect=True)
+def test_built_graph_greedy_equals_torch(built_graph, tmp_path, device_model_dir, torch_engine, chat_prompt_ids):
+    """The graph built here (not a cached export), run by the device engine: the same 24 greedy
+    tokens as the torch engine on a chat prompt."""
+    import shutil
+
+    import onnx
+
+    from relayinfer.device.onnx_engine import OnnxEngine, onnx_file_name
+
+    weights, model, _ = built_graph
+    shutil.copy(device_model_dir / "config.json", tmp_path / "config.json")
+    onnx.save_model(model, str(tmp_path / onnx_file_name(weights)))
+    eng = OnnxEngine(tmp_path, quantize=weights)
+    params = SamplingParams(max_new_tokens=24)
+    ids = chat_prompt_ids[0]
+    assert eng.generate(ids, params).token_ids == torch_engine.generate(ids, params).token_ids

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from relayinfer.protocol.model import model_file
 from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config
 
 
@@ -174,9 +175,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE's inverse frequencies float32 [head_dim / 2]: 1 / rope_theta ** (2i / head_dim), computed
-    as transformers' Llama does (float32 torch pow, so the numbers match it bit for bit)."""
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    """RoPE's inverse frequencies, float32 [head_dim / 2]: `model_file.rope_inv_freq` as a tensor
+    (the numbers of the device graph's RoPE tables)."""
+    return torch.from_numpy(model_file.rope_inv_freq(cfg))
 
 
 def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

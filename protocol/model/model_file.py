@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
 from relayinfer.protocol.model.errors import ModelFileError, UnsupportedModelError
 from relayinfer.protocol.kvhandoff import kv_bytes_per_token
 
@@ -129,6 +131,17 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
         return cls(**json.loads(text))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's inverse frequencies float32 [head_dim / 2]: 1 / rope_theta ** (2i / head_dim) (RoFormer,
+    Su et al. 2021), the exponent 2i / head_dim in float32, the power evaluated in float64 and rounded
+    to float32, the reciprocal in float32. For SmolLM2 (theta 1e5, head_dim 64) these are bit for bit
+    transformers' float32 torch values on every torch CPU kernel (default, AVX2, AVX-512); numpy's own
+    float32 power differs from them by one ulp in 5 of the 32."""
+    hd = cfg.head_dim
+    exponent = (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)).astype(np.float64)
+    return np.float32(1.0) / (np.float64(cfg.rope_theta) ** exponent).astype(np.float32)
 
 
 def open_gguf(path: str | os.PathLike):
