@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, NamedTuple, Sequence as Seq
 
 import numpy as np
@@ -27,7 +27,7 @@ from relayinfer.protocol.decoding import SamplingParams
 from relayinfer.protocol.errors import PromptTooLongError
 
 from .block_manager import BlockManager
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, Finished, StepStats
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample_batch
 from .scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan, StepResult
@@ -93,40 +93,6 @@ class RequestStats:
     queue_s: float | None
     ttft_s: float | None
     finish_reason: str | None
-
-
-@dataclass
-class StepStats:
-    """What one `LLMEngine.step` did, for an observer outside the engine
-    (`metrics.EngineMetrics.observe`). Times in seconds, counts in tokens unless named.
-
-    Attributes:
-        batch_seqs / batch_tokens: sequences / tokens the step ran through the model (0: none).
-        prefill_tokens: prompt tokens computed.
-        queue_s: arrival -> first scheduling of the sequences first scheduled in the step.
-        ttft_s: arrival -> first token; tpot_s: time since the previous token (other tokens).
-        prefix_query_tokens / prefix_hit_tokens: tokens of the sequences admitted in the step,
-            and those of them reused from the prefix cache.
-        preemptions: sequences preempted.
-        finished: (RequestStats, arrival -> end s) of each request that ended in the step.
-        blocks_used / blocks_cached: KV blocks referenced / free but holding a cached prefix,
-            running / waiting: sequences, all four after the step.
-    """
-
-    batch_seqs: int = 0
-    batch_tokens: int = 0
-    prefill_tokens: int = 0
-    queue_s: Seq[float] = ()
-    ttft_s: Seq[float] = ()
-    tpot_s: Seq[float] = ()
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    preemptions: int = 0
-    finished: list[tuple[RequestStats, float]] = field(default_factory=list)
-    blocks_used: int = 0
-    blocks_cached: int = 0
-    running: int = 0
-    waiting: int = 0
 
 
 _RELEASE = object()  # inbox marker: free a held sequence's KV blocks (P/D prefill after its export)
@@ -462,15 +428,16 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence leaves `seqs` (for `held` when it keeps its blocks); its
-        `RequestStats` are kept (the last 10000) and counted in `last_stats.finished`."""
+        `RequestStats` are kept (the last 10000) and it joins `last_stats.finished`."""
         rid = seq.request_id
         del self.seqs[rid]
         if seq.keeps_blocks:
             self.held[rid] = seq
-        self.stats[rid] = st = self._stats_of(seq)
+        self.stats[rid] = self._stats_of(seq)
         if len(self.stats) > 10000:
             self.stats.popitem(last=False)
-        self.last_stats.finished.append((st, time.perf_counter() - seq.times.arrival))
+        self.last_stats.finished.append(Finished(seq.finish_reason, time.perf_counter() - seq.times.arrival,
+                                                 seq.num_prompt_tokens, seq.num_output_tokens))
 
     def _fail(self, seq: Sequence, e: BaseException) -> None:
         """End one request after an exception raised while serving it: finish it ('error', its KV

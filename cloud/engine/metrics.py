@@ -10,12 +10,10 @@ passes: base units, `_total` only on counters) and vLLM's where it has one
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine, StepOutput, StepStats
 
 # Latency bucket edges (s), log-spaced from 5 ms to 30 min: past the longest request the limits allow
 # (a whole 8,192-token context at CPU speed is minutes), so no observation lands in +Inf unseen.
@@ -24,6 +22,50 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # finish reason -> OpenAI finish_reason label (stop: EOS, stop id or stop string; length: max_tokens or budget)
 _SUCCESS = {"eos": "stop", "stop": "stop", "length": "length", "budget": "length"}
+
+
+class Finished(NamedTuple):
+    """A request that ended: its finish reason ('eos', 'stop', 'length', 'budget', 'abort',
+    'error'), arrival -> end (s), prompt tokens, generated tokens."""
+
+    reason: str
+    e2e_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class StepStats:
+    """What one `LLMEngine.step` did (`LLMEngine.last_stats`), for `EngineMetrics.observe`.
+    Times in seconds, counts in tokens unless named.
+
+    Attributes:
+        batch_seqs / batch_tokens: sequences / tokens the step ran through the model (0: none).
+        prefill_tokens: prompt tokens computed.
+        queue_s: arrival -> first scheduling of the sequences first scheduled in the step.
+        ttft_s: arrival -> first token; tpot_s: time since the previous token (other tokens).
+        prefix_query_tokens / prefix_hit_tokens: tokens of the sequences admitted in the step,
+            and those of them reused from the prefix cache.
+        preemptions: sequences preempted.
+        finished: a `Finished` per request that ended in the step.
+        blocks_used / blocks_cached: KV blocks referenced / free but holding a cached prefix,
+            running / waiting: sequences, all four after the step.
+    """
+
+    batch_seqs: int = 0
+    batch_tokens: int = 0
+    prefill_tokens: int = 0
+    queue_s: Sequence[float] = ()
+    ttft_s: Sequence[float] = ()
+    tpot_s: Sequence[float] = ()
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    finished: list[Finished] = field(default_factory=list)
+    blocks_used: int = 0
+    blocks_cached: int = 0
+    running: int = 0
+    waiting: int = 0
 
 
 class _StepMetrics:
@@ -51,7 +93,7 @@ class _StepMetrics:
                                      "hit tokens / query tokens since start", registry=r)
         self._queries = self._hits = 0  # since start, for the hit rate
 
-    def observe(self, outputs: Sequence[StepOutput], st: StepStats) -> None:
+    def observe(self, outputs: Sequence, st: StepStats) -> None:
         for h, values in ((self.queue, st.queue_s), (self.ttft, st.ttft_s), (self.tpot, st.tpot_s)):
             for v in values:
                 h.observe(v)
@@ -85,12 +127,12 @@ class _RequestMetrics:
         self.finished = Counter("relayinfer_engine_requests", "Finished requests by reason", ["reason"], registry=r)
 
     def observe(self, st: StepStats) -> None:
-        for req, e2e_s in st.finished:
-            self.finished.labels(req.finish_reason).inc()
-            self.success.labels(_SUCCESS.get(req.finish_reason, "abort")).inc()
-            self.e2e.observe(e2e_s)
-            self.prompt_tokens.observe(req.num_prompt_tokens)
-            self.gen_tokens.observe(req.num_output_tokens)
+        for f in st.finished:
+            self.finished.labels(f.reason).inc()
+            self.success.labels(_SUCCESS.get(f.reason, "abort")).inc()
+            self.e2e.observe(f.e2e_s)
+            self.prompt_tokens.observe(f.num_prompt_tokens)
+            self.gen_tokens.observe(f.num_output_tokens)
 
 
 class _CacheMetrics:
@@ -116,11 +158,11 @@ class _CacheMetrics:
 
 class EngineMetrics:
     """The `relayinfer_engine_*` series of one engine, in `registry` (a new `CollectorRegistry`
-    unless one is passed). `engine` (optional) sets the size gauges: KV blocks, K+V bytes per
-    token, KV cache bytes. Thread-safe as prometheus-client is: `observe` may run on the engine
-    thread while another thread renders `registry`."""
+    unless one is passed). `engine` (optional, an `llm_engine.LLMEngine`) sets the size gauges:
+    KV blocks, K+V bytes per token, KV cache bytes. Thread-safe as prometheus-client is:
+    `observe` may run on the engine thread while another thread renders `registry`."""
 
-    def __init__(self, engine: LLMEngine | None = None, registry: CollectorRegistry | None = None):
+    def __init__(self, engine=None, registry: CollectorRegistry | None = None):
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.step, self.requests, self.cache = _StepMetrics(r), _RequestMetrics(r), _CacheMetrics(r)
         if engine is not None:
@@ -128,9 +170,9 @@ class EngineMetrics:
             self.cache.kv_bytes_per_token.set(engine.kv_bytes_per_token)
             self.cache.kv_cache_bytes.set(engine.runner.nbytes)
 
-    def observe(self, outputs: Sequence[StepOutput], stats: StepStats) -> None:
-        """Count one engine step: its `StepOutput`s (one generated token each) and its
-        `StepStats` (`LLMEngine.last_stats` right after the step)."""
+    def observe(self, outputs: Sequence, stats: StepStats) -> None:
+        """Count one engine step: its outputs (`llm_engine.StepOutput`s, one generated token
+        each) and its `StepStats` (`LLMEngine.last_stats` right after the step)."""
         self.step.observe(outputs, stats)
         self.requests.observe(stats)
         self.cache.observe(stats)
