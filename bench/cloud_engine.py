@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from relayinfer.cloud.engine.llm_engine import LLMEngine
+from relayinfer.cloud.engine.metrics import EngineMetrics
 from relayinfer.cloud.engine.torch_engine import TorchEngine
 from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, sample
 from relayinfer.protocol.model.tokenizer import Tokenizer
@@ -85,8 +86,9 @@ def replay_fifo(profiles, arrivals):
     return first, last
 
 
-def run_engine(engine: LLMEngine, prompts, params, arrivals, tag: str):
-    """Add request i at arrivals[i] (s after start) and step until all finish."""
+def run_engine(engine: LLMEngine, metrics: EngineMetrics, prompts, params, arrivals, tag: str):
+    """Add request i at arrivals[i] (s after start) and step until all finish (`metrics` observes
+    each step)."""
     n = len(prompts)
     first, last, toks = [None] * n, [None] * n, [[] for _ in range(n)]
     t0 = time.perf_counter()
@@ -99,7 +101,9 @@ def run_engine(engine: LLMEngine, prompts, params, arrivals, tag: str):
         if not engine.has_unfinished():
             time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
             continue
-        for o in engine.step():
+        outs = engine.step()
+        metrics.observe(outs, engine.last_stats)
+        for o in outs:
             i = int(o.request_id.rsplit("-", 1)[1])
             t = time.perf_counter() - t0
             if first[i] is None:
@@ -134,6 +138,7 @@ def main():
     te.warmup()
     engine = LLMEngine(te, kv_cache_bytes=512 << 20, max_num_batched_tokens=args.max_batched_tokens,
                        max_num_seqs=64)
+    metrics = EngineMetrics(engine)
     engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2))  # warm-up
     rates = sorted((float(x) for x in args.rates.split(",")), key=lambda r: not math.isinf(r))
     # The machine is shared, so the baseline is measured twice, right before and right after the
@@ -147,7 +152,7 @@ def main():
         prof = cProfile.Profile() if math.isinf(r) else None
         if prof:
             prof.enable()
-        runs[r] = (arrivals, run_engine(engine, prompts, params, arrivals, f"r{r}"))
+        runs[r] = (arrivals, run_engine(engine, metrics, prompts, params, arrivals, f"r{r}"))
         if prof:
             prof.disable()
             prof_stats = pstats.Stats(prof)
@@ -209,7 +214,7 @@ def main():
                         "ratio": round(16 * single_ms / step16_ms, 2)},
         "profile_pct_at_16_concurrent": profile,
         "kv_bytes_per_token": engine.kv_bytes_per_token,
-        "prefix_hit_rate": engine.metrics.prefix_hit_rate._value.get(),
+        "prefix_hit_rate": metrics.registry.get_sample_value("relayinfer_engine_prefix_cache_hit_rate"),
         "preemptions": engine.scheduler.num_preemptions,
     }
     OUT.mkdir(exist_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from relayinfer.cloud.engine.llm_engine import LLMEngine
+from relayinfer.cloud.engine.metrics import EngineMetrics
 from relayinfer.protocol.model.decoding import SamplingParams
 
 BS = 16
@@ -38,9 +39,11 @@ def engine_for(torch_engine, **kw) -> LLMEngine:
 
 
 def run(engine: LLMEngine, schedule: dict[int, list[tuple[str, list[int], SamplingParams]]],
-        after_first: dict[str, list[tuple[str, list[int], SamplingParams]]] | None = None) -> dict[str, list[int]]:
+        after_first: dict[str, list[tuple[str, list[int], SamplingParams]]] | None = None,
+        metrics: EngineMetrics | None = None) -> dict[str, list[int]]:
     """Step `engine` to completion, adding requests at the given step numbers, and those in
-    `after_first[rid]` right after request `rid` produced its first token; tokens per request."""
+    `after_first[rid]` right after request `rid` produced its first token (each step observed by
+    `metrics` when given); tokens per request."""
     after_first = dict(after_first or {})
     out: dict[str, list[int]] = {}
 
@@ -52,7 +55,10 @@ def run(engine: LLMEngine, schedule: dict[int, list[tuple[str, list[int], Sampli
     step = 0
     while schedule or after_first or engine.has_unfinished():
         add(schedule.pop(step, []))
-        for o in engine.step():
+        outs = engine.step()
+        if metrics is not None:
+            metrics.observe(outs, engine.last_stats)
+        for o in outs:
             assert o.index == len(out[o.request_id])
             out[o.request_id].append(o.token_id)
             if o.index == 0:
@@ -97,13 +103,14 @@ def test_identical_requests_in_one_step_then_prefix_hits_through_decode_blocks(t
     a request whose prompt is the target's prompt + answer finds every full block in the prefix
     cache, the blocks filled by decode included."""
     engine = engine_for(torch_engine)
-    out = run(engine, {0: [("a", target, SEEDED), ("b", target, SEEDED)]})
+    metrics = EngineMetrics(engine)
+    out = run(engine, {0: [("a", target, SEEDED), ("b", target, SEEDED)]}, metrics=metrics)
     assert out["a"] == out["b"] == alone["seeded"]
     longer = list(target) + out["b"] + [target[-1]]
-    out2 = run(engine, {0: [("c", longer, GREEDY)]})
+    out2 = run(engine, {0: [("c", longer, GREEDY)]}, metrics=metrics)
     hit = engine.request_stats("c").prefix_hit_tokens
     assert hit == ((len(longer) - 1) // BS) * BS > len(target)
-    assert engine.metrics.registry.get_sample_value("relayinfer_engine_prefix_cache_hit_tokens_total") == hit
+    assert metrics.registry.get_sample_value("relayinfer_engine_prefix_cache_hit_tokens_total") == hit
     assert len(out2["c"]) == N
 
 

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from relayinfer.cloud.engine.block_manager import BlockManager
-from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine, StepOutput
+from relayinfer.cloud.engine.metrics import EngineMetrics
 from relayinfer.cloud.engine.model_runner import kv_bytes_per_token
 from relayinfer.cloud.engine.sequence import Sequence
 from relayinfer.protocol.model.decoding import SamplingParams
@@ -31,43 +32,53 @@ def reference(torch_engine, prompts):
     return [torch_engine.generate(p, GREEDY).token_ids for p in prompts]
 
 
-def run_all(engine: LLMEngine, schedule: dict[int, list[tuple[str, list[int]]]]) -> dict[str, list[int]]:
+def step(engine: LLMEngine, m: EngineMetrics) -> list[StepOutput]:
+    """One engine step, its outputs and stats fed to `m` (as `AsyncLLMEngine` does)."""
+    outs = engine.step()
+    m.observe(outs, engine.last_stats)
+    return outs
+
+
+def run_all(engine: LLMEngine, schedule: dict[int, list[tuple[str, list[int]]]],
+            m: EngineMetrics | None = None) -> dict[str, list[int]]:
     """Step the engine to completion, adding requests at the given step numbers; tokens per id,
-    checking answer indices arrive in order."""
+    checking answer indices arrive in order. Metrics go to `m` (a new one when None)."""
+    m = m if m is not None else EngineMetrics(engine)
     out: dict[str, list[int]] = {}
-    step = 0
+    n = 0
     while schedule or engine.has_unfinished():
-        for rid, ids in schedule.pop(step, []):
+        for rid, ids in schedule.pop(n, []):
             engine.add_request(rid, ids, GREEDY)
             out[rid] = []
-        for o in engine.step():
+        for o in step(engine, m):
             assert o.index == len(out[o.request_id])
             out[o.request_id].append(o.token_id)
-        step += 1
-        assert step < 2000
+        n += 1
+        assert n < 2000
     return out
 
 
-def metric(engine: LLMEngine, name: str, labels: dict | None = None) -> float:
-    return engine.metrics.registry.get_sample_value(name, labels or {})
+def metric(m: EngineMetrics, name: str, labels: dict | None = None) -> float:
+    return m.registry.get_sample_value(name, labels or {})
 
 
 def test_batch_equals_single_with_chunked_prefill_and_mid_flight_join(torch_engine, prompts, reference):
     engine = LLMEngine(torch_engine, kv_cache_bytes=32 << 20, block_size=BS, max_num_batched_tokens=48)
+    m = EngineMetrics(engine)
     # two requests start, the others join while those are decoding (step 3 and step 6)
     sched = {0: [("r0", prompts[0]), ("r3", prompts[3])], 3: [("r1", prompts[1]), ("r4", prompts[4])],
              6: [("r2", prompts[2])]}
-    out = run_all(engine, sched)
+    out = run_all(engine, sched, m)
     for i, ref in enumerate(reference):
         assert out[f"r{i}"] == ref, f"prompt {i}"
     # the late joiners found the shared system turn in the prefix cache and did not recompute it
     assert all(engine.request_stats(r).prefix_hit_tokens >= BS for r in ("r1", "r2", "r4"))
     # chunked prefill: no step computed more than the 48-token budget, yet the 160-token prompt ran
     assert len(prompts[4]) > 48
-    assert metric(engine, "relayinfer_engine_batch_tokens_bucket", {"le": "64.0"}) == \
-        metric(engine, "relayinfer_engine_batch_tokens_count")
+    assert metric(m, "relayinfer_engine_batch_tokens_bucket", {"le": "64.0"}) == \
+        metric(m, "relayinfer_engine_batch_tokens_count")
     assert engine.block_manager.num_used_blocks == 0
-    assert metric(engine, "relayinfer_engine_generation_tokens_total") == sum(map(len, reference))
+    assert metric(m, "relayinfer_engine_generation_tokens_total") == sum(map(len, reference))
 
 
 def test_concurrent_chitchat_prompts_batched_decode_token_identical(torch_engine, tokenizer, prompts, reference):
@@ -82,31 +93,38 @@ def test_concurrent_chitchat_prompts_batched_decode_token_identical(torch_engine
     assert len({len(p) for p in every}) == len(every)  # all lengths differ
     engine = LLMEngine(torch_engine, kv_cache_bytes=96 << 20, block_size=BS, max_num_batched_tokens=1024,
                        enable_prefix_caching=False)
-    out = run_all(engine, {0: [(f"r{i}", p) for i, p in enumerate(every)]})
+    m = EngineMetrics(engine)
+    out = run_all(engine, {0: [(f"r{i}", p) for i, p in enumerate(every)]}, m)
     for i, ref in enumerate(refs):
         assert out[f"r{i}"] == ref, f"prompt {i} ({len(every[i])} tokens)"
     # one step prefills all eight, then decode-only steps until the longest answer ends
-    assert metric(engine, "relayinfer_engine_batch_tokens_bucket", {"le": "1024.0"}) - \
-        metric(engine, "relayinfer_engine_batch_tokens_bucket", {"le": "16.0"}) == 1
-    assert metric(engine, "relayinfer_engine_batch_size_count") == max(map(len, refs))
+    assert metric(m, "relayinfer_engine_batch_tokens_bucket", {"le": "1024.0"}) - \
+        metric(m, "relayinfer_engine_batch_tokens_bucket", {"le": "16.0"}) == 1
+    assert metric(m, "relayinfer_engine_batch_size_count") == max(map(len, refs))
 
 
 def test_prefix_reuse_counts_and_tokens(torch_engine, prompts, reference):
     engine = LLMEngine(torch_engine, kv_cache_bytes=32 << 20, block_size=BS)
+    m = EngineMetrics(engine)
     a, b = prompts[0], prompts[1]
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # shared system turn + header
     assert common >= BS
-    assert run_all(engine, {0: [("a", a)]})["a"] == reference[0]
+    assert run_all(engine, {0: [("a", a)]}, m)["a"] == reference[0]
     assert engine.request_stats("a").prefix_hit_tokens == 0
-    prefill_before = metric(engine, "relayinfer_engine_prefill_tokens_total")
-    assert run_all(engine, {0: [("b", b)]})["b"] == reference[1]
+    prefill_before = metric(m, "relayinfer_engine_prefill_tokens_total")
+    assert prefill_before == len(a)
+    assert run_all(engine, {0: [("b", b)]}, m)["b"] == reference[1]
     hits = engine.request_stats("b").prefix_hit_tokens
     assert hits == (common // BS) * BS > 0
-    assert metric(engine, "relayinfer_engine_prefill_tokens_total") - prefill_before == len(b) - hits
+    assert metric(m, "relayinfer_engine_prefill_tokens_total") - prefill_before == len(b) - hits
     # the same prompt again: every full block but the one holding the last token is reused
-    assert run_all(engine, {0: [("a2", a)]})["a2"] == reference[0]
+    assert run_all(engine, {0: [("a2", a)]}, m)["a2"] == reference[0]
     assert engine.request_stats("a2").prefix_hit_tokens == ((len(a) - 1) // BS) * BS
-    assert metric(engine, "relayinfer_engine_prefix_cache_hit_tokens_total") == hits + ((len(a) - 1) // BS) * BS
+    assert metric(m, "relayinfer_engine_prefix_cache_hit_tokens_total") == hits + ((len(a) - 1) // BS) * BS
+    queries = len(a) + len(b) + len(a)
+    assert metric(m, "relayinfer_engine_prefix_cache_query_tokens_total") == queries
+    assert metric(m, "relayinfer_engine_prefix_cache_hit_rate") == pytest.approx(
+        (hits + ((len(a) - 1) // BS) * BS) / queries)
 
 
 def test_preemption_under_small_budget_loses_nothing(torch_engine, prompts, reference):
@@ -114,47 +132,54 @@ def test_preemption_under_small_budget_loses_nothing(torch_engine, prompts, refe
     longest = max(-(-(len(p) + GREEDY.max_new_tokens) // BS) for p in prompts)
     engine = LLMEngine(torch_engine, kv_cache_bytes=(longest + 1) * per_block, block_size=BS,
                        max_num_batched_tokens=128)
+    m = EngineMetrics(engine)
     total_need = sum(-(-(len(p) + GREEDY.max_new_tokens) // BS) for p in prompts)
     assert engine.num_blocks < total_need / 2  # the load does not fit at once
-    out = run_all(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts)]})
+    out = run_all(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts)]}, m)
     for i, ref in enumerate(reference):
         assert out[f"r{i}"] == ref, f"prompt {i}"
-    pre = metric(engine, "relayinfer_engine_preemptions_total")
+    pre = metric(m, "relayinfer_engine_preemptions_total")
     assert pre > 0 and pre == sum(engine.request_stats(f"r{i}").num_preemptions for i in range(len(prompts)))
-    assert sum(metric(engine, "relayinfer_engine_requests_total", {"reason": r}) or 0
+    assert pre == engine.scheduler.num_preemptions
+    assert sum(metric(m, "relayinfer_engine_requests_total", {"reason": r}) or 0
                for r in ("length", "eos")) == len(prompts)
     assert engine.block_manager.num_used_blocks == 0
 
 
 def test_abort_frees_blocks_at_next_step(torch_engine, prompts):
     engine = LLMEngine(torch_engine, kv_cache_bytes=32 << 20, block_size=BS, enable_prefix_caching=False)
+    m = EngineMetrics(engine)
     bm = engine.block_manager
     engine.add_request("keep", prompts[0], GREEDY)
     engine.add_request("drop", prompts[4], GREEDY)
     for _ in range(3):
-        engine.step()
+        step(engine, m)
     held = len(engine.seqs["drop"].block_table)
     assert held >= len(prompts[4]) // BS  # its prompt is prefilled (one 256-token step)
     free_before = bm.num_free_blocks
     engine.abort("drop")
-    assert all(o.request_id == "keep" for o in engine.step())
+    assert all(o.request_id == "keep" for o in step(engine, m))
     # the step freed drop's blocks; keep may have taken at most one block for its next token
     assert bm.num_free_blocks >= free_before + held - 1
     assert "drop" not in engine.seqs and engine.request_stats("drop").finish_reason == "abort"
     while engine.has_unfinished():
-        engine.step()
+        step(engine, m)
     assert bm.num_free_blocks == bm.num_blocks
-    assert metric(engine, "relayinfer_engine_requests_total", {"reason": "abort"}) == 1
+    assert metric(m, "relayinfer_engine_requests_total", {"reason": "abort"}) == 1
+    assert metric(m, "relayinfer_engine_request_success_total", {"finished_reason": "abort"}) == 1
 
 
 def test_cloud_budget_and_metrics_text(torch_engine, prompts, reference):
     engine = LLMEngine(torch_engine, kv_cache_bytes=8 << 20, block_size=BS)
+    m = EngineMetrics(engine)
     engine.add_request("b", prompts[1], GREEDY, cloud_budget=5)
     outs = []
     while engine.has_unfinished():
-        outs += engine.step()
+        outs += step(engine, m)
     assert [o.token_id for o in outs] == reference[1][:5] and outs[-1].finish_reason == "budget"
-    text = generate_latest(engine.metrics.registry).decode()
+    assert metric(m, "relayinfer_engine_request_success_total", {"finished_reason": "length"}) == 1
+    assert metric(m, "relayinfer_engine_tpot_seconds_count") == 4
+    text = generate_latest(m.registry).decode()
     cfg = torch_engine.cfg
     assert f"relayinfer_engine_kv_bytes_per_token {float(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4)}" in text
     assert "relayinfer_engine_ttft_seconds_count 1.0" in text
@@ -183,6 +208,11 @@ def test_async_engine_streams_and_aborts(torch_engine, prompts, reference):
     eng, full0, full2, cut = asyncio.run(main())
     assert full0 == reference[0] and full2 == reference[2] and cut == reference[3][:3]
     assert eng.engine.block_manager.num_used_blocks == 0 and not eng.engine.seqs
+    # the wrapper feeds its metrics after every step (and the aborts applied at shutdown)
+    reg = eng.metrics.registry
+    assert reg.get_sample_value("relayinfer_engine_requests_total", {"reason": "abort"}) == 1
+    assert reg.get_sample_value("relayinfer_engine_ttft_seconds_count") == 3
+    assert reg.get_sample_value("relayinfer_engine_generation_tokens_total") >= len(full0) + len(full2) + 3
 
 
 def test_block_manager_prefix_refcount_and_lru():

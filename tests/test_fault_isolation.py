@@ -17,10 +17,11 @@ import urllib.request
 
 import pytest
 
-from relayinfer.cloud.engine import llm_engine as le
 from relayinfer.cloud.engine import sampler as sampler_mod
+from relayinfer.cloud.engine import scheduler as scheduler_mod
 from relayinfer.cloud.engine.llm_engine import (AsyncLLMEngine, EngineFailed, LLMEngine, RequestFailed,
                                                 MAX_FORWARD_FAILURES)
+from relayinfer.cloud.engine.metrics import EngineMetrics
 from relayinfer.protocol.model.decoding import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8)
@@ -48,14 +49,18 @@ def bad_sampler(monkeypatch):
     monkeypatch.setattr(sampler_mod, "sample", sample)
 
 
-def _drive(engine: LLMEngine, max_steps: int = 500) -> tuple[dict, dict]:
-    """Step until idle; (tokens by request id, RequestFailed by request id)."""
+def _drive(engine: LLMEngine, max_steps: int = 500, metrics: EngineMetrics | None = None) -> tuple[dict, dict]:
+    """Step until idle, feeding `metrics` when given; (tokens by request id, RequestFailed by
+    request id)."""
     out: dict[str, list[int]] = {}
     failed: dict[str, RequestFailed] = {}
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break
-        for o in engine.step():
+        outs = engine.step()
+        if metrics is not None:
+            metrics.observe(outs, engine.last_stats)
+        for o in outs:
             out.setdefault(o.request_id, []).append(o.token_id)
         failed.update(engine.take_failures())
     assert not engine.has_unfinished()
@@ -64,10 +69,11 @@ def _drive(engine: LLMEngine, max_steps: int = 500) -> tuple[dict, dict]:
 
 def test_sampler_fault_ends_only_its_request(torch_engine, chat_prompt_ids, reference, bad_sampler):
     engine = LLMEngine(torch_engine, kv_cache_bytes=16 << 20)
+    metrics = EngineMetrics(engine)
     for i, p in enumerate(chat_prompt_ids):
         engine.add_request(f"ok{i}", p, GREEDY)
     engine.add_request("bad", chat_prompt_ids[0], DRAW)
-    out, failed = _drive(engine)
+    out, failed = _drive(engine, metrics=metrics)
     assert list(failed) == ["bad"]
     assert "'bad'" in str(failed["bad"]) and "Seed must be between" in str(failed["bad"])
     assert len(out["bad"]) == 2  # what it streamed before the fault
@@ -76,14 +82,14 @@ def test_sampler_fault_ends_only_its_request(torch_engine, chat_prompt_ids, refe
     assert engine.block_manager.num_used_blocks == 0 and not engine.seqs
     assert engine.request_stats("bad").finish_reason == "error"
     engine.add_request("next", chat_prompt_ids[1], GREEDY)  # the engine goes on
-    out, failed = _drive(engine)
+    out, failed = _drive(engine, metrics=metrics)
     assert out["next"] == reference[1] and not failed
-    reg = engine.metrics.registry
+    reg = metrics.registry
     assert reg.get_sample_value("relayinfer_engine_requests_total", {"reason": "error"}) == 1
 
 
 def test_stop_check_fault_ends_only_its_sequence(torch_engine, chat_prompt_ids, reference, monkeypatch):
-    real = le.finish_reason
+    real = scheduler_mod.finish_reason
     marked = SamplingParams(max_new_tokens=8)  # same rule as GREEDY, another object
 
     def finish_reason(tok, n, params, eos, budget=None):
@@ -91,7 +97,7 @@ def test_stop_check_fault_ends_only_its_sequence(torch_engine, chat_prompt_ids, 
             raise RuntimeError("stop callback exploded")
         return real(tok, n, params, eos, budget)
 
-    monkeypatch.setattr(le, "finish_reason", finish_reason)
+    monkeypatch.setattr(scheduler_mod, "finish_reason", finish_reason)
     engine = LLMEngine(torch_engine, kv_cache_bytes=16 << 20)
     engine.add_request("ok", chat_prompt_ids[2], GREEDY)
     engine.add_request("bad", chat_prompt_ids[1], marked)

@@ -96,15 +96,16 @@ async def _post(port: int, body: dict):
 
 
 def _abort_count(svc) -> float:
-    return svc.llm.metrics.finished.labels("abort")._value.get()
+    return svc.llm.metrics.registry.get_sample_value("relayinfer_engine_requests_total", {"reason": "abort"}) or 0.0
 
 
 def _metrics_aborts(port: int) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    line = next(ln for ln in text.splitlines() if ln.startswith('relayinfer_engine_requests_total{reason="abort"}'))
-    return float(line.split()[-1])
+    line = next((ln for ln in text.splitlines() if ln.startswith('relayinfer_engine_requests_total{reason="abort"}')),
+                None)
+    return 0.0 if line is None else float(line.split()[-1])  # no line before the first abort
 
 
 def _run_case(cloud, prompt: list[int], stream: bool, close_when) -> dict:

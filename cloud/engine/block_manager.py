@@ -104,8 +104,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """On admission: share the cached full blocks that start `seq`'s tokens. The last token is
         never taken from the cache (its logits are needed to sample), so at most
-        (len - 1) // block_size blocks match. Sets `block_table`, `num_computed_tokens`,
-        `num_cached_tokens` (the scheduler adds them to `prefix_hit_tokens` on admission); returns the number of tokens reused."""
+        (len - 1) // block_size blocks match. Sets `block_table` and `num_computed_tokens`;
+        returns the number of tokens reused (a multiple of `block_size`)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         hits, bs = 0, self.block_size
         if self.enable_prefix_caching:
@@ -121,7 +121,7 @@ class BlockManager:
                 b.ref_count += 1
                 seq.block_table.append(bid)
                 hits += 1
-        seq.num_computed_tokens = seq.num_cached_tokens = hits * bs
+        seq.num_computed_tokens = hits * bs
         return hits * bs
 
     def chain_hash(self, seq: Sequence, i: int) -> int:

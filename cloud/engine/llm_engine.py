@@ -1,12 +1,14 @@
 """The batching engine: requests in, tokens out, one `step()` at a time; plus an asyncio wrapper.
 
-`LLMEngine` ties the pieces together (nano-vllm's `llm_engine.py`): `Scheduler` picks the step's
-tokens, `ModelRunner` computes them on the paged cache, sampling is `sampler.sample_batch` (argmax
+`LLMEngine.step` is nano-vllm's: `Scheduler.schedule` picks the step's tokens, `ModelRunner`
+computes them on the paged cache, `sampler.sample_batch` draws one token per sampling row (argmax
 for greedy rows, else `protocol.model.decoding.sample`: numpy, seeded per answer position, so a seeded
-request draws the same tokens here as on `TorchEngine` or the device), and `BlockManager`
-frees/caches blocks. `add_request` and `abort` are thread-safe (they go through an inbox drained
-at the start of each step), so `step()` can run on a background thread while an event loop adds and
-cancels requests: that is `AsyncLLMEngine`.
+request draws the same tokens here as on `TorchEngine` or the device), and
+`Scheduler.postprocess` appends them, decides each answer's end and frees the blocks of the
+finished. `add_request` and `abort` are thread-safe (they go through an inbox drained at the start
+of each step), so `step()` can run on a background thread while an event loop adds and cancels
+requests: that is `AsyncLLMEngine`, which also feeds each step's outputs and `StepStats` to the
+Prometheus metrics (`metrics.EngineMetrics`); the engine itself holds none.
 """
 from __future__ import annotations
 
@@ -18,16 +20,17 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, NamedTuple, Sequence as Seq
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import numpy as np
 
 from relayinfer.cloud.models.llama import Llama
-from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, token_logprobs
+from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.model.errors import PromptTooLongError
 
 from .block_manager import BlockManager
+from .metrics import EngineMetrics, Finished, StepStats
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample_batch
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan, StepResult
 from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("relayinfer.engine")
@@ -105,62 +108,6 @@ class _Import:
     write: Callable
 
 
-# Latency bucket edges (s), log-spaced from 5 ms to 30 min: past the longest request the limits allow
-# (a whole 8,192-token context at CPU speed is minutes), so no observation lands in +Inf unseen.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
-                   320.0, 640.0, 1200.0, 1800.0)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-_MS = LATENCY_BUCKETS
-
-
-class EngineMetrics:
-    """Prometheus metrics of one engine (own `CollectorRegistry` unless one is passed). Names follow
-    Prometheus' rules (`promtool check metrics` passes: base units, `_total` only on counters) and
-    vLLM's where it has one (`e2e_request_latency_seconds`, `request_prompt_tokens`,
-    `request_generation_tokens`, `request_success_total{finished_reason}`)."""
-
-    def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = r = registry if registry is not None else CollectorRegistry()
-        self.ttft = Histogram("relayinfer_engine_ttft_seconds", "Time to first token", registry=r, buckets=_MS)
-        self.tpot = Histogram("relayinfer_engine_tpot_seconds", "Time between consecutive output tokens of a request",
-                              registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5))
-        self.queue = Histogram("relayinfer_engine_queue_seconds", "Arrival to first scheduling",
-                               registry=r, buckets=_MS)
-        self.batch_seqs = Histogram("relayinfer_engine_batch_size", "Sequences per step", registry=r,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        self.batch_tokens = Histogram("relayinfer_engine_batch_tokens", "Tokens per step", registry=r,
-                                      buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048))
-        self.blocks_used = Gauge("relayinfer_engine_kv_blocks_used", "KV blocks referenced", registry=r)
-        self.blocks_cached = Gauge("relayinfer_engine_kv_blocks_cached", "Free KV blocks holding a cached prefix",
-                                   registry=r)
-        self.blocks_total = Gauge("relayinfer_engine_kv_blocks", "KV blocks in the cache", registry=r)
-        self.e2e = Histogram("relayinfer_engine_e2e_request_latency_seconds",
-                             "Arrival to the last token (or abort) of a request", registry=r,
-                             buckets=LATENCY_BUCKETS)
-        self.req_prompt_tokens = Histogram("relayinfer_engine_request_prompt_tokens", "Prompt tokens per request",
-                                           registry=r, buckets=TOKEN_BUCKETS)
-        self.req_gen_tokens = Histogram("relayinfer_engine_request_generation_tokens",
-                                        "Generated tokens per finished request", registry=r, buckets=TOKEN_BUCKETS)
-        self.success = Counter("relayinfer_engine_request_success", "Finished requests by OpenAI finish reason "
-                               "(stop: EOS, stop id or stop string; length: max_tokens or budget; abort)",
-                               ["finished_reason"], registry=r)
-        self.kv_bytes_per_token = Gauge("relayinfer_engine_kv_bytes_per_token",
-                                        "K+V bytes of one token over all layers", registry=r)
-        self.kv_budget_bytes = Gauge("relayinfer_engine_kv_cache_bytes", "KV cache memory (bytes)", registry=r)
-        self.prefix_queries = Counter("relayinfer_engine_prefix_cache_query_tokens",
-                                      "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter("relayinfer_engine_prefix_cache_hit_tokens",
-                                   "Prompt tokens reused from the prefix cache", registry=r)
-        self.prefix_hit_rate = Gauge("relayinfer_engine_prefix_cache_hit_rate",
-                                     "hit tokens / query tokens since start", registry=r)
-        self.preemptions = Counter("relayinfer_engine_preemptions", "Sequences preempted (recompute)", registry=r)
-        self.prompt_tokens = Counter("relayinfer_engine_prefill_tokens", "Tokens computed in prefill", registry=r)
-        self.gen_tokens = Counter("relayinfer_engine_generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("relayinfer_engine_requests", "Finished requests by reason", ["reason"], registry=r)
-        self.running = Gauge("relayinfer_engine_running", "Running sequences", registry=r)
-        self.waiting = Gauge("relayinfer_engine_waiting", "Waiting sequences", registry=r)
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -172,7 +119,8 @@ class LLMEngine:
         max_num_batched_tokens: token budget per step (prefill chunk size bound).
         max_num_seqs: running sequences at most.
         enable_prefix_caching: share full blocks across requests with equal token prefixes.
-        registry: Prometheus registry for the metrics (a new one when None).
+
+    Raises ValueError when `kv_cache_bytes` holds no block.
 
     Fault isolation: an exception raised while serving one request (its sampling, logits
     processing, stop check, per-sequence bookkeeping, K/V import) ends that request only: it is
@@ -180,38 +128,50 @@ class LLMEngine:
     (request_id, `RequestFailed`) for the caller to deliver. A failed batched forward fails the
     sequences of that step alone; `MAX_FORWARD_FAILURES` of them in a row, or a failure outside any
     request (scheduling, the inbox), raise `EngineFailed` from `step()`.
+
+    Metrics: `last_stats` is the `StepStats` of the last step, for an observer outside the engine
+    (`AsyncLLMEngine` feeds `metrics.EngineMetrics`).
     """
 
     def __init__(self, model, kv_cache_bytes: int = 256 << 20, block_size: int = 16,
-                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-                 enable_prefix_caching: bool = True, registry: CollectorRegistry | None = None):
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64, enable_prefix_caching: bool = True):
         self.model: Llama = model if isinstance(model, Llama) else model.model
-        self.cfg = self.model.cfg
-        self.eos_id, self.context_length = self.cfg.eos_id, self.cfg.context_length
-        self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, next(self.model.parameters()).dtype)
         num_blocks = kv_cache_bytes // (block_size * self.kv_bytes_per_token)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block of {block_size} tokens "
                              f"({self.kv_bytes_per_token} bytes per token)")
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs), self.block_manager)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs), self.block_manager,
+                                   self.cfg.eos_id)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
-        self.metrics = m = EngineMetrics(registry)
-        m.blocks_total.set(num_blocks)
-        m.kv_bytes_per_token.set(self.kv_bytes_per_token)
-        m.kv_budget_bytes.set(self.runner.nbytes)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}      # live requests
         self.stats: OrderedDict[str, RequestStats] = OrderedDict()  # finished requests, last 10000
+        self.held: dict[str, Sequence] = {}      # finished with hold_kv: blocks kept until release()
+        self.prefill_tok_s: float | None = None  # EWMA of prefill tokens per second of step time
+        self.last_stats = StepStats()
         self._inbox: list[tuple[str, object]] = []
         self._lock = threading.Lock()
-        self._preemptions_seen = 0
-        self._prefix_hits = self._prefix_queries = 0
-        self.held: dict[str, Sequence] = {}     # finished with hold_kv: blocks kept until release()
         self._imports: deque[_Import] = deque()  # prefilled elsewhere, waiting for blocks / a slot
-        self.prefill_tok_s: float | None = None  # EWMA of prefill tokens per second of step time
         self._failures: list[tuple[str, RequestFailed]] = []  # failed in the last steps, not yet taken
         self._forward_failures = 0  # consecutive failed batched forwards
+
+    @property
+    def cfg(self):
+        """The model's `ModelConfig`."""
+        return self.model.cfg
+
+    @property
+    def eos_id(self) -> int:
+        return self.cfg.eos_id
+
+    @property
+    def context_length(self) -> int:
+        return self.cfg.context_length
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
 
     @property
     def num_blocks(self) -> int:
@@ -305,12 +265,110 @@ class LLMEngine:
 
     @staticmethod
     def _stats_of(s: Sequence) -> RequestStats:
+        t = s.times
         return RequestStats(s.num_prompt_tokens, s.prefix_hit_tokens, s.num_preemptions, s.num_output_tokens,
-                            None if s.first_scheduled_s is None else s.first_scheduled_s - s.arrival_s,
-                            None if s.first_token_s is None else s.first_token_s - s.arrival_s, s.finish_reason)
+                            None if t.first_scheduled is None else t.first_scheduled - t.arrival,
+                            None if t.first_token is None else t.first_token - t.arrival, s.finish_reason)
 
     # --- the step -----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one step: schedule, run the model, postprocess; return the tokens generated in it
+        (at most one per running sequence). Finished, aborted and failed requests have freed their
+        KV blocks on return; the failed ones are in `take_failures()`, the step's counters in
+        `last_stats`.
+
+        Raises:
+            EngineFailed: the engine cannot go on (scheduling or the inbox failed, or the batched
+                forward failed `MAX_FORWARD_FAILURES` times in a row).
+        """
+        t0, self.last_stats = time.perf_counter(), StepStats()
+        try:
+            self._drain_inbox()
+            self._admit_imports()
+            plan = self.scheduler.schedule()
+            ran = self._run(plan.batch, t0)  # (tokens, logits); None: the forward failed
+            done = self.scheduler.postprocess(plan.batch, *ran) if ran else StepResult()
+            return self._collect(plan, done)
+        except EngineFailed:
+            raise
+        except Exception as e:
+            raise EngineFailed(f"the engine failed outside any request: {type(e).__name__}: {e}") from e
+
+    def _run(self, batch: list[ScheduledSeq], t0: float) -> tuple[list, np.ndarray | None] | None:
+        """Run `batch` through the model and sample its sampling rows. Returns (tokens: per
+        sampling sequence its token id or the exception its sampling raised, logits float32
+        [len(tokens), vocab]), ([], None) for an empty batch, or None when the forward failed (the
+        batch's requests then fail). Updates `prefill_tok_s` from a step that prefilled (`t0`:
+        its start, perf_counter s).
+
+        Raises:
+            EngineFailed: the forward failed `MAX_FORWARD_FAILURES` times in a row.
+        """
+        if not batch:
+            return [], None
+        try:
+            logits_t = self.runner.run(batch)
+            logits = logits_t.cpu().numpy()  # for logprobs
+        except Exception as e:  # the step's sequences fail; the engine goes on unless it keeps failing
+            self._forward_failures += 1
+            if self._forward_failures >= MAX_FORWARD_FAILURES:
+                raise EngineFailed(f"{self._forward_failures} batched forwards failed in a row, the last: "
+                                   f"{type(e).__name__}: {e}") from e
+            for s in batch:
+                self._fail(s.seq, e)
+            return None
+        self._forward_failures = 0
+        tokens = self._sample(logits_t, [s.seq for s in batch if s.sample])
+        n_pre = sum(s.n for s in batch if s.n > 1 or s.start < s.seq.num_prompt_tokens)
+        if n_pre >= 16:  # a step that prefilled: its tokens/s (EWMA) estimates prefill speed
+            rate = n_pre / max(time.perf_counter() - t0, 1e-6)
+            self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.8 * self.prefill_tok_s + 0.2 * rate
+        return tokens, logits
+
+    def _sample(self, logits_t, seqs: list[Sequence]) -> list:
+        """`sample_batch` of the step; when it raises, each row alone, so that the row (request)
+        that raised gets its exception in place of a token and the others their tokens."""
+        try:
+            return sample_batch(logits_t, seqs, self.eos_id)
+        except Exception:
+            out: list = []
+            for i, s in enumerate(seqs):
+                try:
+                    out.append(sample_batch(logits_t[i:i + 1], [s], self.eos_id)[0])
+                except Exception as e:
+                    out.append(e)
+            return out
+
+    def _collect(self, plan: StepPlan, done: StepResult) -> list[StepOutput]:
+        """The step's end: fail the requests `done.failed` names, retire the finished ones, fill
+        `last_stats`, and return a `StepOutput` per sampled token (batch order)."""
+        for seq, e in done.failed:
+            self._fail(seq, e)
+        outputs = []
+        for seq, lp in done.sampled:
+            outputs.append(StepOutput(seq.request_id, seq.token_ids[-1], seq.num_output_tokens - 1,
+                                      seq.finish_reason, lp))
+            if seq.finish_reason is not None:
+                self._retire(seq)
+        st, bm, sch = self.last_stats, self.block_manager, self.scheduler
+        st.batch_seqs, st.batch_tokens = len(plan.batch), sum(s.n for s in plan.batch)
+        st.prefill_tokens, st.ttft_s, st.tpot_s = done.prefill_tokens, done.ttft_s, done.tpot_s
+        st.queue_s, st.preemptions = plan.queue_s, plan.preempted
+        st.prefix_query_tokens, st.prefix_hit_tokens = plan.prefix_query_tokens, plan.prefix_hit_tokens
+        st.blocks_used, st.blocks_cached = bm.num_used_blocks, bm.num_cached_free_blocks
+        st.running, st.waiting = len(sch.running), len(sch.waiting)
+        return outputs
+
+    def apply_inbox(self) -> StepStats:
+        """Apply what is queued (requests, aborts, releases, budgets) now, outside a step; only
+        while no thread runs `step()`. Returns the `StepStats` of it (the requests it ended)."""
+        self.last_stats = StepStats()
+        self._drain_inbox()
+        return self.last_stats
+
     def _drain_inbox(self) -> None:
+        """Apply what the other threads queued: new requests and imports, aborts, releases of held
+        blocks, budget changes (a budget below what a request already generated ends it)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for rid, item in inbox:
@@ -335,170 +393,6 @@ class LLMEngine:
             if seq.num_output_tokens and seq.num_output_tokens >= seq.max_tokens:
                 self._finish(seq, "budget")
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.hold_kv and reason not in ("abort", "error"):  # keep its blocks for the P/D export until release()
-            sch = self.scheduler
-            (sch.running if seq in sch.running else sch.waiting).remove(seq)
-            self.held[seq.request_id] = seq
-        else:
-            self.scheduler.remove(seq)
-        for imp in self._imports:
-            if imp.seq is seq:
-                self._imports.remove(imp)
-                break
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        del self.seqs[seq.request_id]
-        self.stats[seq.request_id] = self._stats_of(seq)
-        if len(self.stats) > 10000:
-            self.stats.popitem(last=False)
-        m = self.metrics
-        m.finished.labels(reason).inc()
-        m.success.labels({"eos": "stop", "stop": "stop", "length": "length", "budget": "length"}.get(reason, "abort")).inc()
-        m.e2e.observe(time.perf_counter() - seq.arrival_s)
-        m.req_prompt_tokens.observe(seq.num_prompt_tokens)
-        m.req_gen_tokens.observe(seq.num_output_tokens)
-
-    def _fail(self, seq: Sequence, e: BaseException) -> None:
-        """End one request after an exception raised while serving it: finish it ('error', its KV
-        blocks freed) and queue a `RequestFailed` for `take_failures()`."""
-        if seq.request_id not in self.seqs or self.seqs[seq.request_id] is not seq:
-            return  # already finished (failed twice in one step)
-        log.error("request %s failed in the engine: %s: %s", seq.request_id, type(e).__name__, e,
-                  exc_info=(type(e), e, e.__traceback__))
-        try:
-            self._finish(seq, "error")
-        finally:
-            self.seqs.pop(seq.request_id, None)
-            self._failures.append((seq.request_id, RequestFailed(seq.request_id, e)))
-
-    def take_failures(self) -> list[tuple[str, RequestFailed]]:
-        """The requests that failed in the steps since the last call, as (request_id, error); each
-        is finished and its KV blocks are free."""
-        out, self._failures = self._failures, []
-        return out
-
-    def _sample(self, logits_t, seqs: list[Sequence]) -> list:
-        """`sample_batch` of the step; when it raises, each row alone, so that the row (request)
-        that raised gets its exception in place of a token and the others their tokens."""
-        try:
-            return sample_batch(logits_t, seqs, self.eos_id)
-        except Exception:
-            out: list = []
-            for i, s in enumerate(seqs):
-                try:
-                    out.append(sample_batch(logits_t[i:i + 1], [s], self.eos_id)[0])
-                except Exception as e:
-                    out.append(e)
-            return out
-
-    def step(self) -> list[StepOutput]:
-        """Run one scheduling + model step; return the tokens generated in it (at most one per
-        running sequence). Finished, aborted and failed requests have freed their KV blocks on
-        return; the failed ones are in `take_failures()`.
-
-        Raises:
-            EngineFailed: the engine cannot go on (scheduling or the inbox failed, or the batched
-                forward failed `MAX_FORWARD_FAILURES` times in a row).
-        """
-        try:
-            self._drain_inbox()
-            self._admit_imports()
-            return self._step()
-        except EngineFailed:
-            raise
-        except Exception as e:
-            raise EngineFailed(f"the engine failed outside any request: {type(e).__name__}: {e}") from e
-
-    def _step(self) -> list[StepOutput]:
-        m = self.metrics
-        t_step = time.perf_counter()
-        batch = self.scheduler.schedule()
-        now = time.perf_counter()
-        for seq in self.scheduler.admitted:
-            self._prefix_queries += len(seq.token_ids)
-            self._prefix_hits += seq.num_cached_tokens
-            m.prefix_queries.inc(len(seq.token_ids))
-            m.prefix_hits.inc(seq.num_cached_tokens)
-        if self.scheduler.admitted:
-            m.prefix_hit_rate.set(self._prefix_hits / max(1, self._prefix_queries))
-        for s in batch:
-            seq = s.seq
-            if seq.first_scheduled_s is None:
-                seq.first_scheduled_s = now
-                m.queue.observe(now - seq.arrival_s)
-        outputs: list[StepOutput] = []
-        if batch:
-            n_tok = sum(s.n for s in batch)
-            m.batch_seqs.observe(len(batch))
-            m.batch_tokens.observe(n_tok)
-            try:
-                logits_t = self.runner.run(batch)
-                logits = logits_t.cpu().numpy()  # for logprobs
-            except Exception as e:  # the step's sequences fail; the engine goes on unless it keeps failing
-                self._forward_failures += 1
-                if self._forward_failures >= MAX_FORWARD_FAILURES:
-                    raise EngineFailed(f"{self._forward_failures} batched forwards failed in a row, the last: "
-                                       f"{type(e).__name__}: {e}") from e
-                for s in batch:
-                    self._fail(s.seq, e)
-                self._update_gauges()
-                return []
-            self._forward_failures = 0
-            toks = self._sample(logits_t, [s.seq for s in batch if s.sample])
-            now = time.perf_counter()
-            n_pre = sum(s.n for s in batch if s.n > 1 or s.start < s.seq.num_prompt_tokens)
-            if n_pre >= 16:  # a step that prefilled: its tokens/s (EWMA) estimates prefill speed
-                rate = n_pre / max(now - t_step, 1e-6)
-                self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.8 * self.prefill_tok_s + 0.2 * rate
-            li = 0
-            for s in batch:
-                row = li
-                li += s.sample
-                try:
-                    out = self._after_step(s, toks[row] if s.sample else None, logits[row] if s.sample else None, now)
-                except Exception as e:  # this request's own bookkeeping, stop check or logprobs
-                    self._fail(s.seq, e)
-                    continue
-                if out is not None:
-                    outputs.append(out)
-        new_pre = self.scheduler.num_preemptions - self._preemptions_seen
-        if new_pre:
-            m.preemptions.inc(new_pre)
-            self._preemptions_seen = self.scheduler.num_preemptions
-        self._update_gauges()
-        return outputs
-
-    def _after_step(self, s, tok, logits_row, now: float) -> StepOutput | None:
-        """One scheduled sequence after the forward: commit its computed tokens; when it sampled,
-        append `tok` (or raise the exception its sampling raised), check its stop rules, finish it
-        when it ends. Returns its StepOutput (None when it only prefilled a chunk)."""
-        m, seq = self.metrics, s.seq
-        old = seq.num_computed_tokens
-        seq.num_computed_tokens += s.n
-        self.block_manager.commit(seq, old)
-        if s.start < seq.num_prompt_tokens:
-            m.prompt_tokens.inc(min(s.start + s.n, seq.num_prompt_tokens) - s.start)
-        if not s.sample:
-            return None
-        if isinstance(tok, BaseException):
-            raise tok
-        idx = seq.num_output_tokens
-        lp = None if seq.params.logprobs is None else token_logprobs(logits_row, tok, seq.params.logprobs)
-        seq.token_ids.append(tok)
-        if seq.first_token_s is None:
-            seq.first_token_s = now
-            m.ttft.observe(now - seq.arrival_s)
-        elif seq.last_token_s is not None:
-            m.tpot.observe(now - seq.last_token_s)
-        seq.last_token_s = now
-        m.gen_tokens.inc()
-        reason = finish_reason(tok, seq.num_output_tokens, seq.params, -1 if seq.ignore_eos else self.eos_id,
-                               seq.max_tokens if seq.max_tokens < seq.params.max_new_tokens else None)
-        out = StepOutput(seq.request_id, tok, idx, reason, lp)
-        if reason:
-            self._finish(seq, reason)
-        return out
-
     def _admit_imports(self) -> None:
         """Admit prefilled sequences (P/D decode) in FIFO order while blocks and slots allow."""
         bm, sch = self.block_manager, self.scheduler
@@ -519,18 +413,54 @@ class LLMEngine:
             bm.commit(seq, hit)
             seq.prefix_hit_tokens += hit
             seq.status = SequenceStatus.RUNNING
-            seq.first_scheduled_s = seq.first_token_s = time.perf_counter()
+            seq.times.first_scheduled = seq.times.first_token = time.perf_counter()
             sch.running.append(seq)
 
-    def _update_gauges(self) -> None:
-        m, bm = self.metrics, self.block_manager
-        m.blocks_used.set(bm.num_used_blocks)
-        m.blocks_cached.set(bm.num_cached_free_blocks)
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a live request outside `postprocess` ('abort', 'budget', 'error'): the scheduler
+        finishes it (queues, blocks), then the engine retires it."""
+        self.scheduler.finish(seq, reason)
+        for imp in self._imports:
+            if imp.seq is seq:
+                self._imports.remove(imp)
+                break
+        self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """A finished sequence leaves `seqs` (for `held` when it keeps its blocks); its
+        `RequestStats` are kept (the last 10000) and it joins `last_stats.finished`."""
+        rid = seq.request_id
+        del self.seqs[rid]
+        if seq.keeps_blocks:
+            self.held[rid] = seq
+        self.stats[rid] = self._stats_of(seq)
+        if len(self.stats) > 10000:
+            self.stats.popitem(last=False)
+        self.last_stats.finished.append(Finished(seq.finish_reason, time.perf_counter() - seq.times.arrival,
+                                                 seq.num_prompt_tokens, seq.num_output_tokens))
+
+    def _fail(self, seq: Sequence, e: BaseException) -> None:
+        """End one request after an exception raised while serving it: finish it ('error', its KV
+        blocks freed) and queue a `RequestFailed` for `take_failures()`."""
+        if seq.request_id not in self.seqs or self.seqs[seq.request_id] is not seq:
+            return  # already finished (failed twice in one step)
+        log.error("request %s failed in the engine: %s: %s", seq.request_id, type(e).__name__, e,
+                  exc_info=(type(e), e, e.__traceback__))
+        try:
+            self._finish(seq, "error")
+        finally:
+            self.seqs.pop(seq.request_id, None)
+            self._failures.append((seq.request_id, RequestFailed(seq.request_id, e)))
+
+    def take_failures(self) -> list[tuple[str, RequestFailed]]:
+        """The requests that failed in the steps since the last call, as (request_id, error); each
+        is finished and its KV blocks are free."""
+        out, self._failures = self._failures, []
+        return out
 
     def generate(self, prompts: list[Seq[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Offline helper: run all `prompts` to completion as one batch; generated ids per prompt."""
+        """Offline helper: run all `prompts` to completion as one batch; generated ids per prompt.
+        Raises the first request's `RequestFailed` (the others are aborted)."""
         ps = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, ps):
@@ -543,12 +473,9 @@ class LLMEngine:
             if failed:
                 for rid in ids:
                     self.abort(rid)
-                self._drain_inbox()
+                self.apply_inbox()
                 raise failed[0][1]
         return [out[r] for r in ids]
-
-
-_END = object()
 
 
 class AsyncLLMEngine:
@@ -567,16 +494,13 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.metrics = EngineMetrics(engine)  # fed after each step with its outputs and `last_stats`
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
-
-    @property
-    def metrics(self) -> EngineMetrics:
-        return self.engine.metrics
 
     def start(self) -> None:
         if self._thread is None:
@@ -596,7 +520,7 @@ class AsyncLLMEngine:
                 return
             self._thread = None
         if self.error is None:
-            self.engine._drain_inbox()
+            self.metrics.observe([], self.engine.apply_inbox())
 
     def _run(self) -> None:
         eng = self.engine
@@ -608,6 +532,7 @@ class AsyncLLMEngine:
             try:
                 outs = eng.step()
                 failed = eng.take_failures()
+                self.metrics.observe(outs, eng.last_stats)
             except BaseException as e:  # the engine cannot go on: every waiting request gets the failure
                 self.error = e
                 log.critical("the engine thread failed: %s: %s", type(e).__name__, e, exc_info=e)

@@ -21,6 +21,17 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SeqTimes:
+    """A sequence's timeline, time.perf_counter() seconds: arrival (queued), first scheduled (its
+    prefill starts), first token, last token; None until it happens."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
 @dataclass(eq=False)  # identity equality: queues remove by identity, not by comparing tokens
 class Sequence:
     """State of one request.
@@ -28,18 +39,23 @@ class Sequence:
     Attributes:
         request_id: caller's id (unique among live requests).
         token_ids: prompt ids then generated ids (int).
+        params: sampling settings; `max_tokens` is min(params.max_new_tokens, cloud_budget), the
+            answer tokens generated here at most.
         num_prompt_tokens: length of the prompt part of `token_ids`.
-        params: sampling settings; `max_tokens` below is min(params.max_new_tokens, cloud_budget).
+        status: where the scheduler holds it (waiting, running, finished).
         block_table: KV block ids (ints into the cache's first axis), block i holds token positions
-            [i * block_size, (i + 1) * block_size).
-        block_hashes: chain hashes of the leading full blocks of `token_ids` (filled on demand by
-            `BlockManager.chain_hash`; depend on the tokens only, so they outlive preemption).
+            [i * block_size, (i + 1) * block_size) (`block(i, block_size)` are its tokens).
+        block_hashes: chain hashes of the leading full blocks of `token_ids`, always chained from
+            the previous block's (filled on demand by `BlockManager.chain_hash`; they depend on the
+            tokens only, so they outlive preemption).
         num_computed_tokens: leading tokens whose K/V are in the cache.
-        num_cached_tokens: prompt tokens found in the prefix cache at the last admission (not
-            computed); `prefix_hit_tokens` sums them over admissions (recompute after preemption).
-        ignore_eos: keep generating past EOS (benchmarks with fixed output lengths, as vLLM's).
+        prefix_hit_tokens: prompt tokens taken from the prefix cache, summed over admissions
+            (recompute after preemption admits it again).
         num_preemptions: times the sequence lost its blocks and went back to the queue.
-        arrival_s / first_scheduled_s / first_token_s / last_token_s: time.perf_counter() seconds.
+        finish_reason: None while live; 'eos' / 'stop' / 'length' / 'budget' / 'abort' / 'error'.
+        ignore_eos: keep generating past EOS (benchmarks with fixed output lengths, as vLLM's).
+        hold_kv: P/D prefill: keep the KV blocks after the answer ends until `LLMEngine.release`.
+        times: its `SeqTimes`.
     """
 
     request_id: str
@@ -51,16 +67,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     ignore_eos: bool = False
-    hold_kv: bool = False  # P/D prefill: keep the KV blocks after finishing until `LLMEngine.release`
-    arrival_s: float = field(default_factory=time.perf_counter)
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
+    hold_kv: bool = False
+    times: SeqTimes = field(default_factory=SeqTimes)
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)
@@ -91,3 +103,9 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Finished with `hold_kv` at the end of its answer (not aborted, not failed): its KV blocks
+        stay allocated for the P/D export until released."""
+        return self.hold_kv and self.finish_reason not in (None, "abort", "error")

@@ -94,7 +94,7 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("relayinfer_requests", "Generate requests by outcome", ["outcome"], registry=r)
         self.cloud_tokens = Counter("relayinfer_cloud_tokens", "Tokens streamed by the cloud", registry=r)
-        from relayinfer.cloud.engine.llm_engine import LATENCY_BUCKETS
+        from relayinfer.cloud.engine.metrics import LATENCY_BUCKETS
 
         self.prefill = Histogram("relayinfer_prefill_seconds", "Cloud prefill time, Generate to the first "
                                  "token (s)", registry=r, buckets=LATENCY_BUCKETS)
