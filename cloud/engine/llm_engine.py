@@ -25,6 +25,7 @@ from relayinfer.protocol.decoding import SamplingParams, finish_reason, token_lo
 from relayinfer.protocol.errors import PromptTooLongError
 
 from .block_manager import BlockManager
+from .interface import EngineLimits
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample_batch
 from .scheduler import Scheduler, SchedulerConfig
@@ -577,6 +578,40 @@ class AsyncLLMEngine:
     @property
     def metrics(self) -> EngineMetrics:
         return self.engine.metrics
+
+    # --- EngineClient (cloud.engine.interface) ------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        """The model's context and vocabulary, the paged cache's capacity (tokens) and size (bytes)."""
+        e = self.engine
+        cap = e.num_blocks * e.block_size
+        return EngineLimits(e.context_length, e.cfg.vocab_size, cap, kv_pool_bytes=cap * e.cfg.kv_bytes_per_token)
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        return self.engine.prefill_tok_s
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.engine.metrics.registry
+
+    def request_stats(self, request_id: str) -> RequestStats | None:
+        return self.engine.request_stats(request_id)
+
+    def health(self) -> str | None:
+        """None while the engine thread serves; else why not (it died)."""
+        return None if self.error is None else f"engine failed: {type(self.error).__name__}: {self.error}"
+
+    def state(self) -> dict:
+        e = self.engine
+        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "kv_blocks_used": e.block_manager.num_used_blocks, "kv_blocks_total": e.num_blocks}
+
+    async def warmup(self) -> None:
+        """A short batch on a worker thread before the engine thread starts (the runner allocates on
+        its first steps)."""
+        if self._thread is None:
+            await asyncio.to_thread(self.engine.generate, [list(range(16, 48))], SamplingParams(max_new_tokens=2))
 
     def start(self) -> None:
         if self._thread is None:
