@@ -10,7 +10,7 @@ does, a request here can ask for prompt refinement (`refine`: the kept prompt po
 from __future__ import annotations
 
 import asyncio
-import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
@@ -25,6 +25,7 @@ from .interface import EngineLimits, EngineOutput, KVParts, RefinedIndices
 from .llm_engine import RequestStats, StepOutput
 
 REUSE_WAIT_S = 1.0  # longest wait of a new turn for the previous, stopping turn's KV (s)
+STATS_KEPT = 1000  # finished requests whose `RequestStats` stay readable (count)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class PerRequestEngine:
         self._markers = markers
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
         self._live: dict[str, _Live] = {}
+        self._ended: OrderedDict[str, RequestStats] = OrderedDict()  # the last STATS_KEPT finished
 
     @property
     def limits(self) -> EngineLimits:
@@ -154,11 +156,11 @@ class PerRequestEngine:
         return {"running": len(self._live)}
 
     def request_stats(self, request_id: str) -> RequestStats | None:
-        """Counters of a live request (None once it ended): `prefix_hit_tokens` = tokens reused
-        from the session's previous turn."""
+        """Counters of a live or recently finished request (the last `STATS_KEPT`), None when
+        unknown: `prefix_hit_tokens` = tokens reused from the session's previous turn."""
         live = self._live.get(request_id)
         if live is None:
-            return None
+            return self._ended.get(request_id)
         return RequestStats(live.n_prompt, live.cached, 0, live.generated, None, None, None)
 
     def abort(self, request_id: str) -> None:
@@ -191,6 +193,7 @@ class PerRequestEngine:
         leaves early). Raises ValueError for a request id that is already running."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
+        self._ended.pop(request_id, None)
         live = self._live[request_id] = _Live(len(prompt_ids), cloud_budget, session)
         kv, ids, out_ids, ended = None, list(prompt_ids), [], False
         loop = asyncio.get_running_loop()
@@ -219,6 +222,9 @@ class PerRequestEngine:
                 logits, kv = await loop.run_in_executor(self.worker, self.engine.decode, tok, kv)
             ended = True
         finally:
+            self._ended[request_id] = self.request_stats(request_id)
+            while len(self._ended) > STATS_KEPT:
+                self._ended.popitem(last=False)
             del self._live[request_id]
             if ended and session is not None and refine is None and kv is not None:
                 session.offer((ids + out_ids)[:kv.length], kv)  # the next turn's prefix

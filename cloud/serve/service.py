@@ -4,11 +4,18 @@ Per `Generate` the cloud prefills the prompt, sends the first `Token` at once, k
 streaming tokens until the device sends `Stop` (it has taken over), the cloud token budget is spent,
 or the answer ends; then it sends `Done` and frees the request's KV cache.
 
-Model steps of all sessions run on one worker thread (a FIFO executor), so concurrent requests
-interleave step by step and the event loop stays free for I/O. (Continuous batching replaces this
-in the serving engine.) HTTP side: `/healthz`, `/metrics` (Prometheus text), `/v1/device-model`
-(the exported ONNX file, `X-Content-SHA256` header) and `/v1/device-model/{name}` for the other
-device files listed in `/v1/device-model/manifest`.
+Every request runs on an `EngineClient` (`cloud.engine.interface`): the batching engine (`llm`:
+`AsyncLLMEngine`, or the P/D gateway's `PDEngine`) for plain requests, the per-request engine
+(`PerRequestEngine` over the `TorchEngine`, its model steps on one worker thread) for prompt
+refinement, the KV hand-off and every request of a service without `llm`. One token loop
+(`CloudService._run`) turns the engine's outputs into messages; each session's
+`RequestTable(Role.CLOUD)` decides what a device message means for its request (Stop, Cancel,
+ExtendBudget, their crossings with Done, id reuse). Admission (`Admission`), the HTTP port
+(`HttpSide`) and the kept multi-turn KV (`KeptKVStore`) are the service's collaborators.
+
+HTTP side: `/healthz`, `/metrics` (Prometheus text), `/v1/device-model` (the exported ONNX file,
+`X-Content-SHA256` header) and `/v1/device-model/{name}` for the other device files listed in
+`/v1/device-model/manifest`.
 """
 from __future__ import annotations
 
@@ -178,8 +185,7 @@ class Admission:
         (`n_live`: the session's running requests; `dead`: why the service cannot serve, or None)."""
         rid, n = msg.request_id, len(msg.prompt_ids)
         if n_live >= self.max_requests_per_session:
-            return Error(ErrorCode.OVERLOADED.value, f"this session already runs {n_live} requests, the limit "
-                         f"per session; retry after {self.retry_after_ms:.0f} ms", rid, self.retry_after_ms)
+            return self._overloaded(f"this session already runs {n_live} requests, the limit per session", rid)
         if dead is not None:
             return Error(ErrorCode.INTERNAL.value, dead, rid)
         try:  # every field by the shared rules (`protocol.validate`), token ids by this model's vocabulary
@@ -243,7 +249,7 @@ def _check_fields(msg: Generate, vocab: int) -> None:
     check("kv_from", msg.kv_from, hi=n - 2, optional=True)
     if msg.kv_from is not None and msg.refine is not None:
         raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
-    check_vocab(vocab, msg.stop_ids)
+    check_vocab(vocab, sampling_params(msg).stop_ids)  # SamplingParams checks the sampling fields
 
 
 def sampling_params(msg: Generate) -> SamplingParams:
@@ -538,7 +544,8 @@ class CloudService:
                 self.metrics.errors.labels(e.code.value).inc()
             log.info("session %s ended: %s", channel.session_id, e)
         finally:
-            for req in list(sess.requests.values()):  # peer gone: free every request's KV cache
+            for rid, req in list(sess.requests.items()):  # peer gone: every request ends, its KV freed
+                sess.table.receive(Cancel(rid))  # a task not started yet streams nothing
                 req.client.abort(req.key)
             if sess.tasks:
                 await asyncio.gather(*sess.tasks, return_exceptions=True)
@@ -703,6 +710,9 @@ class CloudService:
             sent += 1
             self.metrics.cloud_tokens.inc()
             last = out.finish_reason
+        if sent == 0:  # what the prefill reused counts also when no token came (stopped first)
+            stats = req.client.request_stats(req.key)
+            cached = stats.prefix_hit_tokens if stats is not None else 0
         state = table.state(rid)
         reason = last or {RequestState.STOPPING: "stop", RequestState.CANCELLING: "cancel"}.get(state) or (
             "budget" if req.budget is not None and sent >= req.budget else "length")
