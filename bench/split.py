@@ -97,18 +97,12 @@ def _service_class():
             super().__init__(*a, **kw)
             self.busy: dict[str, float] = {}
 
-        async def _timed(self, run, channel, req, requests):
+        async def _run(self, channel, req, session):  # every request, batched or per-request
             t = time.perf_counter()
             try:
-                await run(channel, req, requests)
+                await super()._run(channel, req, session)
             finally:
                 self.busy[req.msg.request_id] = (time.perf_counter() - t) * 1e3
-
-        async def _run(self, channel, req, requests):
-            await self._timed(super()._run, channel, req, requests)
-
-        async def _run_batched(self, channel, req, requests):  # the continuous-batching path (llm=...)
-            await self._timed(super()._run_batched, channel, req, requests)
 
     return TimedService
 

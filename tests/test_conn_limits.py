@@ -21,7 +21,7 @@ FP = "f" * 64
 
 def fake_engine():
     """What CloudService reads of an engine without serving a Generate (connection tests only)."""
-    return types.SimpleNamespace(context_length=2048, cfg=types.SimpleNamespace(vocab_size=49152))
+    return types.SimpleNamespace(context_length=2048, cfg=types.SimpleNamespace(vocab_size=49152), warmup=lambda: None)
 
 
 def run(coro, timeout=90):

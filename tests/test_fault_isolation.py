@@ -234,17 +234,17 @@ def _ws_generate(url, fp, gens) -> dict:
 @pytest.mark.parametrize("refine", [None, 0.9], ids=["batched", "per-request"])
 def test_ws_request_whose_sampler_raises_gets_internal_error(cloud, chat_prompt_ids, reference, bad_sampler,
                                                              monkeypatch, refine):
-    from relayinfer.cloud.serve import service as service_mod
+    from relayinfer.cloud.engine import per_request as per_request_mod
     from relayinfer.protocol.messages import Done, Error, Generate, Token
 
-    real = service_mod.sample
+    real = per_request_mod.sample
 
-    def sample(logits, params, index, *a, **kw):  # the per-request path samples in the service
+    def sample(logits, params, index, *a, **kw):  # the per-request engine samples on its own
         if params.seed == BAD_SEED and index == 2:
             raise ValueError("Seed must be between 0 and 2**32 - 1")
         return real(logits, params, index, *a, **kw)
 
-    monkeypatch.setattr(service_mod, "sample", sample)
+    monkeypatch.setattr(per_request_mod, "sample", sample)
     p = chat_prompt_ids[0]
     gens = [Generate("ok", p, 8, refine=refine), Generate("bad", p, 8, temperature=0.7, seed=BAD_SEED, refine=refine)]
     got = _ws_generate(cloud.url, cloud.fingerprint, gens)

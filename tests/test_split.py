@@ -130,8 +130,8 @@ class _DroppingChannel:
 
 
 class DroppingService(CloudService):
-    async def _run(self, channel, req, requests):
-        await super()._run(_DroppingChannel(channel, 3), req, requests)
+    async def _run(self, channel, req, session):
+        await super()._run(_DroppingChannel(channel, 3), req, session)
 
 
 def test_connection_lost_mid_stream_device_completes(torch_engine, onnx_engine, chat_prompt_ids, reference):

@@ -27,6 +27,7 @@ from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.model.errors import PromptTooLongError
 
 from .block_manager import BlockManager
+from .interface import EngineLimits
 from .metrics import EngineMetrics, Finished, StepStats
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample_batch
@@ -501,6 +502,40 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
+
+    # --- EngineClient (cloud.engine.interface) ------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        """The model's context and vocabulary, the paged cache's capacity (tokens) and size (bytes)."""
+        e = self.engine
+        cap = e.num_blocks * e.block_size
+        return EngineLimits(e.context_length, e.cfg.vocab_size, cap, kv_pool_bytes=cap * e.cfg.kv_bytes_per_token)
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        return self.engine.prefill_tok_s
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.metrics.registry
+
+    def request_stats(self, request_id: str) -> RequestStats | None:
+        return self.engine.request_stats(request_id)
+
+    def health(self) -> str | None:
+        """None while the engine thread serves; else why not (it died)."""
+        return None if self.error is None else f"engine failed: {type(self.error).__name__}: {self.error}"
+
+    def state(self) -> dict:
+        e = self.engine
+        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "kv_blocks_used": e.block_manager.num_used_blocks, "kv_blocks_total": e.num_blocks}
+
+    async def warmup(self) -> None:
+        """A short batch on a worker thread before the engine thread starts (the runner allocates on
+        its first steps)."""
+        if self._thread is None:
+            await asyncio.to_thread(self.engine.generate, [list(range(16, 48))], SamplingParams(max_new_tokens=2))
 
     def start(self) -> None:
         if self._thread is None:

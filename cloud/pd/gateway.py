@@ -50,6 +50,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from relayinfer.cloud.engine.llm_engine import RequestFailed, StepOutput
 from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import RelayInferError
+from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, Token
+from relayinfer.protocol.requests import RequestState, RequestTable, RequestViolation, Role
 
 from .instance import Handoff, Instance, InstanceDied, Rejected
 
@@ -218,7 +220,6 @@ class GatewayMetrics:
 class _Live:
     group: Group
     where: list = field(default_factory=list)  # (handle, instance request id) currently holding it
-    aborted: bool = False
     budget: int | None = None
 
 
@@ -257,6 +258,7 @@ class Gateway:
         self._rr = {g.name: itertools.count() for g in groups}
         self._decode_active: dict[str, int] = {}
         self._live: dict[str, _Live] = {}
+        self.requests = RequestTable(Role.CLOUD)  # the per-request rules: duplicate ids, late aborts
         self._ids = itertools.count()
         self._reporter: asyncio.Task | None = None
         self.dead: dict[str, str] = {}  # instance name -> last failure, until it reports again
@@ -402,17 +404,23 @@ class Gateway:
 
     # --- requests ---------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its KV is freed on that instance at its next step."""
+        """Stop a request wherever it is; its KV is freed on that instance at its next step. An
+        unknown, finished or already aborted request is left alone (the table ignores it)."""
+        ev = self.requests.receive(Cancel(request_id))
         live = self._live.get(request_id)
-        if live is None:
+        if isinstance(ev, RequestViolation) or ev.ignored or live is None:
             return
-        live.aborted = True
         for h, irid in list(live.where):
             asyncio.ensure_future(self._quiet(h.abort(irid)))
 
+    def _aborted(self, request_id: str) -> bool:
+        return self.requests.state(request_id) is RequestState.CANCELLING
+
     def set_budget(self, request_id: str, budget: int) -> None:
+        """Change a live request's cloud budget (ignored once it was aborted or ended)."""
+        ev = self.requests.receive(ExtendBudget(request_id, budget))
         live = self._live.get(request_id)
-        if live is None:
+        if isinstance(ev, RequestViolation) or ev.ignored or live is None:
             return
         live.budget = budget
         for h, irid in list(live.where):
@@ -484,10 +492,13 @@ class Gateway:
                        split: bool = False) -> AsyncIterator[StepOutput]:
         """Serve one request; yields `StepOutput`s with this `request_id` (answer index from 0).
         Leaving the iteration early aborts it. `split`: stay on the prefill instance (device
-        requests with a cloud budget). Raises `PDError` when it cannot be served."""
-        if request_id in self._live:
-            raise ValueError(f"request {request_id!r} is already running")
+        requests with a cloud budget). Every request goes through `requests` (its tokens, its end).
+        Raises `PDError` when it cannot be served, ValueError for an id that is already running."""
         group = self.classify(len(prompt_ids), tag)
+        ev = self.requests.receive(Generate(request_id, list(prompt_ids), params.max_new_tokens,
+                                            cloud_budget=cloud_budget))
+        if isinstance(ev, RequestViolation):
+            raise ValueError(f"request {request_id!r} is already running") from ev
         live = self._live[request_id] = _Live(group, budget=cloud_budget)
         self.metrics.live.inc()
         outcome, outs, retries = "error", [], 0
@@ -504,6 +515,7 @@ class Gateway:
                 group.tpot_ms.append((now - last[0]) * 1e3)
                 self.metrics.tpot.labels(group.name).observe(now - last[0])
             last[0] = now
+            self.requests.send(Token(request_id, o.token_id, len(outs), (now - t0) * 1e3, 0, o.finish_reason))
             outs.append(o.token_id)
             ended[0] = o.finish_reason
             return StepOutput(request_id, o.token_id, len(outs) - 1, o.finish_reason)
@@ -521,10 +533,10 @@ class Gateway:
                             yield emit(o)
                             if o.finish_reason:
                                 break
-                    outcome = "aborted" if live.aborted else "ok"
+                    outcome = "aborted" if self._aborted(request_id) else "ok"
                     return
                 except InstanceDied as e:
-                    if live.aborted:
+                    if self._aborted(request_id):
                         outcome = "aborted"
                         return
                     retries += 1
@@ -540,6 +552,9 @@ class Gateway:
             for h, irid in live.where:  # whatever still runs somewhere stops and frees its KV
                 await self._quiet(h.abort(irid))
             self._live.pop(request_id, None)
+            end = Error("internal", "the request failed", request_id) if outcome == "error" else \
+                Done(request_id, ended[0] or ("cancel" if outcome == "aborted" else "length"), len(outs), 0.0)
+            self.requests.send(end)  # the id may be used again
             self.metrics.live.dec()
             self.metrics.requests.labels(group.name, outcome).inc()
 
@@ -567,7 +582,7 @@ class Gateway:
             o = first
             while True:
                 yield o
-                if o.finish_reason or live.aborted:
+                if o.finish_reason or self._aborted(request_id):
                     return
                 o = await self._guard(h, gen.__anext__())
         except StopAsyncIteration:
@@ -610,13 +625,13 @@ class Gateway:
                 live.where.remove((h, irid))
 
         ph, ho = await self._forward(group, t0, len(prompt_ids) + len(outs), offer)
-        if ho is None or live.aborted:  # aborted while prefilling
+        if ho is None or self._aborted(request_id):  # aborted while prefilling
             return
         reason = ho.finish_reason
         if reason == "budget" and (live.budget is None or ho.num_output_tokens < live.budget):
             reason = None  # the prefill instance stopped after one token by design: decode goes on
         yield StepOutput(request_id, ho.new_token, ho.num_output_tokens - 1, reason)
-        if reason or live.aborted:
+        if reason or self._aborted(request_id):
             return
         dh = await self._pick_decode(group)
         self._decode_active[dh.name] = self._decode_active.get(dh.name, 0) + 1
@@ -638,7 +653,7 @@ class Gateway:
                     self.metrics.kv_objects.labels(kv.mode).inc(kv.num_objects)
                     self.metrics.kv_transfer.labels(kv.mode).observe(time.perf_counter() - t_hand)
                 yield o
-                if o.finish_reason or live.aborted:
+                if o.finish_reason or self._aborted(request_id):
                     return
         finally:
             self._decode_active[dh.name] -= 1

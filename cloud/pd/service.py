@@ -1,8 +1,8 @@
 """The split service and the OpenAI-compatible API on the P/D pools: `relayinfer pd serve`.
 
 `PDService` is the `CloudService` (same websocket protocol, limits, auth, TLS, HTTP routes) with the
-gateway in place of the single batching engine: `PDEngine` gives the gateway the interface the
-service and the OpenAI routes use (`generate`, `abort`, `set_budget`, `metrics`, `error`).
+gateway in place of the single batching engine: `PDEngine` is the gateway as an `EngineClient`
+(`cloud.engine.interface`), the interface the service and the OpenAI routes use.
 
 Routing: a device `Generate` with a cloud budget (split mode: the device takes over after a few
 tokens) runs on a prefill instance for its few tokens and never uses a decode instance; a
@@ -15,16 +15,19 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+from prometheus_client import CollectorRegistry
+
+from relayinfer.cloud.engine.interface import EngineLimits
+from relayinfer.cloud.engine.llm_engine import StepOutput, check_fits
 from relayinfer.cloud.serve.service import CloudService
 from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.validate import check, check_ids, check_vocab
-from relayinfer.cloud.engine.llm_engine import check_fits
 
 from .gateway import Gateway
 
 
 class _EngineView:
-    """What the service reads of `llm.engine`: limits and the model config."""
+    """What the OpenAI routes read of `llm.engine`: limits and the model config."""
 
     def __init__(self, cfg, max_model_len: int, num_blocks: int, block_size: int, model=None):
         self.cfg, self.max_model_len = cfg, max_model_len
@@ -37,29 +40,54 @@ class _EngineView:
         check_fits(n_prompt, max_new_tokens, self.context_length, self.num_blocks * self.block_size,
                    "the smallest instance's KV cache capacity")
 
-    def generate(self, prompts, params):  # the service's warm-up: the instances warmed up themselves
-        return [[] for _ in prompts]
-
 
 class PDEngine:
-    """The gateway behind `AsyncLLMEngine`'s interface (for `CloudService` and `openai_routes`).
+    """The gateway as an `EngineClient` (for `CloudService` and `openai_routes`).
 
     Args:
         gateway: the started or not yet started `Gateway` (started on first use in its loop).
         cfg: the model config; max_model_len / num_blocks / block_size: the smallest instance's.
+        model: the gateway's own Llama (prompt logprobs of OpenAI `echo`).
     """
 
     def __init__(self, gateway: Gateway, cfg, max_model_len: int, num_blocks: int, block_size: int = 16, model=None):
         self.gateway = gateway
         self.engine = _EngineView(cfg, max_model_len, num_blocks, block_size, model)
-        self.error: BaseException | None = None
 
     @property
     def metrics(self):
         return self.gateway.metrics
 
+    @property
+    def limits(self) -> EngineLimits:
+        """The model's context and vocabulary; the smallest instance's KV capacity (its blocks live
+        in the instances, none in this process)."""
+        e = self.engine
+        return EngineLimits(e.context_length, e.cfg.vocab_size, e.num_blocks * e.block_size)
+
+    @property
+    def prefill_tok_s(self) -> None:
+        return None  # the instances measure their own rates; the gateway routes by them
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.gateway.metrics.registry
+
+    def request_stats(self, request_id: str) -> None:
+        return None  # the prefix hits are counted on the instances
+
+    def health(self) -> str | None:
+        """None while the gateway can serve (see `Gateway.health`)."""
+        return self.gateway.health()
+
+    def state(self) -> dict:
+        return self.gateway.state()
+
+    async def warmup(self) -> None:
+        pass  # the instances warmed up themselves
+
     async def generate(self, request_id: str, prompt_ids, params: SamplingParams, cloud_budget: int | None = None,
-                       tag: str | None = None) -> AsyncIterator:
+                       tag: str | None = None) -> AsyncIterator[StepOutput]:
         """The gateway's answer as `StepOutput`s. Raises `FieldError` (a ValueError) naming a prompt
         id outside the vocabulary, a negative `cloud_budget` or a stop id outside the vocabulary,
         `PromptTooLongError` when the request cannot fit the smallest instance."""
@@ -105,32 +133,23 @@ class PDService(CloudService):
         await super().stop()
         await self.llm.gateway.stop()
 
-    def health(self) -> str | None:
-        """None while the gateway can serve (see `Gateway.health`); else why not: a pool without a
-        live instance that cannot be replaced (the process then exits with code 3)."""
-        return self.llm.gateway.health()
-
-    async def _healthz(self, request):
-        """200 `{"status": "ok"}`, 200 `{"status": "degraded", "dead": [names]}` while an instance is
-        dead or being replaced but every pool has a live one, 503 `{"status": "unavailable" |
-        "error", "dead": [...]}` when a pool has none (being replaced, or for good); the failures,
-        replacements and the gateway state only for an authorized caller."""
-        from aiohttp import web
-
-        gw, details = self.llm.gateway, self.authorized(request)
-        st, fatal = gw.health_state(), self.health()
+    def health_response(self, details: bool) -> tuple[dict, int]:
+        """/healthz: 200 `{"status": "ok"}`, 200 `{"status": "degraded", "dead": [names]}` while an
+        instance is dead or being replaced but every pool has a live one, 503 `{"status":
+        "unavailable" | "error", "dead": [...]}` when a pool has none (being replaced, or for good:
+        the process then exits with code 3); the failures, replacements and the gateway state only
+        with `details` (an authorized caller)."""
+        st, fatal = self.llm.gateway.health_state(), self.health()
         status = "error" if fatal else st["status"]
         body = {"status": status, **({"dead": sorted(st["dead"])} if st["dead"] else {})}
         if details:
             body.update({"reason": fatal} if fatal else {}, instances_dead=st["dead"], restarting=st["restarting"],
                         restarts=st["restarts"], **self._health_details())
-        return web.json_response(body, status=503 if status in ("error", "unavailable") else 200)
+        return body, 503 if status in ("error", "unavailable") else 200
 
     def _health_details(self) -> dict:
-        d = {"model_fingerprint": self.fingerprint, "model": self.model_name,
-             "sessions": int(self.metrics.active_sessions._value.get()),
-             "requests": int(self.metrics.active_requests._value.get())}
-        d["pd"] = self.llm.gateway.state()
+        d = super()._health_details()
+        d["pd"] = d.pop("engine")
         return d
 
 

@@ -4,11 +4,18 @@ Per `Generate` the cloud prefills the prompt, sends the first `Token` at once, k
 streaming tokens until the device sends `Stop` (it has taken over), the cloud token budget is spent,
 or the answer ends; then it sends `Done` and frees the request's KV cache.
 
-Model steps of all sessions run on one worker thread (a FIFO executor), so concurrent requests
-interleave step by step and the event loop stays free for I/O. (Continuous batching replaces this
-in the serving engine.) HTTP side: `/healthz`, `/metrics` (Prometheus text), `/v1/device-model`
-(the exported ONNX file, `X-Content-SHA256` header) and `/v1/device-model/{name}` for the other
-device files listed in `/v1/device-model/manifest`.
+Every request runs on an `EngineClient` (`cloud.engine.interface`): the batching engine (`llm`:
+`AsyncLLMEngine`, or the P/D gateway's `PDEngine`) for plain requests, the per-request engine
+(`PerRequestEngine` over the `TorchEngine`, its model steps on one worker thread) for prompt
+refinement, the KV hand-off and every request of a service without `llm`. One token loop
+(`CloudService._run`) turns the engine's outputs into messages; each session's
+`RequestTable(Role.CLOUD)` decides what a device message means for its request (Stop, Cancel,
+ExtendBudget, their crossings with Done, id reuse). Admission (`Admission`), the HTTP port
+(`HttpSide`) and the kept multi-turn KV (`KeptKVStore`) are the service's collaborators.
+
+HTTP side: `/healthz`, `/metrics` (Prometheus text), `/v1/device-model` (the exported ONNX file,
+`X-Content-SHA256` header) and `/v1/device-model/{name}` for the other device files listed in
+`/v1/device-model/manifest`.
 """
 from __future__ import annotations
 
@@ -18,32 +25,33 @@ import logging
 import ssl as _ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from relayinfer.cloud.engine.interface import EngineClient, EngineLimits, KVParts, RefinedIndices
+from relayinfer.cloud.engine.per_request import KeptKVStore, PerRequestEngine, SessionSlot
 from relayinfer.protocol.transport import ws as proto_ws
-from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, sample
+from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
-from relayinfer.protocol.model.model_file import file_sha256
-from relayinfer.protocol.kvhandoff import common_prefix, kv_messages
 from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
     quiet_accept_errors, runner_kwargs)
-from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, KVTransfer,
-                                          Pong, RefinedPrompt, Stop, Token, encode)
-from relayinfer.cloud.refine import WINDOW, select
+from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, Pong, RefinedPrompt, Stop,
+                                          Token, encode)
+from relayinfer.protocol.model.model_file import file_sha256
 from relayinfer.protocol.model.refine import TemplateMarkers
+from relayinfer.protocol.requests import RequestState, RequestTable, RequestViolation, Role, Transition
 from relayinfer.protocol.transport.security import bearer_token, server_context, token_matches
 from relayinfer.protocol.validate import MAX_STOP_IDS, FieldError, check, check_ids, check_vocab
 
 log = logging.getLogger("relayinfer.cloud")
 
 MAX_REQUEST_ID = 64  # characters
-REUSE_WAIT_S = 1.0  # longest wait of a new turn for the previous, stopping turn's KV (per-request path)
 KEEPALIVE_S = 10.0  # websocket ping interval and timeout: a black-holed device is dropped within ~20 s
 REQUEST_MEMORY_MB = 512  # default share of the memory budget beyond the batching engine's KV pool (MiB)
 
@@ -111,34 +119,249 @@ class Metrics:
 
 @dataclass
 class _Request:
+    """One admitted Generate of a session: `key` names it in its engine (unique over sessions),
+    `pending` its prompt tokens still waiting for a first token, `charge` its bytes in the memory
+    budget (per-request path)."""
+
     msg: Generate
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    budget: int | None = None
-    stop_reason: str = "stop"
-    batched: bool = False
-    pending: int = 0  # prompt tokens counted in CloudService.pending_tokens until the first token
-    cached: int = 0  # prompt tokens whose KV came from the session's previous turn
-    session_kv: list | None = None  # the session's slot for its last KV (per-request path), see `_run`
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task is over
-    charge: Charge | None = None  # its bytes in the memory budget (per-request path)
+    key: str
+    client: EngineClient
+    budget: int | None
+    pending: int = 0
+    charge: Charge | None = None
+    t0: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
-class _SessionKV:
-    """The KV cache of a session's last finished request on the per-request path (multi-turn
-    reuse): `ids` are the tokens whose K/V `kv` holds (prompt + the answer tokens the cloud decoded)."""
+class _Session:
+    """One device connection: its request table (the per-request rules), the admitted requests by
+    id, their tasks and the slot of its kept KV (multi-turn reuse on the per-request path)."""
 
-    ids: list[int]
-    kv: object
-    charge: Charge | None = None  # the kept cache's bytes in the memory budget
+    session_id: str
+    table: RequestTable
+    slot: SessionSlot
+    requests: dict[str, _Request] = field(default_factory=dict)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+class Admission:
+    """Who gets served: sessions (`max_sessions`), requests per session, the prefill queue (prompt
+    tokens waiting for their first token: `max_queued_tokens`, `max_queue_wait_ms` at the engine's
+    prefill rate) and the memory budget of the per-request path. Refusals are request-level Errors
+    (OVERLOADED with `retry_after_ms`, BAD_REQUEST naming the field, PROMPT_TOO_LONG naming the limit),
+    counted in `metrics`. See `CloudService` for the arguments."""
+
+    def __init__(self, metrics: Metrics, budget: MemoryBudget, max_sessions: int, max_requests_per_session: int,
+                 max_queued_tokens: int, max_queue_wait_ms: float, retry_after_ms: float):
+        self.metrics, self.budget = metrics, budget
+        self.max_sessions, self.max_requests_per_session = max_sessions, max_requests_per_session
+        self.max_queued_tokens, self.max_queue_wait_ms = max_queued_tokens, max_queue_wait_ms
+        self.retry_after_ms = retry_after_ms
+        self.pending_tokens = 0  # prompt tokens of requests waiting for their first token
+        self.num_sessions = 0  # open device sessions (from the websocket upgrade on, see `admit`)
+
+    def _overloaded(self, why: str, rid: str | None) -> Error:
+        self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
+        return Error(ErrorCode.OVERLOADED.value, f"{why}; retry after {self.retry_after_ms:.0f} ms", rid,
+                     self.retry_after_ms)
+
+    def admit(self) -> Error | None:
+        """Right after the websocket upgrade, before the Hello: OVERLOADED (with the back-off hint)
+        when `max_sessions` are open, else the connection is counted as a session (until `release`)."""
+        if self.num_sessions >= self.max_sessions:
+            return self._overloaded(f"the server holds its limit of {self.max_sessions} device sessions", None)
+        self.num_sessions += 1
+        self.metrics.active_sessions.inc()
+        return None
+
+    def release(self) -> None:
+        """An admitted connection ended (after its Hello or without one)."""
+        self.num_sessions -= 1
+        self.metrics.active_sessions.dec()
+
+    def check(self, msg: Generate, n_live: int, dead: str | None, limits: EngineLimits,
+              prefill_tok_s: float | None) -> Error | None:
+        """A request-level Error for a Generate we will not run on an engine with `limits`, else None
+        (`n_live`: the session's running requests; `dead`: why the service cannot serve, or None)."""
+        rid, n = msg.request_id, len(msg.prompt_ids)
+        if n_live >= self.max_requests_per_session:
+            return self._overloaded(f"this session already runs {n_live} requests, the limit per session", rid)
+        if dead is not None:
+            return Error(ErrorCode.INTERNAL.value, dead, rid)
+        try:  # every field by the shared rules (`protocol.validate`), token ids by this model's vocabulary
+            _check_fields(msg, limits.vocab_size)
+        except FieldError as e:
+            return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
+        limit = limits.max_request_tokens
+        if n + msg.max_new_tokens > limit:
+            what = (f"the context length of {limit} tokens" if limits.kv_capacity_tokens is None else
+                    f"the limit of {limit} tokens per request (min of the context length, {limits.context_length}, "
+                    f"and {limits.kv_what}, {limits.kv_capacity_tokens})")
+            return Error(ErrorCode.PROMPT_TOO_LONG.value,
+                         f"prompt too long: {n} prompt tokens + {msg.max_new_tokens} new tokens exceed {what}", rid)
+        return self._queue_check(rid, n, prefill_tok_s)  # last: a request that is wrong gets its own error first
+
+    def _queue_check(self, rid: str, n: int, rate: float | None) -> Error | None:
+        if not self.pending_tokens:
+            return None
+        wait_ms = (self.pending_tokens + n) / rate * 1e3 if rate else 0.0
+        if self.pending_tokens + n > self.max_queued_tokens:
+            return self._overloaded(f"{self.pending_tokens} prompt tokens are waiting for prefill (limit "
+                                    f"{self.max_queued_tokens})", rid)
+        if wait_ms > self.max_queue_wait_ms:
+            return self._overloaded(f"the expected wait for a first token is {wait_ms:.0f} ms ({self.pending_tokens} "
+                                    f"prompt tokens waiting at {rate:.0f} tokens/s; limit "
+                                    f"{self.max_queue_wait_ms:.0f} ms)", rid)
+        return None
+
+    def charge(self, msg: Generate, cfg) -> Charge | Error:
+        """Charge a per-request-path Generate to the memory budget (`per_request_bytes` of the model
+        config `cfg`), or the OVERLOADED Error."""
+        path = "refine" if msg.refine is not None else "kv_handoff" if msg.kv_from is not None else "per_request"
+        need = per_request_bytes(cfg, len(msg.prompt_ids), msg.max_new_tokens, msg.refine is not None, msg.kv_from)
+        charge = self.budget.try_charge(path, need)
+        if charge is not None:
+            return charge
+        self.metrics.memory_refused.labels(path).inc()
+        what = f"a {len(msg.prompt_ids)}-token prompt" + {"refine": " with refinement",
+                                                          "kv_handoff": " with a KV hand-off"}.get(path, "")
+        return self._overloaded(self.budget.refusal(what, need), msg.request_id)
+
+    def enqueue(self, req: _Request) -> None:
+        req.pending = len(req.msg.prompt_ids)
+        self.pending_tokens += req.pending
+
+    def dequeue(self, req: _Request) -> None:
+        """The request got its first token (or ended): its prompt no longer waits for prefill."""
+        self.pending_tokens -= req.pending
+        req.pending = 0
+
+
+def _check_fields(msg: Generate, vocab: int) -> None:
+    """Raise FieldError naming the first field of `msg` outside the shared rules or the vocabulary."""
+    n = len(msg.prompt_ids)
+    check_ids("prompt_ids", msg.prompt_ids, vocab - 1, min_len=1)
+    check("cloud_budget", msg.cloud_budget, optional=True)
+    check("refine", msg.refine, optional=True)
+    if msg.kv_from is not None and n < 2:
+        raise FieldError("kv_from", "left out for a one-token prompt (no prompt KV to hand off)", msg.kv_from)
+    # the hand-off carries tokens [kv_from, n - 1): at least one
+    check("kv_from", msg.kv_from, hi=n - 2, optional=True)
+    if msg.kv_from is not None and msg.refine is not None:
+        raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
+    check_vocab(vocab, sampling_params(msg).stop_ids)  # SamplingParams checks the sampling fields
+
+
+def sampling_params(msg: Generate) -> SamplingParams:
+    """The sampling parameters a Generate asks for."""
+    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
+                          max_new_tokens=msg.max_new_tokens, stop_ids=tuple(msg.stop_ids),
+                          presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                          repetition_penalty=msg.repetition_penalty, min_tokens=msg.min_tokens)
+
+
+class HttpSide:
+    """The HTTP port: `/healthz`, `/metrics`, `/v1/device-model*` and (with a batching engine) the
+    OpenAI API, every route but `/healthz` (and `/metrics` with `metrics_public`) behind the token.
+    Health and engine details come from `service` (`health_response`)."""
+
+    def __init__(self, service: "CloudService", auth_token: str | None, metrics_public: bool,
+                 device_model_dir: str | Path | None):
+        self.service, self.auth_token, self.metrics_public = service, auth_token, metrics_public
+        self.device_model_dir = Path(device_model_dir) if device_model_dir else None
+        self._manifest: dict | None = None
+
+    def authorized(self, request: web.Request) -> bool:
+        """True when no token is set or the request carries `Authorization: Bearer <the token>`
+        (constant-time comparison)."""
+        return self.auth_token is None or token_matches(bearer_token(request.headers.get("Authorization")),
+                                                        self.auth_token)
+
+    def app(self) -> web.Application:
+        """The aiohttp application of the HTTP port."""
+
+        @web.middleware
+        async def auth(request: web.Request, handler):
+            public = request.path == "/healthz" or (self.metrics_public and request.path == "/metrics")
+            if public or self.authorized(request):
+                return await handler(request)
+            return _unauthorized(request)
+
+        app = web.Application(middlewares=[auth])
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/device-model", self._device_model)
+        app.router.add_get("/v1/device-model/manifest", self._manifest_handler)
+        app.router.add_get("/v1/device-model/{name}", self._device_model)
+        svc = self.service
+        if svc.llm is not None:
+            from relayinfer.cloud.serve.openai_api import openai_routes
+            from relayinfer.protocol.model.tokenizer import Tokenizer
+
+            path = Path(svc.engine.model_path)  # the GGUF's own name is an alias of the model id
+            openai_routes(app, svc.llm, Tokenizer.from_gguf(path), svc.model_name, aliases=(path.name, path.stem),
+                          budget=svc.budget, retry_after_s=svc.admission.retry_after_ms / 1e3)
+        return app
+
+    async def _healthz(self, request):
+        body, status = self.service.health_response(self.authorized(request))
+        return web.json_response(body, status=status)
+
+    async def _metrics(self, request):
+        svc = self.service
+        body = generate_latest(svc.metrics.registry)
+        registry = svc.llm.metrics_registry if svc.llm is not None else None
+        if registry is not None:
+            body += generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    def _manifest_data(self) -> dict:
+        """The export manifest (file name -> sha256), read once; side files of exports made before
+        their hashes were recorded are hashed here, once."""
+        if self._manifest is None:
+            if self.device_model_dir is None or not (self.device_model_dir / "manifest.json").is_file():
+                raise web.HTTPNotFound(text="this service has no exported device model")
+            from relayinfer.cloud.export import SIDE_FILES
+
+            m = json.loads((self.device_model_dir / "manifest.json").read_text())
+            for name in SIDE_FILES:
+                m["files"].setdefault(name, file_sha256(self.device_model_dir / name))
+            self._manifest = m
+        return self._manifest
+
+    async def _manifest_handler(self, request):
+        return web.json_response(self._manifest_data())
+
+    async def _device_model(self, request):
+        files = self._manifest_data()["files"]
+        name = request.match_info.get("name") or self._manifest_data().get("default_onnx", "model.fp32.onnx")
+        if name not in files:
+            raise web.HTTPNotFound(text=f"no device file {name!r}; available: {sorted(files)}")
+        return web.FileResponse(self.device_model_dir / name, headers={"X-Content-SHA256": files[name]})
+
+
+@dataclass
+class _Listeners:
+    """The two listening ports and how they were opened."""
+
+    ssl: _ssl.SSLContext | None = None
+    host: str = "127.0.0.1"
+    ws_server: object = None
+    http_runner: web.AppRunner | None = None
+    ws_port: int | None = None
+    http_port: int | None = None
 
 
 class CloudService:
-    """Serves device sessions over websockets with a `TorchEngine` (or anything with the
-    `prefill`/`decode` engine interface, `eos_id`, `context_length`, `cfg.vocab_size`).
+    """Serves device sessions over websockets: every request runs on an `EngineClient` (the batching
+    engine `llm`, or the per-request engine over `engine`) and one token loop (`_run`) streams its
+    outputs; the per-request rules (Stop, Cancel, ExtendBudget and their crossings, id reuse) are
+    the session's `RequestTable(Role.CLOUD)`.
 
     Args:
-        engine: the cloud runtime.
+        engine: the cloud runtime: a `TorchEngine` (or anything with its `prefill` / `prefill_scored`
+            / `decode` / `warmup` interface, `eos_id`, `context_length`, `cfg`), run by
+            `PerRequestEngine` for the requests that do not join the batch.
         fingerprint: sha256 of the model file; a device with another fingerprint is refused
             (FINGERPRINT_MISMATCH).
         auth_token: bearer token devices must present, or None for none.
@@ -181,7 +404,8 @@ class CloudService:
             sessions (beyond it a turn's cache is freed and the next turn prefills in full).
         special_ids: chat-template token ids that prompt refinement always keeps (default: the
             CONTROL tokens of the engine's model file).
-        llm: an `AsyncLLMEngine` (continuous batching over a paged KV cache). When given, requests
+        llm: a batching `EngineClient` (`AsyncLLMEngine`: continuous batching over a paged KV cache;
+            `PDEngine`: the P/D pools). When given, requests
             without refinement join its batch and the HTTP side also serves the OpenAI-compatible
             API; requests with refinement take the per-request path (the batched runner does not
             compute attention scores).
@@ -199,502 +423,300 @@ class CloudService:
 
     drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
 
+    drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
+
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
                  max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
-                 llm=None, model_name: str = "smollm2-135m-instruct", metrics_public: bool = False,
-                 max_sessions: int = 256, max_requests_per_session: int = 4, retry_after_ms: float = 5000.0,
-                 max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
+                 llm: EngineClient | None = None, model_name: str = "smollm2-135m-instruct",
+                 metrics_public: bool = False, max_sessions: int = 256, max_requests_per_session: int = 4,
+                 retry_after_ms: float = 5000.0, max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
                  history: int = 1000, max_kept_tokens: int = 8192, limits: ConnectionLimits | None = None,
                  memory_bytes: int | None = None):
-        self.engine, self.fingerprint, self.auth_token = engine, fingerprint, auth_token
-        self.metrics_public = metrics_public
-        self._ssl, self._host = None, "127.0.0.1"
-        self.device_model_dir = Path(device_model_dir) if device_model_dir else None
-        self._manifest: dict | None = None
-        self.step_delay_ms = step_delay_ms
+        self.engine, self.fingerprint, self.llm, self.model_name = engine, fingerprint, llm, model_name
+        self._markers = _MarkersOf(engine, special_ids)
+        self.per_request = PerRequestEngine(engine, self._markers.get, step_delay_ms)
         self.max_frame_bytes = max_frame_bytes or split_frame_limit(engine.context_length, engine.cfg.vocab_size)
-        self.max_sessions, self.max_requests_per_session = max_sessions, max_requests_per_session
-        self.retry_after_ms = retry_after_ms
-        self.max_queued_tokens, self.max_queue_wait_ms = max_queued_tokens, max_queue_wait_ms
-        self.pending_tokens = 0  # prompt tokens of requests waiting for their first token
-        self.num_sessions = 0  # open device sessions (from the websocket upgrade on, see `_admit`)
         self.gate = ConnectionGate(limits)  # open connections of both ports
-        self._special_ids = special_ids
-        self.llm, self.model_name = llm, model_name
         self.metrics = Metrics()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
-        self.ws_port = self.http_port = None
-        self._ws_server = self._http_runner = None
-        self.completed: deque[Done] = deque(maxlen=history)  # the last Done of recent requests
-        self.max_kept_tokens = max_kept_tokens  # multi-turn reuse: session KV kept at most (tokens, all sessions)
-        self.kept_tokens = 0
-        pool = self._kv_pool_bytes()
-        self.budget = MemoryBudget(memory_bytes if memory_bytes is not None else pool + (REQUEST_MEMORY_MB << 20))
+        pool = llm.limits.kv_pool_bytes if llm is not None else 0  # the batching engine's KV cache, for good
+        budget = MemoryBudget(memory_bytes if memory_bytes is not None else pool + (REQUEST_MEMORY_MB << 20))
         if pool:
-            self.budget.reserve("kv_pool", pool)  # ValueError naming both sizes when the pool alone passes it
-        self.metrics.memory_limit.set(self.budget.limit_bytes)
-        self.metrics.memory_used.set_function(lambda: self.budget.used)
+            budget.reserve("kv_pool", pool)  # ValueError naming both sizes when the pool alone passes it
+        self.metrics.memory_limit.set(budget.limit_bytes)
+        self.metrics.memory_used.set_function(lambda: budget.used)
+        self.admission = Admission(self.metrics, budget, max_sessions, max_requests_per_session, max_queued_tokens,
+                                   max_queue_wait_ms, retry_after_ms)
+        self.kept = KeptKVStore(budget, max_kept_tokens, lambda: engine.cfg.kv_bytes_per_token)
+        self.http = HttpSide(self, auth_token, metrics_public, device_model_dir)
+        self.completed: deque[Done] = deque(maxlen=history)  # the last Done of recent requests
+        self._net = _Listeners()
 
-    def _kv_pool_bytes(self) -> int:
-        """Bytes of the batching engine's preallocated paged KV cache in this process (0 without one,
-        or when the blocks live elsewhere, as the P/D instances' do)."""
-        e = getattr(self.llm, "engine", None)
-        if e is None or not hasattr(e, "block_manager"):
-            return 0
-        return e.num_blocks * e.block_size * self.engine.cfg.kv_bytes_per_token
-
-    def _charge(self, msg: Generate) -> Charge | Error:
-        """Charge a per-request-path Generate to the memory budget, or the OVERLOADED Error."""
-        path = "refine" if msg.refine is not None else "kv_handoff" if msg.kv_from is not None else "per_request"
-        need = per_request_bytes(self.engine.cfg, len(msg.prompt_ids), msg.max_new_tokens, msg.refine is not None,
-                                 msg.kv_from)
-        charge = self.budget.try_charge(path, need)
-        if charge is not None:
-            return charge
-        self.metrics.memory_refused.labels(path).inc()
-        self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
-        what = f"a {len(msg.prompt_ids)}-token prompt" + {"refine": " with refinement",
-                                                          "kv_handoff": " with a KV hand-off"}.get(path, "")
-        return Error(ErrorCode.OVERLOADED.value, f"{self.budget.refusal(what, need)}; retry after "
-                     f"{self.retry_after_ms:.0f} ms", msg.request_id, self.retry_after_ms)
-
-    # --- websockets side ------------------------------------------------------------------------
-
-    async def _session(self, channel: proto_ws.ServerChannel) -> None:
-        """One device connection: dispatch messages, run each Generate as its own task."""
-        if not channel.hello.model_fingerprint:  # a device without the model asked where it is (Welcome): done
-            return
-        requests: dict[str, _Request] = {}
-        tasks: set[asyncio.Task] = set()
-        kept: list[_SessionKV] = []  # at most one: the last turn's KV (per-request path), taken by the next
-        try:
-            async for msg in channel:
-                if isinstance(msg, Generate):
-                    err = self._validate(msg, requests)
-                    if err:
-                        self.metrics.errors.labels(err.code).inc()
-                        await channel.send(err)
-                        continue
-                    charge = None if self._batched(msg) else self._charge(msg)
-                    if isinstance(charge, Error):
-                        await channel.send(charge)
-                        continue
-                    req = requests[msg.request_id] = _Request(msg, budget=msg.cloud_budget, charge=charge)
-                    req.batched = self._batched(msg)
-                    req.pending = len(msg.prompt_ids)
-                    self.pending_tokens += req.pending
-                    req.session_kv = kept
-                    run = self._run_batched if req.batched else self._run
-                    task = asyncio.create_task(run(channel, req, requests))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                elif isinstance(msg, Pong):
-                    continue  # a liveness answer: nothing to do
-                elif isinstance(msg, (Stop, Cancel)):
-                    req = requests.get(msg.request_id)
-                    if req is None:
-                        continue  # finished already: the Done crossed the Stop on the wire
-                    self._stop(req, "stop" if isinstance(msg, Stop) else "cancel")
-                elif isinstance(msg, ExtendBudget):
-                    req = requests.get(msg.request_id)
-                    try:
-                        check("cloud_budget", msg.cloud_budget)
-                    except FieldError as e:
-                        await channel.send(Error(ErrorCode.BAD_REQUEST.value, str(e), msg.request_id))
-                        continue
-                    if req is not None:  # capped at max_new_tokens, which admission checked
-                        req.budget = min(msg.cloud_budget, req.msg.max_new_tokens)
-                        if req.batched:
-                            self.llm.set_budget(msg.request_id, req.budget)
-                else:  # a request-level error when the message names a request, else the connection ends
-                    rid = getattr(msg, "request_id", None)
-                    err = Error(ErrorCode.BAD_REQUEST.value, f"unexpected {type(msg).__name__} from a device", rid)
-                    await channel.send(err)
-                    if rid is None:  # a connection-level Error: the protocol says the sender closes
-                        break
-        except RelayInferError as e:  # protocol violation already answered, or peer gone
-            if not isinstance(e, ChannelClosed):
-                self.metrics.errors.labels(e.code.value).inc()
-            log.info("session %s ended: %s", channel.session_id, e)
-        finally:
-            for req in list(requests.values()):  # peer gone: free every request's KV cache
-                self._stop(req, "cancel")
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            self.kept_tokens -= sum(len(s.ids) for s in kept)
-            for s in kept:
-                s.kv = None
-                if s.charge is not None:
-                    s.charge.release()
-            kept.clear()  # the session's kept KV cache is freed with it
-
-    def _admit(self) -> Error | None:
-        """Right after the websocket upgrade, before the Hello: OVERLOADED (with the back-off hint)
-        when `max_sessions` are open, else the connection is counted as a session (until `_release`)."""
-        if self.num_sessions >= self.max_sessions:
-            self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
-            return Error(ErrorCode.OVERLOADED.value, f"the server holds its limit of {self.max_sessions} device "
-                         f"sessions; retry after {self.retry_after_ms:.0f} ms", None, self.retry_after_ms)
-        self.num_sessions += 1
-        self.metrics.active_sessions.inc()
-        return None
-
-    def _release(self) -> None:
-        """An admitted connection ended (after its Hello or without one)."""
-        self.num_sessions -= 1
-        self.metrics.active_sessions.dec()
-
-    def max_request_tokens(self, batched: bool) -> int:
-        """Prompt + answer tokens one request may hold: min(context length, KV cache capacity)."""
-        return self.llm.engine.max_model_len if batched else self.engine.context_length
-
-    def _validate(self, msg: Generate, requests: dict) -> Error | None:
-        """A request-level Error for a Generate we will not run, else None."""
-        rid = msg.request_id
-        n, vocab = len(msg.prompt_ids), self.engine.cfg.vocab_size
-        if len(rid) > MAX_REQUEST_ID:
-            return Error(ErrorCode.BAD_REQUEST.value, f"request_id longer than {MAX_REQUEST_ID} characters", rid[:MAX_REQUEST_ID])
-        if rid in requests:
-            return Error(ErrorCode.BAD_REQUEST.value, f"request_id {rid!r} is already running", rid)
-        if len(requests) >= self.max_requests_per_session:
-            return Error(ErrorCode.OVERLOADED.value, f"this session already runs {len(requests)} requests, the "
-                         f"limit per session; retry after {self.retry_after_ms:.0f} ms", rid, self.retry_after_ms)
-        dead = self.health()
-        if dead is not None:
-            return Error(ErrorCode.INTERNAL.value, dead, rid)
-        batched = self._batched(msg)
-        limit = self.max_request_tokens(batched)
-        try:  # every field by the shared rules (`protocol.validate`), token ids by this model's vocabulary
-            check_ids("prompt_ids", msg.prompt_ids, vocab - 1, min_len=1)
-            check("cloud_budget", msg.cloud_budget, optional=True)
-            check("refine", msg.refine, optional=True)
-            if msg.kv_from is not None and n < 2:
-                raise FieldError("kv_from", "left out for a one-token prompt (no prompt KV to hand off)", msg.kv_from)
-            # the hand-off carries tokens [kv_from, n - 1): at least one
-            check("kv_from", msg.kv_from, hi=n - 2, optional=True)
-            if msg.kv_from is not None and msg.refine is not None:
-                raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
-            check_vocab(vocab, self._params(msg).stop_ids)
-        except FieldError as e:
-            return Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
-        if n + msg.max_new_tokens > limit:
-            what = (f"the limit of {limit} tokens per request (min of the context length, {self.engine.context_length}, "
-                    f"and the KV cache capacity, {self.llm.engine.num_blocks * self.llm.engine.block_size})"
-                    if batched else f"the context length of {limit} tokens")
-            return Error(ErrorCode.PROMPT_TOO_LONG.value,
-                         f"prompt too long: {n} prompt tokens + {msg.max_new_tokens} new tokens exceed {what}", rid)
-        if self.pending_tokens:  # last: a request that is wrong gets its own error first
-            rate = getattr(self.llm.engine, "prefill_tok_s", None) if batched else None
-            wait_ms = (self.pending_tokens + n) / rate * 1e3 if rate else 0.0
-            why = (f"{self.pending_tokens} prompt tokens are waiting for prefill (limit {self.max_queued_tokens})"
-                   if self.pending_tokens + n > self.max_queued_tokens else
-                   f"the expected wait for a first token is {wait_ms:.0f} ms ({self.pending_tokens} prompt tokens "
-                   f"waiting at {rate:.0f} tokens/s; limit {self.max_queue_wait_ms:.0f} ms)"
-                   if wait_ms > self.max_queue_wait_ms else None)
-            if why:
-                self.metrics.errors.labels(ErrorCode.OVERLOADED.value).inc()
-                return Error(ErrorCode.OVERLOADED.value, f"{why}; retry after {self.retry_after_ms:.0f} ms", rid,
-                             self.retry_after_ms)
-        return None
-
-    def _batched(self, msg: Generate) -> bool:
-        """Whether a request joins the continuous batch: not with refinement (the batched runner
-        computes no attention scores) nor with a KV hand-off (its KV lives in paged blocks)."""
-        return self.llm is not None and msg.refine is None and msg.kv_from is None
-
-    def _dequeue(self, req: _Request) -> None:
-        """The request got its first token (or ended): its prompt no longer waits for prefill."""
-        self.pending_tokens -= req.pending
-        req.pending = 0
-
-    def _stop(self, req: _Request, reason: str) -> None:
-        """Stop/Cancel: the request ends at its next step and its KV cache is freed."""
-        if req.stop.is_set():
-            return
-        req.stop_reason = reason
-        req.stop.set()
-        if req.batched:
-            self.llm.abort(req.msg.request_id)
-
-    async def _run_batched(self, channel, req: _Request, requests: dict) -> None:
-        """One request inside the continuous batch: stream its tokens as the engine emits them."""
-        msg, t0 = req.msg, time.perf_counter()
-        self.metrics.active_requests.inc()
-        sent, reason, prefill_ms, outcome = 0, "length", 0.0, "error"
-        try:
-            # a zero budget streams nothing (as on the per-request path), nor does a request whose
-            # Stop/Cancel came before its task started (no await between this check and the add)
-            gen = _nothing() if req.budget == 0 or req.stop.is_set() else \
-                self.llm.generate(msg.request_id, msg.prompt_ids, self._params(msg), req.budget)
-            if req.budget == 0:
-                reason = "budget"
-            async for out in gen:
-                self._dequeue(req)
-                if sent == 0:
-                    prefill_ms = (time.perf_counter() - t0) * 1e3
-                    self.metrics.prefill.observe(prefill_ms / 1e3)
-                    stats_of = getattr(self.llm.engine, "request_stats", None)  # the P/D view has none
-                    stats = stats_of(msg.request_id) if stats_of is not None else None
-                    req.cached = stats.prefix_hit_tokens if stats is not None else 0
-                end = out.finish_reason if out.finish_reason != "budget" else None  # a budget cut is no end
-                await channel.send(Token(msg.request_id, out.token_id, out.index, (time.perf_counter() - t0) * 1e3,
-                                         req.cached if sent == 0 else 0, end))
-                sent += 1
-                self.metrics.cloud_tokens.inc()
-                if out.finish_reason:
-                    reason = out.finish_reason
-            if req.stop.is_set():
-                reason = req.stop_reason
-            done = Done(msg.request_id, reason, sent, prefill_ms, req.cached)
-            self.completed.append(done)
-            outcome = reason
-            await channel.send(done)
-        except RelayInferError:
-            outcome = "disconnected"
-        except Exception as e:  # this request alone ends: the error names what failed
-            log.exception("request %s failed", msg.request_id)
-            try:
-                await channel.send(Error(ErrorCode.INTERNAL.value, _internal(e), msg.request_id))
-            except RelayInferError:
-                pass
-        finally:
-            self._dequeue(req)
-            self.llm.abort(msg.request_id)  # no-op when finished; frees the KV blocks otherwise
-            requests.pop(msg.request_id, None)
-            self.metrics.requests.labels(outcome).inc()
-            self.metrics.active_requests.dec()
+    # --- what tests, benches and the CLI read ------------------------------------------------------
 
     @property
-    def special_ids(self) -> frozenset[int]:
-        if self._special_ids is None:
-            from relayinfer.protocol.model.tokenizer import Tokenizer
+    def budget(self) -> MemoryBudget:
+        """The memory budget of every request path (`protocol.transport.limits.MemoryBudget`)."""
+        return self.admission.budget
 
-            self._special_ids = Tokenizer.from_gguf(self.engine.model_path).special_ids
-        return self._special_ids
+    @property
+    def num_sessions(self) -> int:
+        """Open device sessions (counted from the websocket upgrade)."""
+        return self.admission.num_sessions
+
+    @property
+    def pending_tokens(self) -> int:
+        """Prompt tokens of admitted requests still waiting for their first token."""
+        return self.admission.pending_tokens
+
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens of the KV caches kept for the sessions' next turns (per-request path)."""
+        return self.kept.kept_tokens
+
+    @property
+    def max_kept_tokens(self) -> int:
+        return self.kept.max_kept_tokens
+
+    @property
+    def worker(self) -> ThreadPoolExecutor:
+        """The thread that runs the per-request engine's model steps (benches pin it to a core)."""
+        return self.per_request.worker
 
     @property
     def markers(self) -> TemplateMarkers:
         """The chat template's scaffold that refinement keeps whole (read from the model's tokenizer;
         `special_ids`, when given to the constructor, replaces its control ids)."""
-        if getattr(self, "_markers", None) is None:
-            from dataclasses import replace
+        return self._markers.get()
 
-            from relayinfer.protocol.model.tokenizer import Tokenizer
-
-            m = TemplateMarkers.from_tokenizer(Tokenizer.from_gguf(self.engine.model_path))
-            self._markers = m if self._special_ids is None else replace(m, special_ids=frozenset(self._special_ids))
-        return self._markers
-
-    def _prefill(self, msg: Generate, past: _SessionKV | None = None):
-        """Prefill; with refinement also the kept prompt indices (SnapKV-style scores). Returns
-        (logits, kv, kept indices or None, reused tokens). Without refinement the KV of the session's
-        previous turn (`past`) is reused for the longest common prefix of its ids and the prompt
-        (at most all prompt tokens but the last, whose logits are needed); only the rest is prefilled."""
-        if msg.refine is None:
-            ids = msg.prompt_ids
-            k = min(common_prefix(past.ids, ids), len(ids) - 1) if past is not None else 0
-            if k > 0 and hasattr(past.kv, "length"):
-                kv = past.kv
-                kv.length = k  # keep the first k cached tokens (StaticKV is overwritten from `length` on)
-                logits, kv = self.engine.prefill(ids[k:], kv)
-            else:
-                k = 0
-                logits, kv = self.engine.prefill(ids)
-            return logits, kv, None, k
-        logits, kv, scores = self.engine.prefill_scored(msg.prompt_ids, WINDOW)
-        return logits, kv, select(scores, msg.prompt_ids, msg.refine, self.markers), 0  # SELECTION
-
-    def _kv_transfer(self, msg: Generate, kv) -> list[KVTransfer]:
-        """The KV hand-off to the device: prompt tokens [kv_from, n - 1) as float16 [layers, 2,
-        kv_heads, tokens, head_dim] (the ONNX past-KV layout per layer, keys after RoPE) in
-        `KVTransfer` messages of at most MAX_FRAME_BYTES each, the limit every device accepts."""
-        import torch
-
-        start, end = msg.kv_from, len(msg.prompt_ids) - 1
-        with torch.inference_mode():
-            t = torch.stack([kv.k[:, 0, :, start:end], kv.v[:, 0, :, start:end]], dim=1)
-            arr = t.to(torch.float16).cpu().numpy()
-        return kv_messages(msg.request_id, arr, start, MAX_FRAME_BYTES)
-
-    @staticmethod
-    def _params(msg: Generate) -> SamplingParams:
-        return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
-                              max_new_tokens=msg.max_new_tokens, stop_ids=tuple(msg.stop_ids),
-                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                              repetition_penalty=msg.repetition_penalty, min_tokens=msg.min_tokens)
-
-    async def _run(self, channel, req: _Request, requests: dict) -> None:
-        """Prefill, stream tokens until Stop/Cancel/budget/EOS/length, send Done; keep the KV cache
-        for the session's next turn (`req.session_kv`, one slot) when the request ended normally,
-        else free it."""
-        msg, loop, session_kv = req.msg, asyncio.get_running_loop(), req.session_kv
-        params, t0 = self._params(msg), time.perf_counter()
-        ms = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
-        self.metrics.active_requests.inc()
-        kv, sent, reason, prefill_ms, outcome = None, 0, "length", 0.0, "error"
-        out_ids: list[int] = []
-        try:
-            ending = [r.ended for r in requests.values() if r is not req and not r.batched and r.stop.is_set()]
-            if session_kv is not None and not session_kv and ending:  # the previous turn is stopping: its KV comes
-                waits = [asyncio.create_task(e.wait()) for e in ending]
-                try:
-                    await asyncio.wait(waits, timeout=REUSE_WAIT_S)
-                finally:
-                    for w in waits:
-                        w.cancel()
-            past = session_kv.pop() if session_kv else None  # taken: no two requests share a cache
-            if past is not None:
-                self.kept_tokens -= len(past.ids)
-                if past.charge is not None:  # this request's own charge covers the cache from now on
-                    past.charge.release()
-            logits, kv, kept, req.cached = await loop.run_in_executor(self.worker, self._prefill, msg, past)
-            del past
-            self._dequeue(req)
-            prefill_ms = ms()
-            self.metrics.prefill.observe(prefill_ms / 1e3)
-            for i in range(params.max_new_tokens):
-                if req.stop.is_set():
-                    reason = req.stop_reason
-                    break
-                if req.budget is not None and sent >= req.budget:
-                    reason = "budget"
-                    break
-                tok = sample(logits, params, i, msg.prompt_ids + out_ids if params.adjusts_logits else (),
-                             len(msg.prompt_ids), self.engine.eos_id)
-                out_ids.append(tok)
-                end = finish_reason(tok, i + 1, params, self.engine.eos_id)
-                await channel.send(Token(msg.request_id, tok, i, ms(), req.cached if i == 0 else 0, end))
-                if kept is not None and i == 0:  # right after the first token
-                    await channel.send(RefinedPrompt(msg.request_id, kept))
-                if msg.kv_from is not None and i == 0:  # the KV hand-off, right after the first token
-                    await channel.send_large(await loop.run_in_executor(self.worker, self._kv_transfer, msg, kv))
-                sent += 1
-                self.metrics.cloud_tokens.inc()
-                if end:
-                    reason = end
-                    break
-                if self.step_delay_ms:
-                    await asyncio.sleep(self.step_delay_ms / 1e3)
-                logits, kv = await loop.run_in_executor(self.worker, self.engine.decode, tok, kv)
-            done = Done(msg.request_id, reason, sent, prefill_ms, req.cached)
-            self.completed.append(done)
-            outcome = reason
-            keep = (msg.prompt_ids + out_ids)[:kv.length]
-            if (session_kv is not None and msg.refine is None and not session_kv
-                    and self.kept_tokens + len(keep) <= self.max_kept_tokens):
-                kept_charge = self.budget.try_charge("kept_kv", self.engine.cfg.kv_bytes_per_token
-                                                     * getattr(kv, "capacity", kv.length))
-                if kept_charge is not None:  # kept only when the budget holds it
-                    session_kv.append(_SessionKV(keep, kv, kept_charge))  # the next turn's prefix
-                    self.kept_tokens += len(keep)
-            await channel.send(done)
-        except RelayInferError:
-            outcome = "disconnected"  # the device hung up (it may have finished on its own)
-        except Exception as e:  # this request alone ends: the error names what failed
-            log.exception("request %s failed", msg.request_id)
-            outcome = "error"
-            try:
-                await channel.send(Error(ErrorCode.INTERNAL.value, _internal(e), msg.request_id))
-            except RelayInferError:
-                pass
-        finally:
-            self._dequeue(req)
-            del kv  # the request's KV cache is freed here (unless kept for the session's next turn)
-            if req.charge is not None:
-                req.charge.release()
-            requests.pop(msg.request_id, None)
-            req.ended.set()
-            self.metrics.requests.labels(outcome).inc()
-            self.metrics.active_requests.dec()
-
-    # --- HTTP side --------------------------------------------------------------------------------
+    @property
+    def device_model_dir(self) -> Path | None:
+        return self.http.device_model_dir
 
     def authorized(self, request: web.Request) -> bool:
-        """True when no token is set or the request carries `Authorization: Bearer <the token>`
-        (constant-time comparison)."""
-        return self.auth_token is None or token_matches(bearer_token(request.headers.get("Authorization")),
-                                                        self.auth_token)
+        """True when no token is set or the request carries the service token (see `HttpSide`)."""
+        return self.http.authorized(request)
 
-    def http_app(self) -> web.Application:
-        """The HTTP side: `/healthz`, `/metrics`, `/v1/device-model*` and (with `llm`) the OpenAI
-        API, every route but `/healthz` (and `/metrics` with `metrics_public`) behind the token."""
-
-        @web.middleware
-        async def auth(request: web.Request, handler):
-            public = request.path == "/healthz" or (self.metrics_public and request.path == "/metrics")
-            if public or self.authorized(request):
-                return await handler(request)
-            return _unauthorized(request)
-
-        app = web.Application(middlewares=[auth])
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/v1/device-model", self._device_model)
-        app.router.add_get("/v1/device-model/manifest", self._manifest_handler)
-        app.router.add_get("/v1/device-model/{name}", self._device_model)
-        if self.llm is not None:
-            from relayinfer.cloud.serve.openai.api_server import openai_routes
-            from relayinfer.protocol.model.tokenizer import Tokenizer
-
-            path = Path(self.engine.model_path)  # the GGUF's own name is an alias of the model id
-            openai_routes(app, self.llm, Tokenizer.from_gguf(path), self.model_name, aliases=(path.name, path.stem),
-                          budget=self.budget, retry_after_s=self.retry_after_ms / 1e3)
-        return app
+    def max_request_tokens(self, batched: bool) -> int:
+        """Prompt + answer tokens one request may hold on the batching (`batched`) or the
+        per-request engine: min(context length, KV cache capacity)."""
+        return (self.llm if batched else self.per_request).limits.max_request_tokens
 
     def health(self) -> str | None:
-        """None while the service can serve; else why not (the batching engine's thread died)."""
-        err = getattr(self.llm, "error", None) if self.llm is not None else None
-        return None if err is None else f"engine failed: {type(err).__name__}: {err}"
+        """None while the service can serve; else why not (the batching engine failed)."""
+        return self.llm.health() if self.llm is not None else None
 
-    async def _healthz(self, request):
-        """Liveness for anyone (200 `{"status": "ok"}`, or 503 `{"status": "error"}` once the engine
-        died); the reason, model fingerprint, model id and engine state only for an authorized caller."""
-        dead, details = self.health(), self.authorized(request)
+    def health_response(self, details: bool) -> tuple[dict, int]:
+        """/healthz: (body, status). Liveness for anyone (200 `{"status": "ok"}`, or 503
+        `{"status": "error"}` once the engine died); the reason, model fingerprint, model id and
+        engine state only with `details` (an authorized caller)."""
+        dead = self.health()
         if dead is not None:
-            return web.json_response({"status": "error", **({"reason": dead} if details else {})}, status=503)
-        return web.json_response({"status": "ok", **(self._health_details() if details else {})})
+            return {"status": "error", **({"reason": dead} if details else {})}, 503
+        return {"status": "ok", **(self._health_details() if details else {})}, 200
 
     def _health_details(self) -> dict:
         d = {"model_fingerprint": self.fingerprint, "model": self.model_name,
              "sessions": int(self.metrics.active_sessions._value.get()),
              "requests": int(self.metrics.active_requests._value.get())}
         if self.llm is not None:
-            e = self.llm.engine
-            d["engine"] = {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                           "kv_blocks_used": e.block_manager.num_used_blocks, "kv_blocks_total": e.num_blocks}
+            d["engine"] = self.llm.state()
         return d
 
-    async def _metrics(self, request):
-        body = generate_latest(self.metrics.registry)
-        if self.llm is not None:
-            body += generate_latest(self.llm.metrics.registry)
-        return web.Response(body=body,
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    def http_app(self) -> web.Application:
+        """The HTTP side (see `HttpSide`)."""
+        return self.http.app()
 
-    def _manifest_data(self) -> dict:
-        """The export manifest (file name -> sha256), read once; side files of exports made before
-        their hashes were recorded are hashed here, once."""
-        if self._manifest is None:
-            if self.device_model_dir is None or not (self.device_model_dir / "manifest.json").is_file():
-                raise web.HTTPNotFound(text="this service has no exported device model")
-            from relayinfer.cloud.export import SIDE_FILES
+    # --- websockets side ------------------------------------------------------------------------
 
-            m = json.loads((self.device_model_dir / "manifest.json").read_text())
-            for name in SIDE_FILES:
-                m["files"].setdefault(name, file_sha256(self.device_model_dir / name))
-            self._manifest = m
-        return self._manifest
+    async def _session(self, channel: proto_ws.ServerChannel) -> None:
+        """One device connection: feed each message to the session's request table and act on the
+        legal ones; every admitted Generate runs as its own task (`_run`)."""
+        if not channel.hello.model_fingerprint:  # a device without the model asked where it is (Welcome): done
+            return
+        sess = _Session(channel.session_id, RequestTable(Role.CLOUD), self.kept.slot())
+        try:
+            async for msg in channel:
+                if not await self._dispatch(channel, sess, msg):
+                    break
+        except RelayInferError as e:  # protocol violation already answered, or peer gone
+            if not isinstance(e, ChannelClosed):
+                self.metrics.errors.labels(e.code.value).inc()
+            log.info("session %s ended: %s", channel.session_id, e)
+        finally:
+            for rid, req in list(sess.requests.items()):  # peer gone: every request ends, its KV freed
+                sess.table.receive(Cancel(rid))  # a task not started yet streams nothing
+                req.client.abort(req.key)
+            if sess.tasks:
+                await asyncio.gather(*sess.tasks, return_exceptions=True)
+            sess.slot.close()  # the session's kept KV cache is freed with it
 
-    async def _manifest_handler(self, request):
-        return web.json_response(self._manifest_data())
+    async def _dispatch(self, channel, sess: _Session, msg) -> bool:
+        """Act on one message from the device; False when the session must end (a connection-level
+        Error was sent)."""
+        if isinstance(msg, Generate):
+            await self._on_generate(channel, sess, msg)
+        elif isinstance(msg, (Stop, Cancel)):
+            ev = sess.table.receive(msg)
+            req = sess.requests.get(msg.request_id)
+            if isinstance(ev, Transition) and not ev.ignored and req is not None:
+                req.client.abort(req.key)  # it ends at its next step; Done says stop / cancel
+        elif isinstance(msg, ExtendBudget):
+            await self._on_extend(channel, sess, msg)
+        elif not isinstance(msg, Pong):  # a Pong is a liveness answer: nothing to do
+            ev = sess.table.receive(msg)  # not a device's request message: a violation, or no request's
+            rid = ev.request_id if ev is not None else None
+            why = f": {ev.reason}" if isinstance(ev, RequestViolation) else ""
+            await channel.send(Error(ErrorCode.BAD_REQUEST.value, f"unexpected {type(msg).__name__} from a "
+                                     f"device{why}", rid))
+            return rid is not None  # a connection-level Error: the protocol says the sender closes
+        return True
 
-    async def _device_model(self, request):
-        files = self._manifest_data()["files"]
-        name = request.match_info.get("name") or self._manifest_data().get("default_onnx", "model.fp32.onnx")
-        if name not in files:
-            raise web.HTTPNotFound(text=f"no device file {name!r}; available: {sorted(files)}")
-        return web.FileResponse(self.device_model_dir / name, headers={"X-Content-SHA256": files[name]})
+    async def _on_generate(self, channel, sess: _Session, msg: Generate) -> None:
+        """Admit a Generate (the table decides whether its id is free) and start its task, or answer
+        the request-level Error."""
+        rid = msg.request_id
+        if len(rid) > MAX_REQUEST_ID:
+            self.metrics.errors.labels(ErrorCode.BAD_REQUEST.value).inc()
+            await channel.send(Error(ErrorCode.BAD_REQUEST.value, f"request_id longer than {MAX_REQUEST_ID} "
+                                     "characters", rid[:MAX_REQUEST_ID]))
+            return
+        ev = sess.table.receive(msg)
+        if isinstance(ev, RequestViolation):  # the id is running: that request goes on
+            self.metrics.errors.labels(ev.code.value).inc()
+            await channel.send(ev.error)
+            return
+        client = self.llm if self._batched(msg) else self.per_request
+        err = self.admission.check(msg, len(sess.requests), self.health(), client.limits, client.prefill_tok_s)
+        charge = None if err is not None or client is not self.per_request else self.admission.charge(
+            msg, self.engine.cfg)
+        if isinstance(charge, Error):
+            err = charge
+        if err is not None:
+            if err.code != ErrorCode.OVERLOADED.value:  # OVERLOADED ones are counted where decided
+                self.metrics.errors.labels(err.code).inc()
+            sess.table.send(err)
+            await channel.send(err)
+            return
+        req = sess.requests[rid] = _Request(msg, f"{sess.session_id}/{rid}", client, msg.cloud_budget, charge=charge)
+        self.admission.enqueue(req)
+        task = asyncio.create_task(self._run(channel, req, sess))
+        sess.tasks.add(task)
+        task.add_done_callback(sess.tasks.discard)
+
+    async def _on_extend(self, channel, sess: _Session, msg: ExtendBudget) -> None:
+        """A larger (or smaller) cloud budget, capped at max_new_tokens, which admission checked."""
+        try:
+            check("cloud_budget", msg.cloud_budget)
+        except FieldError as e:
+            await channel.send(Error(ErrorCode.BAD_REQUEST.value, str(e), msg.request_id))
+            return
+        ev = sess.table.receive(msg)
+        req = sess.requests.get(msg.request_id)
+        if isinstance(ev, Transition) and not ev.ignored and req is not None:
+            req.budget = min(msg.cloud_budget, req.msg.max_new_tokens)
+            req.client.set_budget(req.key, req.budget)
+
+    def _batched(self, msg: Generate) -> bool:
+        """Whether a request joins the batching engine: not with refinement (the batched runner
+        computes no attention scores) nor with a KV hand-off (its KV lives in paged blocks)."""
+        return self.llm is not None and msg.refine is None and msg.kv_from is None
+
+    # --- the token loop ---------------------------------------------------------------------------
+
+    async def _run(self, channel, req: _Request, sess: _Session) -> None:
+        """One request from its engine's first output to its Done (or Error): stream the outputs,
+        free what it holds, end it in the table, count its outcome."""
+        rid = req.msg.request_id
+        self.metrics.active_requests.inc()
+        outcome, end = "error", None
+        try:
+            try:
+                end = await self._stream(channel, req, sess)
+            except RequestViolation as e:  # our own bug: the table refused what we were about to send
+                log.error("request %s: %s", rid, e)
+                end = Error(ErrorCode.INTERNAL.value, _internal(e), rid)
+            except RelayInferError:
+                outcome = "disconnected"  # the device hung up (it may have finished on its own)
+            except Exception as e:  # this request alone ends: the error names what failed
+                log.exception("request %s failed", rid)
+                end = Error(ErrorCode.INTERNAL.value, _internal(e), rid)
+            finally:
+                self._release(req, sess)
+            if end is not None:
+                sess.table.send(end)  # from here on the id may be used again
+                if isinstance(end, Done):
+                    self.completed.append(end)
+                    outcome = end.reason
+                try:
+                    await channel.send(end)
+                except RelayInferError:
+                    outcome = "disconnected" if isinstance(end, Done) else outcome
+        finally:
+            self.metrics.requests.labels(outcome).inc()
+            self.metrics.active_requests.dec()
+
+    def _release(self, req: _Request, sess: _Session) -> None:
+        """The request's stream is over: free its engine state, budget charge and queue share."""
+        self.admission.dequeue(req)
+        req.client.abort(req.key)  # no-op when finished; frees the KV otherwise
+        if req.charge is not None:
+            req.charge.release()
+        if sess.requests.get(req.msg.request_id) is req:
+            del sess.requests[req.msg.request_id]
+
+    def _outputs(self, req: _Request, sess: _Session):
+        """The request's engine outputs. A zero budget streams nothing, nor does a request whose
+        Stop/Cancel came before its task started (no await between this check and the engine's add)."""
+        msg = req.msg
+        if req.budget == 0 or sess.table.state(msg.request_id) in (RequestState.STOPPING, RequestState.CANCELLING):
+            return _nothing()
+        params = sampling_params(msg)
+        if req.client is self.per_request:
+            return self.per_request.generate(req.key, msg.prompt_ids, params, req.budget, refine=msg.refine,
+                                             kv_from=msg.kv_from, session=sess.slot)
+        return req.client.generate(req.key, msg.prompt_ids, params, req.budget)
+
+    async def _stream(self, channel, req: _Request, sess: _Session) -> Done:
+        """Send every output of the request as its message (each recorded in the table first);
+        returns its Done. The token that ends the answer carries its finish reason (a budget cut is
+        no end); Done's reason is that, else stop / cancel (the table's state), else budget / length."""
+        msg, table = req.msg, sess.table
+        rid, sent, last, prefill_ms, cached = msg.request_id, 0, None, 0.0, 0
+
+        async def send(m) -> None:
+            table.send(m)
+            await channel.send(m)
+
+        async for out in self._outputs(req, sess):
+            if isinstance(out, RefinedIndices):
+                await send(RefinedPrompt(rid, out.kept))
+                continue
+            if isinstance(out, KVParts):
+                parts = [msgspec.structs.replace(m, request_id=rid) for m in out.messages]
+                for m in parts:
+                    table.send(m)
+                await channel.send_large(parts)
+                continue
+            ms = (time.perf_counter() - req.t0) * 1e3
+            if sent == 0:
+                self.admission.dequeue(req)
+                prefill_ms = ms
+                self.metrics.prefill.observe(prefill_ms / 1e3)
+                stats = req.client.request_stats(req.key)
+                cached = stats.prefix_hit_tokens if stats is not None else 0
+            end = out.finish_reason if out.finish_reason != "budget" else None
+            await send(Token(rid, out.token_id, out.index, ms, cached if sent == 0 else 0, end))
+            sent += 1
+            self.metrics.cloud_tokens.inc()
+            last = out.finish_reason
+        if sent == 0:  # what the prefill reused counts also when no token came (stopped first)
+            stats = req.client.request_stats(req.key)
+            cached = stats.prefix_hit_tokens if stats is not None else 0
+        state = table.state(rid)
+        reason = last or {RequestState.STOPPING: "stop", RequestState.CANCELLING: "cancel"}.get(state) or (
+            "budget" if req.budget is not None and sent >= req.budget else "length")
+        return Done(rid, reason, sent, prefill_ms, cached)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -722,46 +744,52 @@ class CloudService:
             ssl = server_context(certfile, keyfile)
         elif keyfile is not None:
             raise ValueError("keyfile given without certfile")
-        self._ssl = ssl
-        self._host = "127.0.0.1" if host in ("", "0.0.0.0", "::", None) else host
-        loop = asyncio.get_running_loop()
-        if hasattr(self.engine, "warmup"):  # first forward allocates; keep that out of the first TTFT
-            await loop.run_in_executor(self.worker, self.engine.warmup)
+        net = self._net
+        net.ssl, net.host = ssl, "127.0.0.1" if host in ("", "0.0.0.0", "::", None) else host
+        await self.per_request.warmup()  # first forward allocates; keep that out of the first TTFT
         if self.llm is not None:  # the batching engine's runner allocates on its first steps too
-            await loop.run_in_executor(self.worker, self.llm.engine.generate, [list(range(16, 48))],
-                                       SamplingParams(max_new_tokens=2))
+            await self.llm.warmup()
         quiet_accept_errors()
         if http_port is not None:  # first: the Welcome names its /v1/device-model URL
-            self._http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True,
-                                              shutdown_timeout=self.drain_s, **runner_kwargs(self.gate.limits))
-            await self._http_runner.setup()
-            site = GatedSite(self._http_runner, host, http_port, self.gate, ssl_context=ssl)
+            net.http_runner = web.AppRunner(self.http_app(), access_log=None, handler_cancellation=True,
+                                            shutdown_timeout=self.drain_s, **runner_kwargs(self.gate.limits))
+            await net.http_runner.setup()
+            site = GatedSite(net.http_runner, host, http_port, self.gate, ssl_context=ssl)
             await site.start()
-            self.http_port = site.port
-        self._ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
-                                               auth_token=self.auth_token, server="relayinfer-cloud",
-                                               max_frame_bytes=self.max_frame_bytes, admit=self._admit,
-                                               release=self._release, gate=self.gate,
-                                               ping_interval=KEEPALIVE_S, ping_timeout=KEEPALIVE_S,
-                                               device_model_url=self.device_model_url or "",
-                                               **({"ssl": ssl} if ssl is not None else {}))
-        self.ws_port = self._ws_server.sockets[0].getsockname()[1]
+            net.http_port = site.port
+        net.ws_server = await proto_ws.serve(self._session, host, ws_port, expected_fingerprint=self.fingerprint,
+                                             auth_token=self.http.auth_token, server="relayinfer-cloud",
+                                             max_frame_bytes=self.max_frame_bytes, admit=self.admission.admit,
+                                             release=self.admission.release, gate=self.gate,
+                                             ping_interval=KEEPALIVE_S, ping_timeout=KEEPALIVE_S,
+                                             device_model_url=self.device_model_url or "",
+                                             **({"ssl": ssl} if ssl is not None else {}))
+        net.ws_port = net.ws_server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        """Stop listening, close every connection and stop the engine. Bounded: open HTTP requests
+        """Stop listening, close every connection and stop the engines. Bounded: open HTTP requests
         get `drain_s` s before they are cancelled, websocket sessions `drain_s` + 10 s (the close
         handshake) to end."""
-        if self._ws_server is not None:
-            self._ws_server.close()
+        net = self._net
+        if net.ws_server is not None:
+            net.ws_server.close()
             try:
-                await asyncio.wait_for(self._ws_server.wait_closed(), self.drain_s + 10.0)
+                await asyncio.wait_for(net.ws_server.wait_closed(), self.drain_s + 10.0)
             except asyncio.TimeoutError:
                 log.warning("websocket sessions did not end within %.0f s of the stop", self.drain_s + 10.0)
-        if self._http_runner is not None:
-            await self._http_runner.cleanup()
+        if net.http_runner is not None:
+            await net.http_runner.cleanup()
         if self.llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.llm.shutdown)
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        self.per_request.shutdown()
+
+    @property
+    def ws_port(self) -> int | None:
+        return self._net.ws_port
+
+    @property
+    def http_port(self) -> int | None:
+        return self._net.http_port
 
     @property
     def device_model_url(self) -> str | None:
@@ -773,19 +801,39 @@ class CloudService:
         return f"{self.http_url}/v1/device-model"
 
     def _netloc(self, port) -> str:
-        return f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
+        host = self._net.host
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     @property
     def url(self) -> str:
         """The websocket URL devices connect to (`wss://` when serving TLS)."""
-        return f"{'wss' if self._ssl is not None else 'ws'}://{self._netloc(self.ws_port)}"
+        return f"{'wss' if self._net.ssl is not None else 'ws'}://{self._netloc(self.ws_port)}"
 
     @property
     def http_url(self) -> str | None:
         """Base URL of the HTTP side (`https://` when serving TLS), None without one."""
         if self.http_port is None:
             return None
-        return f"{'https' if self._ssl is not None else 'http'}://{self._netloc(self.http_port)}"
+        return f"{'https' if self._net.ssl is not None else 'http'}://{self._netloc(self.http_port)}"
+
+
+class _MarkersOf:
+    """The chat template's scaffold of `engine`'s model, read from its tokenizer on first use;
+    `special_ids` (when given) replaces its control ids."""
+
+    def __init__(self, engine, special_ids: frozenset[int] | None):
+        self._engine, self._special_ids = engine, special_ids
+        self._markers: TemplateMarkers | None = None
+
+    def get(self) -> TemplateMarkers:
+        if self._markers is None:
+            from dataclasses import replace
+
+            from relayinfer.protocol.model.tokenizer import Tokenizer
+
+            m = TemplateMarkers.from_tokenizer(Tokenizer.from_gguf(self._engine.model_path))
+            self._markers = m if self._special_ids is None else replace(m, special_ids=frozenset(self._special_ids))
+        return self._markers
 
 
 def _internal(e: BaseException) -> str:
