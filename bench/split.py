@@ -641,6 +641,11 @@ class _CloudProcess:
             conn.send((running.url, engine.fingerprint))
             conn.poll(life_s)  # until the parent says stop (or goes away), at most life_s
 
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before it started)."""
+        return self._proc.pid
+
     def __enter__(self) -> tuple[str, str]:
         self._proc.start()
         if not self._conn.poll(600):

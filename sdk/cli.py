@@ -528,7 +528,8 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("split")
 def bench_split(
     profile: str = typer.Option("phone", help="Device profile: phone, local, or a JSON path."),
-    prompts: int = typer.Option(12, help="Real chitchat prompts, spread over 64..2048 tokens."),
+    prompts: int = typer.Option(12, help="Real chitchat prompts, spread over 64..2048 tokens (with --goodput: the "
+                                "prompt pool, over three buckets of 64..192 tokens; at most 3 with --quick)."),
     out: Optional[str] = typer.Option(None, help="Results JSON; default bench/results/split-<profile>.json."),
     quick: bool = typer.Option(False, help="Smoke run: few prompts, short answers."),
     seed: int = typer.Option(0),
@@ -542,9 +543,17 @@ def bench_split(
                                              "batched cloud, --profile a comma list (e.g. phone,laptop), answers of "
                                              "up to --max-new-tokens to EOS, then the capacity sweep; out default "
                                              "bench/results/split-handoff.json."),
-    max_new_tokens: int = typer.Option(256, min=1, help="With --per-bucket: the split answers' token cap."),
+    max_new_tokens: int = typer.Option(256, min=1, help="With --per-bucket: the split answers' token cap; with "
+                                       "--goodput: every answer's cap (to EOS)."),
     capacity: bool = typer.Option(True, help="With --per-bucket: run the capacity sweep."),
-    time_limit_s: float = typer.Option(1500.0, min=1.0, help="With --per-bucket: skip prompts after this many seconds."),
+    time_limit_s: float = typer.Option(1500.0, min=1.0, help="With --per-bucket: skip prompts after this many seconds; "
+                                       "with --goodput: add no rate point after this many seconds."),
+    goodput: bool = typer.Option(False, help="Cloud goodput under TTFT/TPOT SLOs (bench/goodput.py): Poisson rate "
+                                 "sweeps of virtual devices, cloud-only and split per --profile (a comma list), "
+                                 "chitchat prompts in three length buckets (--prompts: the pool), answers to EOS "
+                                 "capped at --max-new-tokens, then real SplitSessions against virtual twins; out default "
+                                 "bench/results/goodput.json (+ .md, .png). With --quick: two 20 s rate points, one "
+                                 "validation request per rate."),
 ):
     """Split vs device-only vs cloud-only (and split+refine) on real conversations."""
     import shlex
@@ -558,6 +567,24 @@ def bench_split(
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
     if out and len(links) > 1:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
+    if goodput:
+        for flag, given in (("--link", bool(links)), ("--per-bucket", per_bucket is not None),
+                            ("--no-pin-cores", pin_cores is False), ("--no-capacity", not capacity)):
+            if given:
+                fail(ValueError(f"{flag} does not apply to --goodput (a capacity sweep on the direct loopback, "
+                                "cloud and load driver always pinned to two cores)"))
+        profiles = [x.strip() for x in profile.split(",") if x.strip()]
+        kw = dict(pool_size=min(prompts, 3), rates=(0.05, 0.4), duration_s=20.0, max_requests=12, warmup_s=5.0,
+                  validate_rates=(0.0, 0.4), validate_per_rate=1) if quick else dict(pool_size=prompts)
+        try:
+            res = bench_module("goodput").run_goodput_bench(
+                profiles, out or "bench/results/goodput.json", seed=seed, max_new_tokens=max_new_tokens,
+                time_limit_s=time_limit_s, command=command, **kw)
+        except ValueError as e:
+            fail(e)
+        print(json.dumps({"goodput": res["goodput"], "validation": (res["validation"] or {}).get("summary")},
+                         indent=1, default=str))
+        return
     if per_bucket is not None:
         if links:
             fail(ValueError("--per-bucket runs on the direct loopback: leave out --link"))
