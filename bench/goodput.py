@@ -208,7 +208,7 @@ async def timed_request(url: str, fingerprint: str, prompt: Sequence[int], mode:
     from relayinfer.device.settings import CatchUp, Timing, choose_settings
     from relayinfer.device.speed import tpot_from_arrivals
     from relayinfer.device.split import CloudEstimate
-    from relayinfer.protocol import ws as proto_ws
+    from relayinfer.protocol.transport import ws as proto_ws
     from relayinfer.protocol.messages import Done, Error, ExtendBudget, Generate, Stop, Token
     from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
@@ -621,7 +621,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from relayinfer.device.profiles import load_profile
     from relayinfer.device.settings import Timing
-    from relayinfer.protocol.model_file import default_model_path
+    from relayinfer.protocol.model.model_file import default_model_path
 
     from .split import _CloudProcess, _git_commit
 
