@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from relayinfer.cloud.engine.interface import EngineClient, EngineLimits, KVParts, RefinedIndices
 from relayinfer.cloud.engine.per_request import KeptKVStore, PerRequestEngine, SessionSlot
 from relayinfer.protocol.transport import ws as proto_ws
-from relayinfer.protocol.model.decoding import SamplingParams
+from relayinfer.protocol.model.decoding import params_of
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
     quiet_accept_errors, runner_kwargs)
@@ -249,15 +249,8 @@ def _check_fields(msg: Generate, vocab: int) -> None:
     check("kv_from", msg.kv_from, hi=n - 2, optional=True)
     if msg.kv_from is not None and msg.refine is not None:
         raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
-    check_vocab(vocab, sampling_params(msg).stop_ids)  # SamplingParams checks the sampling fields
-
-
-def sampling_params(msg: Generate) -> SamplingParams:
-    """The sampling parameters a Generate asks for."""
-    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed,
-                          max_new_tokens=msg.max_new_tokens, stop_ids=tuple(msg.stop_ids),
-                          presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                          repetition_penalty=msg.repetition_penalty, min_tokens=msg.min_tokens)
+    params = params_of(msg)  # SamplingParams checks the sampling fields
+    check_vocab(vocab, params.stop_ids, params.logit_bias)
 
 
 class HttpSide:
@@ -295,7 +288,7 @@ class HttpSide:
         app.router.add_get("/v1/device-model/{name}", self._device_model)
         svc = self.service
         if svc.llm is not None:
-            from relayinfer.cloud.serve.openai_api import openai_routes
+            from relayinfer.cloud.serve.openai.api_server import openai_routes
             from relayinfer.protocol.model.tokenizer import Tokenizer
 
             path = Path(svc.engine.model_path)  # the GGUF's own name is an alias of the model id
@@ -671,7 +664,7 @@ class CloudService:
         msg = req.msg
         if req.budget == 0 or sess.table.state(msg.request_id) in (RequestState.STOPPING, RequestState.CANCELLING):
             return _nothing()
-        params = sampling_params(msg)
+        params = params_of(msg)
         if req.client is self.per_request:
             return self.per_request.generate(req.key, msg.prompt_ids, params, req.budget, refine=msg.refine,
                                              kv_from=msg.kv_from, session=sess.slot)
