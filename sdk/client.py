@@ -17,7 +17,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
-from relayinfer.device.split import CloudEstimate, GenerationResult, SplitOptions, SplitSession, TokenEvent
+from relayinfer.device.settings import CloudEstimate
+from relayinfer.device.split import GenerationResult, SplitOptions, SplitSession, TokenEvent
 from relayinfer.protocol.checks import check_cloud_url, check_prompt_text
 from relayinfer.protocol.decoding import SamplingParams
 from relayinfer.protocol.validate import FieldError, check_ids, check_vocab

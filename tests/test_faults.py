@@ -16,8 +16,9 @@ import time
 import pytest
 
 from relayinfer.device.profiles import DeviceProfile, PacedEngine
-from relayinfer.device import split as split_mod
-from relayinfer.device.split import CloudEstimate, SplitOptions, SplitSession
+from relayinfer.device.policy import BACKGROUND_CHUNK
+from relayinfer.device.settings import CloudEstimate
+from relayinfer.device.split import SplitOptions, SplitSession
 from relayinfer.protocol import ws as proto_ws
 from relayinfer.protocol.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode
@@ -246,7 +247,7 @@ def test_idle_device_prefills_in_the_background_so_a_fault_costs_only_the_rest(o
     assert res.plan == "cloud-to-the-end" and res.fault == "connection-lost"
     assert res.token_ids == ref and res.cloud_tokens == 2 and res.handoff_index == 2
     assert res.prefill_left_at_fault is not None and res.prefill_left_at_fault <= len(ids) + 2 - 64
-    assert split_mod.BACKGROUND_CHUNK < len(ids) and max(w.nice) >= min(w.nice)
+    assert BACKGROUND_CHUNK < len(ids) and max(w.nice) >= min(w.nice)
     if sys.platform.startswith("linux"):  # per-thread niceness: background chunks ran below the foreground
         base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         if base < 19:
