@@ -965,6 +965,8 @@ class _Run:
                 logits, kv = await self.call(eng.decode, tok, kv)
             else:
                 logits, kv = await self.call(prefill_at, eng, [tok], kv, [base + i])
+        if not self.phases.done:  # h == max_new_tokens: the cloud streamed every token but named no end
+            self.end("length")
 
     async def import_kv(self, kv, prompt: list[int]):
         """Wait for the cloud's KV of `prompt[:-1]` and import it after `kv`: returns (kv, [last

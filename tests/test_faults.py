@@ -53,14 +53,14 @@ class FakeCloud:
         rid = msg.request_id
         if self.wait_for_stop:  # stream `sent` tokens, wait (bounded) until the device takes over, then fail
             for i, t in enumerate(self.tokens[:self.sent]):
-                await ch.send(Token(rid, t, i, 0.0))
+                await ch.send(Token(rid, t, i, 0.0, finish_reason=self._end(i)))
             try:
                 self.got_stop = isinstance(await asyncio.wait_for(ch.recv(), 20), Stop)
             except (asyncio.TimeoutError, Exception):
                 pass
         else:
             for i, t in enumerate(self.tokens[:self.sent]):
-                await ch.send(Token(rid, t, i, 0.0))
+                await ch.send(Token(rid, t, i, 0.0, finish_reason=self._end(i)))
                 await asyncio.sleep(self.gap_ms / 1e3)
         if self.fault_when is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.fault_when.wait, 20.0)
@@ -80,6 +80,12 @@ class FakeCloud:
             ch.ws.transport.abort()  # like a killed process: RST, no close frame
         elif f == "stall":
             await self._hold(ch)  # silent; the socket stays open
+
+    def _end(self, i: int) -> str | None:
+        """Token i's finish_reason: the last token of the whole answer ends it, as the cloud marks it."""
+        if i + 1 < len(self.tokens):
+            return None
+        return "length" if len(self.tokens) == MAX_NEW else "eos"
 
     @staticmethod
     async def _hold(ch) -> None:
