@@ -112,16 +112,16 @@ class Trigger:
 
         async def connect(run):
             await trig._connect(run)
-            if trig.phase == "before-first-token" and run.channel is not None:
+            if trig.phase == "before-first-token" and run.cloud.channel is not None:
                 trig.now(run)
 
-        def append(run, tok, source):
-            trig._append(run, tok, source)
-            cloud = sum(1 for s in run.source if s == "cloud")
+        def append(run, tok, source, reason=None):
+            trig._append(run, tok, source, reason)
+            cloud = sum(1 for s in run.answer.source if s == "cloud")
             if trig.phase == "device-idle" and source == "cloud" and cloud == trig.idle_at:
                 trig.now(run)
-            elif (trig.phase == "catching-up" and source == "cloud" and run.device_prompt_ms > 0
-                  and run.handoff is None):
+            elif (trig.phase == "catching-up" and source == "cloud" and run.dev.prompt_ms > 0
+                  and run.phases.handoff is None):
                 trig.now(run)
             elif trig.phase == "after-handoff" and source == "device":
                 trig.now(run)
@@ -134,7 +134,7 @@ class Trigger:
         if self.fire is not None:
             self.fire()
             self.fire, self.fired_at_ms = None, run.now()
-            self.plan = run.planned
+            self.plan = run.plan.planned
 
 
 def trial(client, ids, ref, max_new: int, cloud: Cloud, trig: Trigger, phase: str, sig, idle_at: int) -> dict:

@@ -1,9 +1,18 @@
-"""One websocket to the cloud shared by the requests of a conversation (no reconnect per turn).
+"""The device's websocket to the cloud, with the per-request rules of `protocol.requests`.
 
-Opening a channel costs a TCP handshake, the websocket upgrade and the Hello/Welcome: three round
-trips before a Generate can leave. A `CloudLink` opens it once and keeps it: each request gets a
-`RequestChannel` (send, recv of its own messages, close) while one reader task hands every frame to
-the request it names. Requests of one link run on one event loop (the conversation's).
+Every request of the device goes through a `CloudLink`: one websocket, one reader task that
+applies the connection's `RequestTable(Role.DEVICE)` to every frame and hands the result to the
+request it names, and one `RequestChannel` per request (send, recv of its own events, close). A
+split request on its own opens a private link and closes it at its end; a conversation keeps one
+link across its turns (no reconnect per turn: opening costs a TCP handshake, the websocket upgrade
+and the Hello/Welcome, three round trips before a Generate can leave). Requests of one link run on
+one event loop.
+
+What the table decides, once for every request: a frame that breaks the per-request rules (a
+token index out of order, a Token after Done, a Done whose count is wrong, a RefinedPrompt not
+asked for) reaches the request as a `RequestViolation` (the split session makes it a cloud fault);
+the device's own Stop/Cancel/ExtendBudget that crossed the cloud's Done on the wire is ignored
+(`RequestChannel.send` returns False and writes nothing). Frames of released requests are dropped.
 
 A connection-level failure (connection lost, connection-level Error) reaches every open request
 as the exception its `recv` raises, and the next request opens a new connection. A request that
@@ -16,29 +25,39 @@ import logging
 
 from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.errors import ChannelClosed, RelayInferError
+from relayinfer.protocol.requests import RequestTable, RequestViolation, Role, Transition
 
 CLOSE_TIMEOUT_S = 1.0  # bound on closing the websocket (a black-holed peer never answers)
 log = logging.getLogger("relayinfer.device")
 
 
 class RequestChannel:
-    """One request's view of a `CloudLink`: `send(msg)`, `recv()` (the messages naming this
-    request, in order; raises the link's connection error once it failed) and `close()`."""
+    """One request's view of a `CloudLink`.
+
+    `send(msg)`: record `msg` in the link's `RequestTable` and write it; False (nothing written)
+    when the table ignores it (it crossed the cloud's Done). Raises `RequestViolation` for a
+    message illegal in the request's state (the device's bug), `ChannelClosed` when the link is
+    closed, and what the websocket raises. `recv()`: the next event of this request, a
+    `requests.Transition` (its `.message` is the frame) or a `RequestViolation` (the cloud broke
+    the rules); raises the link's connection error once it failed (and on every later call).
+    `close()`: the request is over (the link stays open for the next one)."""
 
     def __init__(self, link: "CloudLink", request_id: str):
         self.link, self.request_id = link, request_id
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.ws = None  # not the socket's owner: closing a request never aborts the shared transport
 
-    async def send(self, msg) -> None:
-        ch = self.link.channel
-        if ch is None:
+    async def send(self, msg) -> bool:
+        ch, table = self.link.channel, self.link.table
+        if ch is None or table is None:
             raise ChannelClosed("the link to the cloud is closed")
+        if table.send(msg).ignored:
+            return False
         await ch.send(msg)
+        return True
 
-    async def recv(self):
+    async def recv(self) -> Transition | RequestViolation:
         item = await self.queue.get()
-        if isinstance(item, BaseException):
+        if isinstance(item, BaseException) and not isinstance(item, RequestViolation):
             self.queue.put_nowait(item)  # every later recv raises it too
             raise item
         return item
@@ -48,11 +67,16 @@ class RequestChannel:
 
 
 class CloudLink:
-    """A lazily opened, shared websocket to the cloud.
+    """A lazily opened websocket to the cloud, shared by the requests that use it.
 
     Args:
         url, fingerprint, token, ssl: as for `protocol.transport.ws.open_channel`.
         connect_timeout_s: bound on opening and on the handshake (s), each.
+
+    Attributes:
+        channel: the open `protocol.transport.ws` channel, None when closed.
+        table: the `RequestTable(Role.DEVICE)` of the open connection (one per connection).
+        connections: websockets opened so far (one per conversation when nothing fails).
 
     Raises (from `request`): what `open_channel` raises (OSError, TimeoutError, RemoteError, ...).
     """
@@ -62,7 +86,8 @@ class CloudLink:
         self.url, self.fingerprint, self.token, self.ssl = url, fingerprint, token, ssl
         self.connect_timeout_s = connect_timeout_s
         self.channel = None
-        self.connections = 0  # websockets opened so far (one per conversation when nothing fails)
+        self.table: RequestTable | None = None
+        self.connections = 0
         self._reader: asyncio.Task | None = None
         self._requests: dict[str, RequestChannel] = {}
         self._lock: asyncio.Lock | None = None
@@ -75,8 +100,9 @@ class CloudLink:
                 self.channel = await proto_ws.open_channel(
                     self.url, self.fingerprint, self.token, client="relayinfer-device",
                     open_timeout=self.connect_timeout_s, **({"ssl": self.ssl} if self.ssl is not None else {}))
+                self.table = RequestTable(Role.DEVICE)
                 self.connections += 1
-                self._reader = asyncio.create_task(self._read(self.channel))
+                self._reader = asyncio.create_task(self._read(self.channel, self.table))
         rc = self._requests[request_id] = RequestChannel(self, request_id)
         return rc
 
@@ -86,14 +112,18 @@ class CloudLink:
         if broken and self.channel is not None:
             self._drop(self.channel)
 
-    async def _read(self, channel) -> None:
-        """Hand each frame to the request it names (frames of finished requests are dropped)."""
+    async def _read(self, channel, table: RequestTable) -> None:
+        """Apply the table to each frame and hand the event to the request it names."""
         try:
             while True:
-                msg = await channel.recv()
-                rc = self._requests.get(getattr(msg, "request_id", None) or "")
+                ev = table.receive(await channel.recv())
+                if ev is None:
+                    continue  # Ping, Pong: the connection's business
+                rc = self._requests.get(ev.request_id)
                 if rc is not None:
-                    rc.queue.put_nowait(msg)
+                    rc.queue.put_nowait(ev)
+                elif isinstance(ev, RequestViolation):
+                    log.warning("link to %s: %s (no live request; dropped)", self.url, ev)
         except asyncio.CancelledError:
             raise
         except (RelayInferError, OSError, ValueError) as e:  # connection lost or a connection-level Error

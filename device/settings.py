@@ -40,7 +40,8 @@ the device's pace matters, so the display interval drops to max(target, d).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -81,6 +82,45 @@ class Timing:
         return Timing(self.prefill_ms_base * device, self.prefill_ms_per_token * device,
                       self.decode_ms_per_token * device, self.cloud_ttft_ms * cloud, self.cloud_tpot_ms * cloud,
                       self.device_start_ms)
+
+
+@dataclass
+class CloudEstimate:
+    """Running estimates of the cloud as this device sees it (ms): TTFT = ttft_base_ms +
+    prefill_ms_per_token * prompt tokens (round trip included), fitted by least squares over the
+    last `window` requests (base and slope together), and TPOT by exponential averaging. The
+    defaults, used until two prompt lengths were seen, are deliberately pessimistic."""
+
+    ttft_base_ms: float = 150.0
+    prefill_ms_per_token: float = 1.0
+    tpot_ms: float = 40.0
+    alpha: float = 0.5
+    window: int = 32
+    samples: list = field(default_factory=list)
+    retry_at: float = 0.0  # time.monotonic() before which the cloud asked not to be called (OVERLOADED)
+
+    def back_off(self, retry_after_ms: float | None) -> None:
+        """Honour an OVERLOADED hint: no cloud for `retry_after_ms` (default 1 s, at most 10 min)."""
+        ms = 1000.0 if retry_after_ms is None else min(max(retry_after_ms, 0.0), 600_000.0)
+        self.retry_at = max(self.retry_at, time.monotonic() + ms / 1e3)
+
+    def ttft_ms(self, prompt_tokens: int) -> float:
+        """Expected cloud TTFT (ms) for a prompt of `prompt_tokens` tokens."""
+        return self.ttft_base_ms + self.prefill_ms_per_token * prompt_tokens
+
+    def update(self, prompt_tokens: int, ttft_ms: float | None, tpot_ms: float | None) -> None:
+        """Fold in one request's measured TTFT and TPOT (ms; None: not measured)."""
+        if ttft_ms is not None:
+            self.samples = (self.samples + [(prompt_tokens, ttft_ms)])[-self.window:]
+            xs = np.array([x for x, _ in self.samples], float)
+            ys = np.array([y for _, y in self.samples], float)
+            if np.ptp(xs) > 0:
+                slope, base = np.polyfit(xs, ys, 1)
+                self.prefill_ms_per_token, self.ttft_base_ms = max(0.0, slope), max(0.0, base)
+            else:  # one prompt length so far: keep the slope, move the base
+                self.ttft_base_ms = max(0.0, float(ys.mean()) - self.prefill_ms_per_token * xs[0])
+        if tpot_ms is not None:
+            self.tpot_ms += self.alpha * (tpot_ms - self.tpot_ms)
 
 
 def device_fit(local: tuple[float, float, float], profile: tuple[float, float, float] | None,

@@ -70,24 +70,26 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from relayinfer.protocol.transport import ws as proto_ws
-from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, sample
+from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, generate_message, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.kvhandoff import common_prefix, kv_bytes_per_token, kv_handoff_pays, kv_layers
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
                                          Token)
 from relayinfer.protocol.model.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
+from relayinfer.protocol.requests import RequestViolation
 from relayinfer.protocol.validate import FieldError, check
 
-from .settings import CatchUp, Timing, choose_settings
+from . import policy
+from .link import CloudLink
+from .policy import HOLD, Event, HandOff, Phase, Phases, PlanInput, Progress, catch_up_step
+from .settings import CatchUp, CloudEstimate, Timing
 from .speed import SpeedController, tpot_from_arrivals
 
 MODES = ("split", "device-only", "cloud-only")
-SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send and on closing the channel
+SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send (s)
 
-BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan keeps the device idle
 BACKGROUND_NICE = 10  # niceness added to the background prefill thread (Linux: per thread)
-INFLIGHT_WAIT_S = 10.0  # bound on waiting for an engine call in flight when the answer has ended
+INFLIGHT_WAIT_S = 10.0  # bound on waiting for an engine call in flight when the answer has ended (s)
 
 log = logging.getLogger("relayinfer.device")
 _background: ThreadPoolExecutor | None = None
@@ -289,43 +291,6 @@ class SplitOptions:
         return self.progress_floor_s + self.progress_factor * expected_ms / 1e3
 
 
-@dataclass
-class CloudEstimate:
-    """Running estimates of the cloud as this device sees it (ms): TTFT = ttft_base_ms +
-    prefill_ms_per_token * prompt tokens (round trip included), fitted by least squares over the
-    last `window` requests (base and slope together), and TPOT by exponential averaging. The
-    defaults, used until two prompt lengths were seen, are deliberately pessimistic."""
-
-    ttft_base_ms: float = 150.0
-    prefill_ms_per_token: float = 1.0
-    tpot_ms: float = 40.0
-    alpha: float = 0.5
-    window: int = 32
-    samples: list = field(default_factory=list)
-    retry_at: float = 0.0  # time.monotonic() before which the cloud asked not to be called (OVERLOADED)
-
-    def back_off(self, retry_after_ms: float | None) -> None:
-        """Honour an OVERLOADED hint: no cloud for `retry_after_ms` (default 1 s, at most 10 min)."""
-        ms = 1000.0 if retry_after_ms is None else min(max(retry_after_ms, 0.0), 600_000.0)
-        self.retry_at = max(self.retry_at, time.monotonic() + ms / 1e3)
-
-    def ttft_ms(self, prompt_tokens: int) -> float:
-        return self.ttft_base_ms + self.prefill_ms_per_token * prompt_tokens
-
-    def update(self, prompt_tokens: int, ttft_ms: float | None, tpot_ms: float | None) -> None:
-        if ttft_ms is not None:
-            self.samples = (self.samples + [(prompt_tokens, ttft_ms)])[-self.window:]
-            xs = np.array([x for x, _ in self.samples], float)
-            ys = np.array([y for _, y in self.samples], float)
-            if np.ptp(xs) > 0:
-                slope, base = np.polyfit(xs, ys, 1)
-                self.prefill_ms_per_token, self.ttft_base_ms = max(0.0, slope), max(0.0, base)
-            else:  # one prompt length so far: keep the slope, move the base
-                self.ttft_base_ms = max(0.0, float(ys.mean()) - self.prefill_ms_per_token * xs[0])
-        if tpot_ms is not None:
-            self.tpot_ms += self.alpha * (tpot_ms - self.tpot_ms)
-
-
 class SplitSession:
     """Runs one request across cloud and device.
 
@@ -370,12 +335,12 @@ class SplitSession:
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed the model's context.
             RemoteError: the cloud refused the request itself (e.g. PROMPT_TOO_LONG) in cloud-only mode.
-            ValueError: `params` sets logit_bias or logprobs (the split protocol does not carry them).
+            FieldError: `params` sets logprobs (the split protocol does not carry them).
         """
         check_prompt(len(prompt_ids), params.max_new_tokens, self.engine.context_length)
-        if params.logit_bias or params.logprobs is not None:  # not carried by the split protocol
-            raise ValueError("logit_bias and logprobs are not supported by SplitSession "
-                             "(use the cloud's OpenAI API for them)")
+        if params.logprobs is not None:  # the device computes none, nor does the split protocol carry them
+            raise FieldError("logprobs", "left out for a split request (the cloud's OpenAI HTTP API returns logprobs)",
+                             params.logprobs)
         run = _Run(self, list(prompt_ids), params, on_token, past)
         try:
             return await run.go()
@@ -383,167 +348,240 @@ class SplitSession:
             self.cache = run.cache()
 
 
+
+@dataclass
+class _Answer:
+    """The answer as committed, token by token: `ids`, each token's `source` ('cloud' or 'device')
+    and `ready_ms` (ms since the request started, when it was committed); `finish_reason` once it
+    ended; `events`: the tokens shown; `changed`: set on every commit and at the end (wakes the
+    display)."""
+
+    ids: list[int] = field(default_factory=list)
+    source: list[str] = field(default_factory=list)
+    ready_ms: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+    events: list[TokenEvent] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def cloud_arrivals(self) -> tuple[float, ...]:
+        """The `ready_ms` of the cloud tokens (ms, ascending)."""
+        return tuple(t for t, src in zip(self.ready_ms, self.source) if src == "cloud")
+
+
+@dataclass
+class _Cloud:
+    """The cloud side of one request. link / channel: the `link.CloudLink` and the request's
+    `link.RequestChannel` (None: no cloud); own_link: the link was opened for this request alone;
+    streamed: Tokens received (tokens, those dropped after the hand-off included); done: its Done;
+    cached: Token 0's cached_tokens; kv_from: `Generate.kv_from` (None: no KV hand-off); kv_parts /
+    got_kv: the KVTransfer frames, set once all came or the stream ended; refine: the Generate asked
+    for a refined prompt; kept / got_refined: the RefinedPrompt's indices (None: the full prompt),
+    set once it came or the stream ended."""
+
+    link: CloudLink | None = None
+    channel: object = None
+    own_link: bool = False
+    streamed: int = 0
+    done: Done | None = None
+    cached: int = 0
+    kv_from: int | None = None
+    kv_parts: list[KVTransfer] = field(default_factory=list)
+    got_kv: asyncio.Event = field(default_factory=asyncio.Event)
+    refine: bool = False
+    kept: list[int] | None = None
+    got_refined: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Device:
+    """The device side of one request. past / reused: the previous turn's cache and the prompt
+    tokens it holds; kv: the cache after the last engine call (`_KeepKV`); task: the device
+    worker; inflight: the engine call on a worker thread (`concurrent.futures.Future`); kv_unsafe:
+    an engine call outlived the request (its cache is not handed on); prompt_left: prompt tokens
+    still to prefill; covered: answer tokens prefilled; prompt_tokens: prompt tokens it prefilled
+    (fewer with refinement or the KV hand-off); kv_imported: prompt tokens whose KV came from the
+    cloud; prompt_ms / prefill_ms: wall ms of its prompt work / up to the hand-off; waiting_kv: it
+    waits for the cloud's KV; wake: set by a cloud token, a fault or a re-plan (wakes a held worker)."""
+
+    past: DeviceCache | None
+    reused: int
+    prompt_left: int
+    kv: object = None
+    task: asyncio.Task | None = None
+    inflight: object = None
+    kv_unsafe: bool = False
+    covered: int = 0
+    prompt_tokens: int = 0
+    kv_imported: int = 0
+    prompt_ms: float = 0.0
+    prefill_ms: float = 0.0
+    waiting_kv: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Plan:
+    """What the request runs as and its cloud budget. mode: 'split', 'cloud-only' or 'device-only'
+    (the cloud refused or unreachable: device-only); planned / reason: `GenerationResult.plan` /
+    `plan_reason`; budget: the cloud budget (tokens; None: until the Stop); auto: the settings
+    algorithm plans and re-plans; held: a cloud-to-the-end plan keeps the device idle (background
+    prefill); extended: ExtendBudgets sent; prompt_est: prompt tokens the plan assumed."""
+
+    mode: str
+    planned: str
+    reason: str
+    budget: int | None = None
+    auto: bool = False
+    held: bool = False
+    extended: int = 0
+    prompt_est: int = 0
+
+
+@dataclass
+class _Fault:
+    """What went wrong: `GenerationResult.fault` / `error` (the first fault wins) and
+    `prefill_left_at_fault` (tokens the device still had to prefill when the cloud failed)."""
+
+    kind: str | None = None
+    error: str | None = None
+    prefill_left: int | None = None
+
+    def note(self, kind: str, error: str) -> None:
+        """Record a fault unless one is recorded already."""
+        self.kind, self.error = self.kind or kind, self.error or error
+
+
+def _asked(opt: SplitOptions, mode: str) -> str:
+    """`GenerationResult.plan_reason` before the settings algorithm runs."""
+    if opt.mode != "split":
+        return f"asked for (mode {opt.mode!r})"
+    if mode == "device-only":
+        return "no cloud URL"
+    if opt.cloud_budget is None:
+        return "the cloud streams until the device takes over"
+    if opt.cloud_budget != "auto":
+        return f"the cloud streams at most {opt.cloud_budget} tokens, then the device takes over"
+    return "no device timing: the device takes over when ready"
+
+
 class _Run:
-    """State of one request (see the module docstring for the three coroutines)."""
+    """One request: the driver that moves events between the cloud channel, the device engine,
+    the display and the policy (`device.policy`: the phase table and the decisions). Its three
+    coroutines are `receive`, `device` and `display` (see the module docstring)."""
 
     def __init__(self, s: SplitSession, prompt: list[int], params: SamplingParams, on_token,
                  past: DeviceCache | None = None):
         self.s, self.prompt, self.params, self.on_token = s, prompt, params, on_token
-        self.past = past if past is not None and past.kv is not None else None
-        self.reused = min(common_prefix(self.past.ids, prompt), len(prompt) - 1) if self.past else 0
-        self.kv = None  # the device cache after the last engine call (`_KeepKV`)
-        self.kv_from: int | None = None  # Generate.kv_from: the cloud sends the KV of the prompt from there
-        self.kv_parts: list[KVTransfer] = []
-        self.got_kv = asyncio.Event()
-        self.kv_imported = 0
-        self.device_prompt_ms = 0.0
-        self.cloud_cached = 0  # Token 0's cached_tokens
-        self.waiting_kv = False  # the device worker waits for the cloud's KV (not working on its own)
-        self.mode = s.opt.mode if s.cloud_url or s.opt.mode == "device-only" else "device-only"
-        self.planned = self.mode  # 'cloud-to-the-end' once the settings find the device cannot catch up
-        self.plan_reason = (f"asked for (mode {s.opt.mode!r})" if s.opt.mode != "split" else
-                            "no cloud URL" if self.mode == "device-only" else
-                            "the cloud streams until the device takes over" if s.opt.cloud_budget is None else
-                            f"the cloud streams at most {s.opt.cloud_budget} tokens, then the device takes over"
-                            if s.opt.cloud_budget != "auto" else "no device timing: the device takes over when ready")
-        self.answer: list[int] = []
-        self.source: list[str] = []
-        self.ready_ms: list[float] = []
-        self.handoff: int | None = None
-        self.complete = False
-        self.finish_reason = "length"
-        self.changed = asyncio.Event()
-        self.cloud_streamed = 0
-        self.cloud_done: Done | None = None
-        self.fault: str | None = None
-        self.error: str | None = None
-        self.device_prefill_ms = 0.0
-        self.device_prompt_tokens = len(prompt) - self.reused  # fewer once a refined prompt is used
-        self.channel = None
-        self.budget: int | None = None
-        self.auto = False
-        self.device_idle = False
-        self.extended = 0
-        self.device_prompt_est = len(prompt)
-        self.refine_wanted = False
-        self.kept: list[int] | None = None
-        self.got_refined = asyncio.Event()
+        past = past if past is not None and past.kv is not None else None
+        reused = min(common_prefix(past.ids, prompt), len(prompt) - 1) if past else 0
+        self.dev = _Device(past, reused, len(prompt) - reused, prompt_tokens=len(prompt) - reused)
+        mode = s.opt.mode if s.cloud_url or s.opt.mode == "device-only" else "device-only"
+        self.plan = _Plan(mode, mode, _asked(s.opt, mode), prompt_est=len(prompt))
+        self.phases = Phases()
+        self.answer, self.cloud, self.fault = _Answer(), _Cloud(), _Fault()
         self.request_id = uuid.uuid4().hex[:12]
         self.speed = SpeedController(s.opt.target_tpot_ms)
         self.decoder = s.tokenizer.stream_decoder()
-        self.events: list[TokenEvent] = []
         self.tasks: list[asyncio.Task] = []  # receiver and device worker (the display is awaited apart)
-        self.device_task: asyncio.Task | None = None
-        self.device_failed = False
-        self.wake = asyncio.Event()  # a cloud token, a cloud fault or a re-plan: wakes a device held by the plan
-        self.prompt_left = len(prompt) - self.reused  # prompt tokens the device has still to prefill
-        self.covered = 0  # answer tokens the device has prefilled
-        self.prefill_left_at_fault: int | None = None
-        self.inflight = None  # the engine call running on a worker thread (concurrent.futures.Future)
-        self.kv_unsafe = False  # an engine call outlived the request: its cache is not handed on
+        self.t0 = time.perf_counter()
 
     def now(self) -> float:
+        """ms since the request started."""
         return (time.perf_counter() - self.t0) * 1e3
 
-    def append(self, tok: int, source: str) -> None:
-        """Commit answer token `len(answer)`; mark the answer complete on a stop token or length."""
-        self.answer.append(tok)
-        self.source.append(source)
-        self.ready_ms.append(self.now())
-        reason = finish_reason(tok, len(self.answer), self.params, self.s.engine.eos_id)
-        if reason:
-            self.complete, self.finish_reason = True, reason
-        self.changed.set()
-        self.wake.set()
+    # -- the answer -----------------------------------------------------------------------------------
 
-    def timing(self, start_ms: float = 0.0, ttft_ms: float | None = None, tpot_ms: float | None = None) -> Timing:
+    def append(self, tok: int, source: str, reason: str | None = None) -> None:
+        """Commit answer token `len(answer.ids)` from `source`; `reason` (the finish rule's verdict:
+        a cloud token's `finish_reason`, or `decoding.finish_reason` for a device token) ends it."""
+        a = self.answer
+        a.ids.append(tok)
+        a.source.append(source)
+        a.ready_ms.append(self.now())
+        if reason:
+            self.end(reason)
+        a.changed.set()
+        self.dev.wake.set()
+
+    def end(self, reason: str) -> None:
+        """The answer is complete (`finish_reason` `reason`): the ANSWER_ENDED transition."""
+        self.phases.fire(Event.ANSWER_ENDED)
+        self._ended(reason)
+
+    def _ended(self, reason: str) -> None:
+        self.answer.finish_reason = reason
+        self.answer.changed.set()
+        self.dev.wake.set()
+
+    # -- planning (decisions in `device.policy`) ------------------------------------------------------
+
+    def timing(self) -> Timing:
+        """The settings model's timing: the device fit and the client's cloud estimates (ms)."""
         a, b, d = self.s.device_timing
         c = self.s.cloud
-        return Timing(a, b, d, ttft_ms if ttft_ms is not None else c.ttft_ms(len(self.prompt)),
-                      tpot_ms if tpot_ms is not None else c.tpot_ms, start_ms)
+        return Timing(a, b, d, c.ttft_ms(len(self.prompt)), c.tpot_ms)
 
-    def plan(self) -> None:
-        """Initial settings: cloud budget and display interval (settings algorithm)."""
-        opt = self.s.opt
-        self.budget = opt.cloud_budget if opt.cloud_budget != "auto" else None
-        self.auto = opt.cloud_budget == "auto" and self.s.device_timing is not None and self.mode == "split"
-        if not self.auto:
+    def progress(self, prompt_left: int) -> Progress:
+        """What the device measured so far, with `prompt_left` prompt tokens still to prefill."""
+        return Progress(self.now(), tuple(self.answer.ready_ms), prompt_left)
+
+    def initial_plan(self) -> None:
+        """Initial cloud budget and display interval (`policy.plan`)."""
+        opt, pl = self.s.opt, self.plan
+        pl.budget = opt.cloud_budget if opt.cloud_budget != "auto" else None
+        pl.auto = opt.cloud_budget == "auto" and self.s.device_timing is not None and pl.mode == "split"
+        if not pl.auto:
             return
-        n = len(self.prompt) - self.reused  # multi-turn: only the uncached tokens cost device prefill
-        refine = choose_refine(n, opt.refine) if not self.reused and self.kv_from is None else None
-        self.device_prompt_est = max(1, int(n * refine)) if refine else n
-        t = self.timing()
-        if self.kv_from is not None:  # the KV hand-off: after the first token and the transfer, 1 token to prefill
-            self.device_prompt_est = 1
-            t = self.timing(start_ms=t.cloud_ttft_ms + self.kv_transfer_ms())
-        if refine:  # the refined prompt comes right after the first cloud token
-            t = self.timing(start_ms=t.cloud_ttft_ms)
-        st = choose_settings(t, self.device_prompt_est, self.params.max_new_tokens, opt.target_tpot_ms)
-        self.speed.interval_ms = st.interval_ms
-        self.budget = st.cloud_budget
-        self.device_idle = st.cloud_budget is None  # cannot catch up: the cloud streams to the end
-        if self.device_idle:
-            self.planned = "cloud-to-the-end"
-            self.plan_reason = (
-                f"the device cannot catch up: its prefill takes {t.prefill_ms_per_token:.0f} ms a token, not less "
-                f"than the {st.interval_ms:.0f} ms display interval" if t.prefill_ms_per_token >= st.interval_ms else
-                f"the device cannot catch up within {self.params.max_new_tokens} tokens (prompt of "
-                f"{self.device_prompt_est} tokens: about {t.prefill_ms_base + t.prefill_ms_per_token * self.device_prompt_est:.0f} ms "
-                f"to prefill on the device)")
-        else:
-            self.plan_reason = (f"the cloud streams at most {st.cloud_budget} tokens, then the device takes over "
-                                f"(settings: display interval {st.interval_ms:.0f} ms)")
+        n = len(self.prompt) - self.dev.reused  # multi-turn: only the uncached tokens cost device prefill
+        refine = choose_refine(n, opt.refine) if not self.dev.reused and self.cloud.kv_from is None else None
+        kv_ms = self.kv_transfer_ms() if self.cloud.kv_from is not None else None
+        p = policy.plan(PlanInput(self.timing(), n, self.params.max_new_tokens, opt.target_tpot_ms, refine, kv_ms))
+        self.speed.interval_ms = p.interval_ms
+        pl.budget, pl.held, pl.prompt_est, pl.reason = p.budget, p.held, p.device_prompt_tokens, p.reason
+        if p.held:
+            pl.planned = "cloud-to-the-end"
 
     async def replan(self, prompt_left: int) -> None:
-        """Re-plan from now with `prompt_left` prompt tokens still to prefill and the measured cloud
-        TTFT/TPOT; extend the cloud budget if more tokens are needed (and it is not too late)."""
-        if (not self.auto or self.budget is None or self.channel is None or not self.ready_ms
-                or self.cloud_done is not None or self.handoff is not None):
+        """Re-plan from now with `prompt_left` prompt tokens still to prefill (`policy.replan`);
+        send ExtendBudget when more cloud tokens are needed."""
+        pl = self.plan
+        if (not pl.auto or pl.budget is None or self.cloud.channel is None or not self.answer.ready_ms
+                or self.cloud.done is not None or self.phases.handoff is not None):
             return
-        tpot = tpot_from_arrivals(self.ready_ms)
-        st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot), prompt_left,
-                             self.params.max_new_tokens, self.s.opt.target_tpot_ms, margin=0.1)
-        want = st.cloud_budget if st.cloud_budget is not None else self.params.max_new_tokens
-        if want > self.budget:
-            self.budget = want
-            self.extended += 1
+        want = policy.replan(self.timing(), self.progress(prompt_left), pl.budget, self.params.max_new_tokens,
+                             self.s.opt.target_tpot_ms)
+        if want is not None:
+            pl.budget, pl.extended = want, pl.extended + 1
             await self.send_quietly(ExtendBudget(self.request_id, want))
 
-    def replan_idle(self, force: bool = False) -> None:
-        """While a cloud-to-the-end plan keeps the device idle (prefilling in the background), re-plan
-        after cloud tokens 1, 2, 4, 8, ... (and, `force`, when the background prompt prefill is
-        done) with the measured cloud TTFT and TPOT, the device going on now with the prompt tokens it
-        has left: if a hand-off has become feasible (the cloud is slower than estimated, or the prompt
-        is prefilled), release the device to take over when it catches up (the cloud keeps streaming
-        to the end until the device's Stop)."""
-        k = len(self.ready_ms)
-        if (not self.auto or not self.device_idle or self.complete or self.channel is None or not k
-                or (k & (k - 1) and not force)):
+    def replan_held(self, force: bool = False) -> None:
+        """While a cloud-to-the-end plan holds the device, re-plan (`policy.replan_held`); when a
+        hand-off has become feasible, release the device to take over once it catches up (the
+        cloud keeps streaming until the device's Stop)."""
+        pl = self.plan
+        if not pl.auto or not pl.held or self.phases.done or self.cloud.channel is None:
             return
-        tpot = tpot_from_arrivals(self.ready_ms)
-        st = choose_settings(self.timing(self.now(), self.ready_ms[0], tpot),
-                             min(self.device_prompt_est, self.prompt_left),
-                             self.params.max_new_tokens, self.s.opt.target_tpot_ms)
-        if st.cloud_budget is None:
+        interval = policy.replan_held(self.timing(), self.progress(self.dev.prompt_left), pl.prompt_est,
+                                      self.params.max_new_tokens, self.s.opt.target_tpot_ms, force)
+        if interval is None:
             return
-        self.device_idle = False
-        self.speed.interval_ms = max(self.speed.interval_ms, st.interval_ms)
-        self.plan_reason += (f"; re-planned after {k} cloud token{'s' * (k > 1)} (measured TTFT "
-                             f"{self.ready_ms[0]:.0f} ms, TPOT {tpot or 0:.0f} ms, {self.prompt_left} prompt tokens "
-                             f"left to prefill): the device takes over when it catches up")
-        self.wake.set()
-        self.start_device()
+        self.speed.interval_ms = max(self.speed.interval_ms, interval)
+        arr, k = self.answer.ready_ms, len(self.answer.ready_ms)
+        pl.reason += (f"; re-planned after {k} cloud token{'s' * (k > 1)} (measured TTFT {arr[0]:.0f} ms, "
+                      f"TPOT {tpot_from_arrivals(arr) or 0:.0f} ms, {self.dev.prompt_left} prompt tokens "
+                      f"left to prefill): the device takes over when it catches up")
+        self.release_device()
 
     def prefill_left(self) -> int:
         """Tokens the device has still to prefill before it can take over: the prompt tokens left
         and the cloud tokens received that it has not prefilled (tokens)."""
-        return self.prompt_left + len(self.answer) - self.covered
+        return self.dev.prompt_left + len(self.answer.ids) - self.dev.covered
 
     def release_device(self) -> None:
-        """The cloud will not finish the answer (fault, or its stream ended): a device held by the
-        cloud-to-the-end plan goes on at full priority and takes over; one not yet running starts."""
-        self.device_idle = False
-        self.wake.set()
+        """A device held by the plan goes on at full priority and takes over; one not yet running
+        starts."""
+        self.plan.held = False
+        self.dev.wake.set()
         self.start_device()
 
     def kv_bpt(self) -> int:
@@ -554,7 +592,7 @@ class _Run:
     def kv_transfer_ms(self) -> float:
         """Expected ms from the cloud's first token to the imported KV: bytes over the measured link
         (`SplitOptions.link_bytes_per_s`; none known: only the overhead) plus `kv_overhead_ms`."""
-        opt, n = self.s.opt, len(self.prompt) - 1 - self.reused
+        opt, n = self.s.opt, len(self.prompt) - 1 - self.dev.reused
         return (n * self.kv_bpt() / opt.link_bytes_per_s * 1e3 if opt.link_bytes_per_s else 0.0) + opt.kv_overhead_ms
 
     def choose_kv(self) -> int | None:
@@ -562,44 +600,49 @@ class _Run:
         prefills). Only in split mode, without refinement, with an engine that imports KV; with
         kv_handoff 'auto' only where `protocol.kvhandoff.kv_handoff_pays` (measured link bandwidth,
         device prefill fit, expected cloud TTFT); True always, False never."""
-        s, opt = self.s, self.s.opt
-        n = len(self.prompt) - 1 - self.reused  # tokens to send: all uncached prompt tokens but the last
-        if (opt.kv_handoff is False or self.mode != "split" or n <= 0 or not hasattr(s.engine, "kv_import")
-                or (not self.reused and choose_refine(len(self.prompt), opt.refine) is not None)):
+        s, opt, reused = self.s, self.s.opt, self.dev.reused
+        n = len(self.prompt) - 1 - reused  # tokens to send: all uncached prompt tokens but the last
+        if (opt.kv_handoff is False or self.plan.mode != "split" or n <= 0 or not hasattr(s.engine, "kv_import")
+                or (not reused and choose_refine(len(self.prompt), opt.refine) is not None)):
             return None
         if opt.kv_handoff is True:
-            return self.reused
+            return reused
         if s.device_timing is None:
             return None
         a, b, _ = s.device_timing
         pays = kv_handoff_pays(n, self.kv_bpt(), opt.link_bytes_per_s, s.cloud.ttft_ms(n + 1), a, b, opt.kv_overhead_ms)
-        return self.reused if pays else None
+        return reused if pays else None
 
     def cache(self) -> DeviceCache | None:
         """The device cache after this request, for the next turn: the last KV the engine returned
         and the ids it holds; the previous turn's cache when the device never ran; None after a
         refined (gapped) prompt."""
-        if self.kv_unsafe:
+        if self.dev.kv_unsafe:
             return None  # an engine call may still write into these buffers
-        if self.kv is None:
-            return self.past
-        length = getattr(self.kv, "length", None)  # an engine whose cache has no length is not reused
-        if self.refine_wanted or length is None:
+        if self.dev.kv is None:
+            return self.dev.past
+        length = getattr(self.dev.kv, "length", None)  # an engine whose cache has no length is not reused
+        if self.cloud.refine or length is None:
             return None
-        return DeviceCache((self.prompt + self.answer)[:length], self.kv)
+        return DeviceCache((self.prompt + self.answer.ids)[:length], self.dev.kv)
+
+    # -- the request ----------------------------------------------------------------------------------
 
     async def go(self) -> GenerationResult:
+        """Run the request to its end: connect, then receiver, device worker and display."""
         self.t0 = time.perf_counter()
-        self.kv_from = self.choose_kv()
-        self.plan()
-        if self.mode != "device-only":
+        self.cloud.kv_from = self.choose_kv()
+        self.initial_plan()
+        if self.plan.mode != "device-only":
             await self.connect()
+        else:
+            self.phases.fire(Event.NO_CLOUD)
         display = asyncio.create_task(self.display())
-        if self.channel is not None:
+        if self.cloud.channel is not None:
             self.tasks.append(asyncio.create_task(self.receive()))
-        if self.channel is None:
-            self.device_idle = False  # no cloud: nothing to hold the device for
-        if self.mode != "cloud-only":  # held in the background while a cloud-to-the-end plan keeps it idle
+        else:
+            self.plan.held = False  # no cloud: nothing to hold the device for
+        if self.plan.mode != "cloud-only":  # held in the background while a cloud-to-the-end plan keeps it idle
             self.start_device()
         try:
             await display  # the display ends when the answer is complete and shown
@@ -609,7 +652,7 @@ class _Run:
                 t.cancel()
             await asyncio.gather(display, *self.tasks, return_exceptions=True)
             await self.settle()
-            if self.channel is not None:
+            if self.cloud.channel is not None:
                 await self.close_channel()
         return self.result()
 
@@ -617,7 +660,7 @@ class _Run:
         """Wait for the engine call still running on a worker thread (a chunk the answer's end
         interrupted), at most INFLIGHT_WAIT_S: its writes into the KV buffers must end before the
         cache goes to the next turn. Past the bound the cache is not handed on."""
-        f = self.inflight
+        f = self.dev.inflight
         if f is None or f.done():
             return
         try:
@@ -625,147 +668,114 @@ class _Run:
         except asyncio.TimeoutError:
             log.warning("request %s: a device engine call outlived the request by %.0f s; its cache is dropped",
                         self.request_id, INFLIGHT_WAIT_S)
-            self.kv_unsafe = True
+            self.dev.kv_unsafe = True
         except Exception:  # the call failed: the request has ended anyway
             pass
 
     async def call(self, fn, *args):
         """Run an engine call on the device thread: the low-priority background one while the plan
-        keeps the device idle, else the session's executor. The call is noted (`settle`)."""
-        ex = background_executor() if self.device_idle else self.s.executor
-        self.inflight = ex.submit(fn, *args)
-        return await asyncio.wrap_future(self.inflight)
+        holds the device, else the session's executor. The call is noted (`settle`)."""
+        ex = background_executor() if self.plan.held else self.s.executor
+        self.dev.inflight = ex.submit(fn, *args)
+        return await asyncio.wrap_future(self.dev.inflight)
 
     def start_device(self) -> None:
         """Run the device worker (once)."""
-        if self.device_task is None:
-            self.device_task = asyncio.create_task(self.device())
-            self.tasks.append(self.device_task)
+        if self.dev.task is None:
+            self.dev.task = asyncio.create_task(self.device())
+            self.tasks.append(self.dev.task)
 
     async def send_quietly(self, msg) -> bool:
-        """Best-effort send to the cloud, bounded by SEND_TIMEOUT_S; False if it did not go."""
+        """Best-effort send to the cloud, bounded by SEND_TIMEOUT_S; False if it did not go (or the
+        request table ignored it: it crossed the cloud's Done)."""
         try:
-            await asyncio.wait_for(self.channel.send(msg), SEND_TIMEOUT_S)
-            return True
+            return await asyncio.wait_for(self.cloud.channel.send(msg), SEND_TIMEOUT_S)
         except (RelayInferError, asyncio.TimeoutError, OSError):
             return False
 
     async def close_channel(self) -> None:
-        if self.s.link is not None:  # the conversation's websocket stays open unless this request failed on it
-            self.s.link.release(self.request_id, broken=self.fault is not None and self.fault != "device-error")
-            return
-        try:  # a black-holed peer never answers the close handshake: bounded
-            await asyncio.wait_for(self.channel.close(), SEND_TIMEOUT_S)
-        except (RelayInferError, asyncio.TimeoutError, OSError):
-            self.channel.ws.transport.abort() if getattr(self.channel.ws, "transport", None) else None
+        """Release the request's channel; a link opened for this request alone is closed (bounded)."""
+        broken = self.fault.kind is not None and self.fault.kind != "device-error"
+        self.cloud.link.release(self.request_id, broken=broken)
+        if self.cloud.own_link:
+            await self.cloud.link.aclose()
 
     def cloud_fault(self, fault: str, error: str) -> None:
-        """The cloud stream ended early (lost, refused, stalled): record why, and finish the answer
-        on the device from the tokens received; without a usable device (cloud-only mode, device
-        runtime failed) end it with the tokens received."""
-        if self.complete or self.handoff is not None:
-            return  # the device already took over: the cloud is no longer needed
-        self.fault, self.error = self.fault or fault, self.error or error
+        """The cloud stream ended early (lost, refused, stalled): the CLOUD_FAULT transition. The
+        device finishes the answer from the tokens received; with no device behind the cloud
+        (CLOUD_ALONE) the answer ends with them (finish_reason 'error'). Ignored once the device
+        took over or the answer ended."""
+        before = self.phases.phase
+        after = self.phases.fire(Event.CLOUD_FAULT)
+        if after is before:
+            return  # the device already took over (or a fault came before): the cloud is no longer needed
+        self.fault.note(fault, error)
         log.info("request %s: cloud %s (%s); %s", self.request_id, fault, error,
-                 "ending with the tokens received" if self.mode == "cloud-only" or self.device_failed
-                 else "the device takes over")
-        if self.mode == "cloud-only" or self.device_failed:
-            self.complete, self.finish_reason = True, "error"
-            self.changed.set()
-        else:
-            if self.prefill_left_at_fault is None:
-                self.prefill_left_at_fault = self.prefill_left()
-            self.release_device()
+                 "ending with the tokens received" if after is Phase.DONE else "the device takes over")
+        if after is Phase.DONE:
+            self._ended("error")
+            return
+        if self.fault.prefill_left is None:
+            self.fault.prefill_left = self.prefill_left()
+        self.release_device()
 
     async def connect(self) -> None:
-        """Handshake and send Generate; on failure fall back to device-only (split) or raise."""
-        s = self.s
+        """Handshake and send Generate (START_SPLIT / START_CLOUD_ONLY); on failure fall back to
+        device-only (NO_CLOUD) in split mode, or raise in cloud-only mode."""
+        s, c = self.s, self.cloud
+        wait_ms = (s.cloud.retry_at - time.monotonic()) * 1e3
         try:
-            wait_ms = (s.cloud.retry_at - time.monotonic()) * 1e3
             if wait_ms > 0:  # the cloud said OVERLOADED: honour its retry-after hint
                 raise RemoteError(ErrorCode.OVERLOADED, f"the cloud asked to retry after {wait_ms:.0f} more ms",
                                   retry_after_ms=wait_ms)
-            if s.link is not None:  # the conversation's websocket, opened once
-                self.channel = await s.link.request(self.request_id)
-            else:
-                self.channel = await proto_ws.open_channel(s.cloud_url, s.fingerprint, s.token,
-                                                           client="relayinfer-device",
-                                                           open_timeout=s.opt.connect_timeout_s,
-                                                           **({"ssl": s.ssl} if s.ssl is not None else {}))
-            budget = self.budget if self.mode == "split" else None
-            p = self.params
-            refine = (choose_refine(len(self.prompt), s.opt.refine)
-                      if self.mode == "split" and not self.reused and self.kv_from is None else None)
-            await self.channel.send(Generate(self.request_id, self.prompt, p.max_new_tokens, p.temperature, p.top_p,
-                                             p.top_k, p.seed, budget, refine, list(p.stop_ids),
-                                             presence_penalty=p.presence_penalty,
-                                             frequency_penalty=p.frequency_penalty,
-                                             repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
-                                             kv_from=self.kv_from))
-            self.refine_wanted = refine is not None
+            c.own_link = s.link is None
+            c.link = s.link or CloudLink(s.cloud_url, s.fingerprint, s.token, s.ssl, s.opt.connect_timeout_s)
+            c.channel = await c.link.request(self.request_id)
+            g = self.generate_msg()
+            await c.channel.send(g)
+            c.refine = g.refine is not None
         except Exception as e:  # unreachable (OSError, TimeoutError), refused (RemoteError), ...
-            overloaded = isinstance(e, RemoteError) and e.code is ErrorCode.OVERLOADED
-            if overloaded and wait_ms <= 0:
-                s.cloud.back_off(e.retry_after_ms)
-            if self.mode == "cloud-only":
-                raise
-            self.fault = ("cloud-overloaded" if overloaded else
-                          "cloud-refused" if isinstance(e, RelayInferError) else "cloud-unreachable")
-            self.error = f"{type(e).__name__}: {e}"
-            if self.channel is not None:
+            await self.connect_failed(e, wait_ms)
+            return
+        self.phases.fire(Event.START_SPLIT if self.plan.mode == "split" else Event.START_CLOUD_ONLY)
+
+    def generate_msg(self) -> Generate:
+        """The request's Generate: sampling params, the cloud budget and refinement (split mode),
+        and `kv_from`."""
+        split, p = self.plan.mode == "split", self.params
+        refine = (choose_refine(len(self.prompt), self.s.opt.refine)
+                  if split and not self.dev.reused and self.cloud.kv_from is None else None)
+        return generate_message(self.request_id, self.prompt, p, cloud_budget=self.plan.budget if split else None,
+                                refine=refine, kv_from=self.cloud.kv_from)
+
+    async def connect_failed(self, e: Exception, wait_ms: float) -> None:
+        """The cloud refused or is unreachable: raise in cloud-only mode, else go device-only."""
+        overloaded = isinstance(e, RemoteError) and e.code is ErrorCode.OVERLOADED
+        if overloaded and wait_ms <= 0:
+            self.s.cloud.back_off(e.retry_after_ms)
+        if self.plan.mode == "cloud-only":
+            if self.cloud.channel is not None:
                 await self.close_channel()
-            self.mode, self.channel, self.kv_from = "device-only", None, None  # no cloud: no KV to wait for
+            raise e
+        self.fault.note("cloud-overloaded" if overloaded else
+                        "cloud-refused" if isinstance(e, RelayInferError) else "cloud-unreachable",
+                        f"{type(e).__name__}: {e}")
+        if self.cloud.channel is not None:
+            await self.close_channel()
+        elif self.cloud.own_link and self.cloud.link is not None:
+            await self.cloud.link.aclose()
+        self.plan.mode, self.cloud.channel, self.cloud.kv_from = "device-only", None, None  # no KV to wait for
+        self.phases.fire(Event.NO_CLOUD)
+
+    # -- the receiver ---------------------------------------------------------------------------------
 
     async def receive(self) -> None:
-        """Cloud tokens into the answer until the hand-off. Every way the stream can end early
-        (connection lost, request Error, Done before the answer is complete, no frame within the
-        progress timeout) goes to `cloud_fault`, so the answer always completes."""
+        """Cloud events into the answer until the stream ends. Every way it can end early
+        (connection lost, request Error, a protocol violation, Done before the answer is complete,
+        no frame within the progress timeout) goes to `cloud_fault`, so the answer always completes."""
         try:
-            while True:
-                timeout = self.s.opt.progress_timeout(self.s.cloud, len(self.prompt), first=not self.cloud_streamed)
-                try:
-                    msg = await asyncio.wait_for(self.channel.recv(), timeout)
-                except asyncio.TimeoutError:
-                    if (self.device_task is not None and not self.device_task.done() and not self.waiting_kv
-                            and not self.device_idle):
-                        continue  # the device is working towards a hand-off without the cloud: no harm yet
-                    self.cloud_fault("cloud-stalled", f"no frame from the cloud for {timeout:.1f} s")
-                    await self.send_quietly(Cancel(self.request_id))
-                    return
-                if isinstance(msg, Token) and msg.request_id == self.request_id:
-                    self.cloud_streamed += 1
-                    if msg.index == 0:
-                        self.cloud_cached = msg.cached_tokens
-                    if self.handoff is None and not self.complete and msg.index == len(self.answer):
-                        self.append(msg.token_id, "cloud")
-                        self.replan_idle()
-                elif isinstance(msg, KVTransfer) and msg.request_id == self.request_id:
-                    self.kv_parts.append(msg)
-                    if len(self.kv_parts) >= (msg.num_blocks if msg.block_index >= 0 else 1):
-                        self.got_kv.set()
-                elif isinstance(msg, RefinedPrompt) and msg.request_id == self.request_id:
-                    n = len(self.prompt)
-                    if msg.kept_indices and all(0 <= i < n for i in msg.kept_indices):
-                        self.kept = sorted(set(msg.kept_indices))
-                    self.got_refined.set()
-                elif isinstance(msg, Done) and msg.request_id == self.request_id:
-                    self.cloud_done = msg
-                    if not self.complete and self.handoff is None:
-                        if msg.reason == "budget" and self.mode == "split" and not self.device_failed:
-                            self.release_device()  # as planned: the device takes over from here
-                        elif self.mode == "cloud-only" and msg.reason in ("eos", "stop", "length"):
-                            self.complete, self.finish_reason = True, msg.reason
-                            self.changed.set()
-                        else:  # cancelled or stopped by the cloud itself (e.g. shutting down)
-                            self.cloud_fault("cloud-error", f"the cloud ended the stream early ({msg.reason})")
-                    return
-                elif isinstance(msg, Error) and msg.request_id == self.request_id:
-                    overloaded = msg.code == ErrorCode.OVERLOADED.value
-                    if overloaded:
-                        self.s.cloud.back_off(msg.retry_after_ms)
-                    self.cloud_fault("cloud-overloaded" if overloaded else "cloud-error",
-                                     f"cloud error [{msg.code}]: {msg.message}")
-                    return
+            while await self.receive_one():
+                pass
         except RelayInferError as e:  # connection lost, connection-level Error, protocol violation
             if isinstance(e, RemoteError) and e.code is ErrorCode.OVERLOADED:
                 self.s.cloud.back_off(e.retry_after_ms)
@@ -773,103 +783,188 @@ class _Run:
         except (OSError, ValueError) as e:  # transport failures outside the protocol layer
             self.cloud_fault("connection-lost", f"{type(e).__name__}: {e}")
         finally:
-            self.got_refined.set()  # nothing more will come: the device uses the full prompt
-            self.got_kv.set()  # nor a KV hand-off: the device prefills
-            if self.device_idle and not self.complete and self.mode == "split" and not self.device_failed:
+            self.cloud.got_refined.set()  # nothing more will come: the device uses the full prompt
+            self.cloud.got_kv.set()  # nor a KV hand-off: the device prefills
+            if self.plan.held and self.phases.phase in (Phase.CLOUD_PACED, Phase.CATCHING_UP):
                 self.release_device()  # no more cloud tokens: a device held by the plan takes over
 
+    async def receive_one(self) -> bool:
+        """Wait for the request's next event (bounded by the progress timeout) and apply it;
+        False when the stream is over for this request."""
+        timeout = self.s.opt.progress_timeout(self.s.cloud, len(self.prompt), first=not self.cloud.streamed)
+        try:
+            ev = await asyncio.wait_for(self.cloud.channel.recv(), timeout)
+        except asyncio.TimeoutError:
+            task = self.dev.task
+            if not policy.stall_is_fault(task is not None and not task.done(), self.dev.waiting_kv, self.plan.held):
+                return True  # the device is working towards a hand-off without the cloud: no harm yet
+            self.cloud_fault("cloud-stalled", f"no frame from the cloud for {timeout:.1f} s")
+            await self.send_quietly(Cancel(self.request_id))
+            return False
+        if isinstance(ev, RequestViolation):  # the cloud broke the per-request rules
+            self.cloud_fault("cloud-error", f"protocol violation: {ev}")
+            await self.send_quietly(Cancel(self.request_id))
+            return False
+        if ev.ignored:
+            return True
+        return self.on_message(ev.message)
+
+    def on_message(self, msg) -> bool:
+        """Apply one legal cloud message of this request; False when it ends the stream."""
+        if isinstance(msg, Token):
+            self.cloud.streamed += 1
+            if msg.index == 0:
+                self.cloud.cached = msg.cached_tokens
+            if self.phases.takes_cloud_tokens:  # the table checked the index: it is len(answer.ids)
+                self.append(msg.token_id, "cloud", msg.finish_reason)
+                self.replan_held()
+        elif isinstance(msg, KVTransfer):
+            self.cloud.kv_parts.append(msg)
+            if len(self.cloud.kv_parts) >= (msg.num_blocks if msg.block_index >= 0 else 1):
+                self.cloud.got_kv.set()
+        elif isinstance(msg, RefinedPrompt):
+            n = len(self.prompt)
+            if msg.kept_indices and all(0 <= i < n for i in msg.kept_indices):
+                self.cloud.kept = sorted(set(msg.kept_indices))
+            self.cloud.got_refined.set()
+        elif isinstance(msg, Done):
+            self.on_done(msg)
+            return False
+        elif isinstance(msg, Error):
+            overloaded = msg.code == ErrorCode.OVERLOADED.value
+            if overloaded:
+                self.s.cloud.back_off(msg.retry_after_ms)
+            self.cloud_fault("cloud-overloaded" if overloaded else "cloud-error",
+                             f"cloud error [{msg.code}]: {msg.message}")
+            return False
+        return True
+
+    def on_done(self, msg: Done) -> None:
+        """The cloud's Done, as `policy.on_done` reads it in the current phase."""
+        self.cloud.done = msg
+        what = policy.on_done(self.phases.phase, msg.reason)
+        if what == "take-over":
+            self.release_device()  # as planned: the device takes over from here
+        elif what == "end":
+            self.end(msg.reason)
+        elif what == "fault":  # cancelled or stopped by the cloud itself (e.g. shutting down)
+            self.cloud_fault("cloud-error", f"the cloud ended the stream early ({msg.reason})")
+
+    # -- the device worker ----------------------------------------------------------------------------
+
     async def device(self) -> None:
-        """The device worker; a runtime failure hands the answer back to the cloud if it can."""
+        """The device worker; a runtime failure hands the answer back to the cloud if it can
+        (DEVICE_FAILED: the cloud streams to the end), else ends it (finish_reason 'error')."""
         try:
             await self._device()
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("request %s: device runtime failed", self.request_id)
-            self.device_failed = True
-            self.fault, self.error = self.fault or "device-error", self.error or f"device runtime failed: {e}"
-            cloud_alive = self.channel is not None and self.handoff is None and self.cloud_done is None and \
-                any(not t.done() for t in self.tasks if t is not self.device_task)
-            if cloud_alive and self.mode == "split":  # the cloud streams to the end
-                self.budget = self.params.max_new_tokens
-                if await self.send_quietly(ExtendBudget(self.request_id, self.budget)):
+            self.fault.note("device-error", f"device runtime failed: {e}")
+            receiving = any(not t.done() for t in self.tasks if t is not self.dev.task)
+            if (receiving and self.cloud.done is None
+                    and self.phases.phase in (Phase.CLOUD_PACED, Phase.CATCHING_UP)):
+                self.phases.fire(Event.DEVICE_FAILED)
+                self.plan.budget = self.params.max_new_tokens
+                if await self.send_quietly(ExtendBudget(self.request_id, self.plan.budget)):
                     return
-            if not self.complete:
-                self.complete, self.finish_reason = True, "error"
-                self.changed.set()
+            if not self.phases.done:
+                self.end("error")
 
     async def _device(self) -> None:
-        """Prefill prompt, catch up on cloud tokens, hand off, decode locally. While the plan keeps
-        the device idle (`device_idle`) the prefill runs in small low-priority chunks and the worker
-        holds instead of handing off, until `release_device` or `replan_idle` lets it go."""
-        eng, call = _KeepKV(self.s.engine, self), self.call
-        kv, chunk = None, self.s.opt.prefill_chunk
+        """Prefill the prompt (PROMPT_PREFILLED), catch up on the cloud tokens, hand off (the one
+        hand-off transition), decode locally. While the plan holds the device the prefill runs in
+        small low-priority chunks and the worker holds instead of handing off, until
+        `release_device` lets it go."""
+        eng = _KeepKV(self.s.engine, self)
         t = time.perf_counter()
-        prompt = self.prompt
-        at = None  # RoPE positions of `prompt` (None: the engine's contiguous count)
-        if self.reused:  # multi-turn: the previous turn's cache holds the first `reused` prompt tokens
-            kv = self.past.kv if self.past.kv.length == self.reused else \
-                await call(eng.truncate, self.past.kv, self.reused)
-            prompt = prompt[self.reused:]
-        if self.kv_from is not None:  # the cloud sends the KV of the rest but the last token
-            kv, prompt = await self.import_kv(kv, prompt)
-        if self.refine_wanted:  # the system turn is always kept: prefill it while the cloud scores
-            head = system_prefix_len(prompt, TemplateMarkers.from_tokenizer(self.s.tokenizer))
-            if head:
-                logits, kv = await call(eng.prefill, prompt[:head], kv)
-            await self.got_refined.wait()
-            if self.kept is not None and self.kept[:head] == list(range(head)):
-                prompt = [self.prompt[i] for i in self.kept]
-                at = self.kept[head:] if takes_positions(eng) else None  # the kept tokens' own positions
-            prompt = prompt[head:]
-            await self.replan(len(prompt))
-            self.device_prompt_tokens = head + len(prompt)
-        i, self.prompt_left = 0, len(prompt)
+        prompt, at, logits, kv = await self.prompt_work(eng)
+        i, self.dev.prompt_left = 0, len(prompt)
         while i < len(prompt):
-            if self.complete:
+            if self.phases.done:
                 return  # the cloud finished the answer first
-            step = min(chunk, BACKGROUND_CHUNK) if self.device_idle else chunk
-            logits, kv = await call(prefill_at, eng, prompt[i:i + step], kv, at and at[i:i + step])
+            step = min(self.s.opt.prefill_chunk, policy.BACKGROUND_CHUNK) if self.plan.held else self.s.opt.prefill_chunk
+            logits, kv = await self.call(prefill_at, eng, prompt[i:i + step], kv, at and at[i:i + step])
             i += step
-            self.prompt_left = max(0, len(prompt) - i)
-        self.device_prompt_ms = (time.perf_counter() - t) * 1e3
+            self.dev.prompt_left = max(0, len(prompt) - i)
+        self.dev.prompt_ms = (time.perf_counter() - t) * 1e3
         base = len(self.prompt) if at is not None else None  # answer token k at position n + k after a gapped prompt
         await self.replan(0)
-        self.replan_idle(force=True)  # the prompt is prefilled: a hand-off may have become feasible
-        rule = CatchUp()  # catch up: prefill every cloud token received so far in one batch
-        while True:
-            if self.complete:
-                return  # the cloud finished the answer first
-            batch = rule.next_batch(len(self.answer))
-            if batch is None:
-                if not self.device_idle:
-                    break
-                self.wake.clear()  # held by the plan: wait for a cloud token, a fault or a re-plan
-                await self.wake.wait()
-                continue
-            lo, n = batch
-            if self.device_idle:
-                n = min(n, lo + BACKGROUND_CHUNK)
-            logits, kv = await call(prefill_at, eng, self.answer[lo:n], kv,
-                                    None if base is None else list(range(base + lo, base + n)))
-            rule.prefilled(n)
-            self.covered = n
-        covered = rule.covered
-        self.device_prefill_ms = (time.perf_counter() - t) * 1e3
-        self.handoff = covered  # atomic with the check above: no await in between
-        if self.auto:  # from now on only the device's pace matters
+        self.replan_held(force=True)  # the prompt is prefilled: a hand-off may have become feasible
+        if self.phases.done:
+            return
+        self.phases.fire(Event.PROMPT_PREFILLED)
+        caught = await self.catch_up(eng, logits, kv, base)
+        if caught is None:
+            return  # the cloud finished the answer first
+        self.dev.prefill_ms = (time.perf_counter() - t) * 1e3
+        await self.decode(eng, *caught, base)
+
+    async def prompt_work(self, eng):
+        """The prompt work before the plain prefill: the previous turn's cache, the cloud's KV, the
+        system turn and the refined prompt. Returns (prompt ids still to prefill, their RoPE
+        positions or None, the last logits or None, kv)."""
+        d, c = self.dev, self.cloud
+        prompt, at, logits, kv = self.prompt, None, None, None
+        if d.reused:  # multi-turn: the previous turn's cache holds the first `reused` prompt tokens
+            kv = d.past.kv if d.past.kv.length == d.reused else await self.call(eng.truncate, d.past.kv, d.reused)
+            prompt = prompt[d.reused:]
+        if c.kv_from is not None:  # the cloud sends the KV of the rest but the last token
+            kv, prompt = await self.import_kv(kv, prompt)
+        if c.refine:  # the system turn is always kept: prefill it while the cloud scores
+            head = system_prefix_len(prompt, TemplateMarkers.from_tokenizer(self.s.tokenizer))
+            if head:
+                logits, kv = await self.call(eng.prefill, prompt[:head], kv)
+            await c.got_refined.wait()
+            if c.kept is not None and c.kept[:head] == list(range(head)):
+                prompt = [self.prompt[i] for i in c.kept]
+                at = c.kept[head:] if takes_positions(eng) else None  # the kept tokens' own positions
+            prompt = prompt[head:]
+            await self.replan(len(prompt))
+            d.prompt_tokens = head + len(prompt)
+        return prompt, at, logits, kv
+
+    async def catch_up(self, eng, logits, kv, base: int | None):
+        """Prefill the cloud tokens received, batch by batch (`policy.catch_up_step`), until covered;
+        then the hand-off transition (`Phases.hand_off`, with no await between the step that found
+        every token covered and it). Returns (logits, kv, hand-off index, phase before it), or None
+        when the answer ended first. `base`: RoPE position of answer token 0 (None: contiguous)."""
+        rule = CatchUp()
+        while not self.phases.done:
+            step = catch_up_step(rule, len(self.answer.ids), self.plan.held)
+            if step == HOLD:  # held by the plan: wait for a cloud token, a fault or a re-plan
+                self.dev.wake.clear()
+                await self.dev.wake.wait()
+            elif isinstance(step, HandOff):
+                before = self.phases.phase
+                return logits, kv, self.phases.hand_off(step.index, len(self.answer.ids)), before
+            else:
+                logits, kv = await self.call(prefill_at, eng, self.answer.ids[step.start:step.end], kv,
+                                             None if base is None else list(range(base + step.start, base + step.end)))
+                rule.prefilled(step.end)
+                self.dev.covered = step.end
+        return None
+
+    async def decode(self, eng, logits, kv, h: int, before: Phase, base: int | None) -> None:
+        """After the hand-off at `h`: Stop{h} to a cloud still streaming, then decode tokens h, h+1,
+        ... on the device until the finish rule (`decoding.finish_reason`) ends the answer."""
+        if self.plan.auto:  # from now on only the device's pace matters
             self.speed.interval_ms = max(self.s.opt.target_tpot_ms, self.s.device_timing[2])
-        if self.channel is not None and self.fault is None and self.cloud_done is None:
-            await self.send_quietly(Stop(self.request_id, covered))  # connection gone: nothing to stop
-        for i in range(covered, self.params.max_new_tokens):
-            tok = sample(logits, self.params, i, self.prompt + self.answer, len(self.prompt), self.s.engine.eos_id)
-            self.append(tok, "device")
-            if self.complete:
+        if self.cloud.channel is not None and before is not Phase.FAULT:
+            await self.send_quietly(Stop(self.request_id, h))  # ignored by the table after the cloud's Done
+        eos = self.s.engine.eos_id
+        for i in range(h, self.params.max_new_tokens):
+            tok = sample(logits, self.params, i, self.prompt + self.answer.ids, len(self.prompt), eos)
+            self.append(tok, "device", finish_reason(tok, i + 1, self.params, eos))
+            if self.phases.done:
                 return
             if base is None:
-                logits, kv = await call(eng.decode, tok, kv)
+                logits, kv = await self.call(eng.decode, tok, kv)
             else:
-                logits, kv = await call(prefill_at, eng, [tok], kv, [base + i])
+                logits, kv = await self.call(prefill_at, eng, [tok], kv, [base + i])
+        if not self.phases.done:  # h == max_new_tokens: the cloud streamed every token but named no end
+            self.end("length")
 
     async def import_kv(self, kv, prompt: list[int]):
         """Wait for the cloud's KV of `prompt[:-1]` and import it after `kv`: returns (kv, [last
@@ -877,83 +972,80 @@ class _Run:
         frame for that long is a stalled cloud, which ends the stream). When the KV does not come
         (cloud fault, the stream ended without it, a malformed transfer) returns (kv, prompt)
         unchanged: the device prefills."""
-        eng = self.s.engine
-        self.waiting_kv = True  # the receiver's progress timeout now applies: a stalled cloud ends the wait
+        eng, d, c = self.s.engine, self.dev, self.cloud
+        d.waiting_kv = True  # the receiver's progress timeout now applies: a stalled cloud ends the wait
         try:
-            await self.got_kv.wait()  # set by the last KV part, or when the cloud stream ends
+            await c.got_kv.wait()  # set by the last KV part, or when the cloud stream ends
         finally:
-            self.waiting_kv = False
-        if not self.kv_parts:
-            log.info("request %s: the cloud sent no KV (%s); the device prefills", self.request_id, self.error)
+            d.waiting_kv = False
+        if not c.kv_parts:
+            log.info("request %s: the cloud sent no KV (%s); the device prefills", self.request_id, self.fault.error)
             return kv, prompt
         try:
-            start, layers = kv_layers(self.kv_parts)
+            start, layers = kv_layers(c.kv_parts)
             n = len(prompt) - 1
-            if start != self.reused or layers[0][0].shape[2] != n:
-                raise ValueError(f"KV of {layers[0][0].shape[2]} tokens from {start}, expected {n} from {self.reused}")
+            if start != d.reused or layers[0][0].shape[2] != n:
+                raise ValueError(f"KV of {layers[0][0].shape[2]} tokens from {start}, expected {n} from {d.reused}")
 
             def merge():
                 old = eng.kv_export(kv) if kv is not None and kv.length else None
                 full = layers if old is None else [(np.concatenate([ok, k], axis=2), np.concatenate([ov, v], axis=2))
                                                    for (ok, ov), (k, v) in zip(old, layers)]
-                return eng.kv_import(full, self.reused + n)
+                return eng.kv_import(full, d.reused + n)
 
             kv = await self.call(merge)
         except ValueError as e:
             log.warning("request %s: bad KV hand-off (%s); the device prefills", self.request_id, e)
             return kv, prompt
         finally:
-            self.kv_parts = []  # the arrays are imported (copied): free the frames
-        self.kv_imported, self.device_prompt_tokens = n, 1
+            c.kv_parts = []  # the arrays are imported (copied): free the frames
+        d.kv_imported, d.prompt_tokens = n, 1
         return kv, prompt[-1:]
 
+    # -- the display and the result -------------------------------------------------------------------
+
     async def display(self) -> None:
-        """Show answer tokens in order, paced by the speed controller."""
-        k = 0
+        """Show answer tokens in order, paced by the speed controller (`speed.release_time`)."""
+        a, k = self.answer, 0
         while True:
-            while k >= len(self.answer):
-                if self.complete:
+            while k >= len(a.ids):
+                if self.phases.done:
                     return
-                self.changed.clear()
-                await self.changed.wait()
-            at = self.speed.release_at(self.ready_ms[k])
-            delay = (at - self.now()) / 1e3
+                a.changed.clear()
+                await a.changed.wait()
+            delay = (self.speed.release_at(a.ready_ms[k]) - self.now()) / 1e3
             if delay > 0:
                 await asyncio.sleep(delay)
             t = self.now()
             self.speed.shown(t)
-            ev = TokenEvent(self.decoder.push(self.answer[k]), self.answer[k], self.source[k], t, k)
-            self.events.append(ev)
+            ev = TokenEvent(self.decoder.push(a.ids[k]), a.ids[k], a.source[k], t, k)
+            a.events.append(ev)
             if self.on_token is not None:
                 self.on_token(ev)
             k += 1
 
     def learn(self) -> None:
         """Update the client's cloud estimates from this request's arrivals."""
-        cloud = [t for t, src in zip(self.ready_ms, self.source) if src == "cloud"]
+        cloud = self.answer.cloud_arrivals()
         if cloud:
             self.s.cloud.update(len(self.prompt), cloud[0], tpot_from_arrivals(cloud))
 
     def result(self) -> GenerationResult:
+        """The request's `GenerationResult`; `mode` is the phase the answer ended in (`Phases.mode`)."""
         self.learn()
-        mode = self.mode
-        if mode == "split" and self.handoff is None:
-            mode = "cloud-only"  # the cloud streamed the whole answer (planned, or it ended first): no fault
-        if mode == "split" and self.handoff == 0:
-            mode = "device-only"  # the device was ready before the first cloud token arrived
-        cloud = sum(1 for src in self.source if src == "cloud")
+        a, d, pl = self.answer, self.dev, self.plan
+        cloud = sum(1 for src in a.source if src == "cloud")
         return GenerationResult(
             # the shown text, byte for byte: control tokens add none, a cut last character is dropped
-            text="".join(ev.text for ev in self.events), token_ids=list(self.answer), mode=mode,
-            **self.speed.stats(0.0), cloud_tokens=cloud, device_tokens=len(self.answer) - cloud,
-            handoff_index=self.handoff if cloud and len(self.answer) > cloud else None,
-            finish_reason=self.finish_reason, prompt_ids=self.prompt, cloud_streamed=self.cloud_streamed,
-            device_prefill_ms=self.device_prefill_ms, device_prompt_tokens=self.device_prompt_tokens,
-            cloud_budget=self.budget, budget_extensions=self.extended, interval_ms=self.speed.interval_ms, fault=self.fault, error=self.error,
-            plan=self.planned, plan_reason=self.plan_reason, device_cached_tokens=self.reused,
-            kv_imported_tokens=self.kv_imported, device_prompt_ms=self.device_prompt_ms,
-            cloud_cached_tokens=self.cloud_cached, request_id=self.request_id,
-            prefill_left_at_fault=self.prefill_left_at_fault)
+            text="".join(ev.text for ev in a.events), token_ids=list(a.ids), mode=self.phases.mode,
+            **self.speed.stats(0.0), cloud_tokens=cloud, device_tokens=len(a.ids) - cloud,
+            handoff_index=self.phases.handoff if cloud and len(a.ids) > cloud else None,
+            finish_reason=a.finish_reason, prompt_ids=self.prompt, cloud_streamed=self.cloud.streamed,
+            device_prefill_ms=d.prefill_ms, device_prompt_tokens=d.prompt_tokens, cloud_budget=pl.budget,
+            budget_extensions=pl.extended, interval_ms=self.speed.interval_ms, fault=self.fault.kind,
+            error=self.fault.error, plan=pl.planned, plan_reason=pl.reason, device_cached_tokens=d.reused,
+            kv_imported_tokens=d.kv_imported, device_prompt_ms=d.prompt_ms, cloud_cached_tokens=self.cloud.cached,
+            request_id=self.request_id, prefill_left_at_fault=self.fault.prefill_left)
 
 
 class _KeepKV:
@@ -968,10 +1060,10 @@ class _KeepKV:
 
     def prefill(self, ids, kv=None, positions=None):
         out = self.engine.prefill(ids, kv) if positions is None else self.engine.prefill(ids, kv, positions=positions)
-        self._run.kv = out[1]
+        self._run.dev.kv = out[1]
         return out
 
     def decode(self, token_id, kv):
         out = self.engine.decode(token_id, kv)
-        self._run.kv = out[1]
+        self._run.dev.kv = out[1]
         return out

@@ -38,9 +38,9 @@ from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Stop, Token
 from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
+from .policy import HOLD, HandOff, PlanInput, catch_up_step, plan
 from .profiles import DeviceProfile, load_profile
-from .settings import CatchUp, Timing, choose_settings
-from .split import CloudEstimate
+from .settings import CatchUp, CloudEstimate, Timing
 
 LOAD_MODES = ("split", "cloud-only")
 
@@ -70,31 +70,32 @@ def profile_timing(profile: DeviceProfile, cloud_ttft_ms: float = 0.0, cloud_tpo
 
 async def device_loop(t: Timing, prompt_tokens: int, received: Callable[[], int], finished: Callable[[], bool],
                       sleep: Callable[[float], Awaitable] = asyncio.sleep) -> int | None:
-    """The simulated device: sleep `t.prefill_ms(prompt_tokens)`, then follow `CatchUp` on the
-    count `received()` of cloud tokens, sleeping each batch's `t.prefill_ms(n)` (`sleep` takes
-    seconds); returns the hand-off index, or None when `finished()` says the cloud ended the answer
-    first. With `received()` = `t.arrived(clock)` and a clock that `sleep` advances, it hands off
-    exactly where and when `settings.catch_up` says (tested)."""
+    """The simulated device: sleep `t.prefill_ms(prompt_tokens)`, then follow the real device's
+    catch-up decisions (`policy.catch_up_step`) on the count `received()` of cloud tokens, sleeping
+    each batch's `t.prefill_ms(n)` (`sleep` takes seconds); returns the hand-off index, or None when
+    `finished()` says the cloud ended the answer first. With `received()` = `t.arrived(clock)` and a
+    clock that `sleep` advances, it hands off exactly where and when `settings.catch_up` says (tested)."""
     if prompt_tokens:
         await sleep(t.prefill_ms(prompt_tokens) / 1e3)
     rule = CatchUp()
     while not finished():
-        batch = rule.next_batch(received())
-        if batch is None:
-            return rule.covered
-        await sleep(t.prefill_ms(batch[1] - batch[0]) / 1e3)
-        rule.prefilled(batch[1])
+        step = catch_up_step(rule, received(), held=False)
+        if isinstance(step, HandOff):
+            return step.index
+        assert step != HOLD  # a virtual device is never held by its plan
+        await sleep(t.prefill_ms(step.end - step.start) / 1e3)
+        rule.prefilled(step.end)
     return None
 
 
 def auto_budget(profile: DeviceProfile, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
                 refine: float | None = None, cloud: CloudEstimate | None = None) -> int | None:
-    """The cloud budget the settings algorithm picks for this profile (device fit = the profile's,
-    cloud = a fresh client's pessimistic `CloudEstimate`); None = the cloud streams to the end."""
+    """The cloud budget the real device's plan (`policy.plan`) picks for this profile (device fit =
+    the profile's, cloud = a fresh client's pessimistic `CloudEstimate`; `refine`: keep ratio, the
+    device starting after the cloud's first token); None = the cloud streams to the end (tokens)."""
     c = cloud or CloudEstimate()
-    n = max(1, int(prompt_tokens * refine)) if refine else prompt_tokens
     t = profile_timing(profile, c.ttft_ms(prompt_tokens), c.tpot_ms)
-    return choose_settings(t, n, max_new_tokens, target_tpot_ms).cloud_budget
+    return plan(PlanInput(t, prompt_tokens, max_new_tokens, target_tpot_ms, refine)).budget
 
 
 async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mode: str = "split",
@@ -123,7 +124,7 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
     first, last = None, None
     kept: list[int] | None = None
     done: Done | None = None
-    got_first, got_refined, got_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    got_first, got_refined, got_done, ended = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
     received = lambda: table.tokens(rid)  # noqa: E731  cloud tokens received so far
 
     async def receive():
@@ -140,6 +141,8 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
                         res.ttft_ms = (time.perf_counter() - t0) * 1e3
                         got_first.set()
                     last = msg
+                    if msg.finish_reason:  # the token that ends the answer, as the cloud's sampler decided
+                        ended.set()
                 elif isinstance(msg, RefinedPrompt):
                     kept = list(msg.kept_indices)
                     got_refined.set()
@@ -159,8 +162,8 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
             await got_refined.wait()
             n = len(kept) if kept else n
         res.device_prompt_tokens = n
-        ended = lambda: received() >= max_new_tokens or (done is not None and done.reason != "budget")  # noqa: E731
-        h = await device_loop(profile_timing(prof), n, received, ended)
+        finished = lambda: ended.is_set() or (done is not None and done.reason != "budget")  # noqa: E731
+        h = await device_loop(profile_timing(prof), n, received, finished)
         if h is None:
             return  # the cloud finished the answer first: no hand-off
         res.handoff = h

@@ -17,7 +17,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
-from relayinfer.device.split import CloudEstimate, GenerationResult, SplitOptions, SplitSession, TokenEvent
+from relayinfer.device.settings import CloudEstimate
+from relayinfer.device.split import GenerationResult, SplitOptions, SplitSession, TokenEvent
 from relayinfer.sdk.checks import check_cloud_url
 from relayinfer.protocol.validate import check_prompt_text
 from relayinfer.protocol.model.decoding import SamplingParams
@@ -311,6 +312,9 @@ class Client:
             raise FieldError(unknown[0], f"one of the sampling fields {', '.join(SamplingParams.__dataclass_fields__)} "
                              "or mode, target_tpot_ms, cloud_budget, refine, kv_handoff", sampling[unknown[0]])
         params = SamplingParams(**{**sampling, "stop_ids": tuple(sampling.get("stop_ids", ()))})
+        if params.logprobs is not None:  # the device returns none, nor does the split protocol carry them
+            raise FieldError("logprobs", "left out: the SDK returns no logprobs (the OpenAI HTTP API does)",
+                             params.logprobs)
         vocab = self.tokenizer.vocab_size
         check_ids("prompt", ids, vocab - 1, min_len=1)  # the shared rules (`protocol.validate`), as the cloud's
         check_vocab(vocab, params.stop_ids, params.logit_bias)

@@ -16,8 +16,9 @@ import time
 import pytest
 
 from relayinfer.device.profiles import DeviceProfile, PacedEngine
-from relayinfer.device import split as split_mod
-from relayinfer.device.split import CloudEstimate, SplitOptions, SplitSession
+from relayinfer.device.policy import BACKGROUND_CHUNK
+from relayinfer.device.settings import CloudEstimate
+from relayinfer.device.split import SplitOptions, SplitSession
 from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode
@@ -52,14 +53,14 @@ class FakeCloud:
         rid = msg.request_id
         if self.wait_for_stop:  # stream `sent` tokens, wait (bounded) until the device takes over, then fail
             for i, t in enumerate(self.tokens[:self.sent]):
-                await ch.send(Token(rid, t, i, 0.0))
+                await ch.send(Token(rid, t, i, 0.0, finish_reason=self._end(i)))
             try:
                 self.got_stop = isinstance(await asyncio.wait_for(ch.recv(), 20), Stop)
             except (asyncio.TimeoutError, Exception):
                 pass
         else:
             for i, t in enumerate(self.tokens[:self.sent]):
-                await ch.send(Token(rid, t, i, 0.0))
+                await ch.send(Token(rid, t, i, 0.0, finish_reason=self._end(i)))
                 await asyncio.sleep(self.gap_ms / 1e3)
         if self.fault_when is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.fault_when.wait, 20.0)
@@ -79,6 +80,12 @@ class FakeCloud:
             ch.ws.transport.abort()  # like a killed process: RST, no close frame
         elif f == "stall":
             await self._hold(ch)  # silent; the socket stays open
+
+    def _end(self, i: int) -> str | None:
+        """Token i's finish_reason: the last token of the whole answer ends it, as the cloud marks it."""
+        if i + 1 < len(self.tokens):
+            return None
+        return "length" if len(self.tokens) == MAX_NEW else "eos"
 
     @staticmethod
     async def _hold(ch) -> None:
@@ -246,7 +253,7 @@ def test_idle_device_prefills_in_the_background_so_a_fault_costs_only_the_rest(o
     assert res.plan == "cloud-to-the-end" and res.fault == "connection-lost"
     assert res.token_ids == ref and res.cloud_tokens == 2 and res.handoff_index == 2
     assert res.prefill_left_at_fault is not None and res.prefill_left_at_fault <= len(ids) + 2 - 64
-    assert split_mod.BACKGROUND_CHUNK < len(ids) and max(w.nice) >= min(w.nice)
+    assert BACKGROUND_CHUNK < len(ids) and max(w.nice) >= min(w.nice)
     if sys.platform.startswith("linux"):  # per-thread niceness: background chunks ran below the foreground
         base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         if base < 19:

@@ -250,6 +250,27 @@ def test_seed_minus_one_split_answer_equals_device_only(service, torch_engine, o
             assert 0 < split.handoff_index < len(split.token_ids) and split.token_ids == ref, svc.llm
 
 
+
+def test_logit_bias_reaches_the_cloud_of_a_split_answer(service, torch_engine, onnx_engine, tokenizer):
+    """A logit_bias that bans the greedy answer's first two tokens changes the answer; the split
+    answer (cloud tokens first, then the device's) equals the device-only one and the cloud engine's,
+    so the cloud sampled with the same bias. logprobs, which the SDK does not return, is refused."""
+    from relayinfer.sdk import Client
+
+    prompt = tokenizer.encode_chat("Tell me a story about the sea.")
+    plain = torch_engine.generate(prompt, SamplingParams(max_new_tokens=10)).token_ids
+    kw = dict(max_new_tokens=10, logit_bias=((plain[0], -100.0), (plain[1], -100.0)))
+    ref = torch_engine.generate(prompt, SamplingParams(**kw)).token_ids
+    assert ref[0] != plain[0]
+    assert Client(engine=onnx_engine, mode="device-only").complete(prompt, **kw).token_ids == ref
+    c = Client(cloud_url=service.url, engine=onnx_engine, profile=SLOW, target_tpot_ms=30.0, cloud_budget=4)
+    split = c.complete(prompt, **kw)
+    assert split.fault is None and split.mode == "split" and split.cloud_tokens >= 1, (split.fault, split.error)
+    assert split.token_ids == ref
+    with pytest.raises(FieldError) as e:
+        c.complete(prompt, max_new_tokens=4, logprobs=2)
+    assert e.value.field == "logprobs"
+
 # --- the relay's ranking instance and the pathology service --------------------------------------
 
 @pytest.fixture(scope="module")

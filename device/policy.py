@@ -1,0 +1,314 @@
+"""The device's split policy, sans-I/O: the phases of one request and every decision the device
+makes in them, as pure functions of small frozen inputs. No sockets, no clocks, no asyncio, no
+engine: `device.split` (the real device, ONNX Runtime) and `device.virtual` (profile timing, no
+model) drive the same functions, so both decide alike.
+
+Phases (`Phase`, the rules as data in `TRANSITIONS`, applied by `Phases`):
+
+* CONNECTING: the Generate is not out yet.
+* CLOUD_PACED: the cloud streams; the display paces its tokens; the device prefills its prompt
+  (or holds in the background while a cloud-to-the-end plan keeps it idle).
+* CATCHING_UP: the device's prompt is prefilled; it prefills the cloud tokens received, batch by
+  batch (`settings.CatchUp`), until it has covered every one.
+* HANDED_OFF: the device covered tokens 0..h-1 (h > 0) and decodes from h; cloud tokens >= h are
+  dropped. Entered by one transition (`Phases.hand_off`), which requires covered == received.
+* DEVICE_ALONE: the device answers every token (device-only mode, no cloud reachable, or the
+  device was ready before the first cloud token: a hand-off at 0).
+* CLOUD_ALONE: the cloud streams to the end with no device behind it (cloud-only mode, or the
+  device runtime failed).
+* FAULT: the cloud stream ended early; the device prefills what it lacks and takes over.
+* DONE: the answer is complete. The result's mode is that of the phase the answer ended in
+  (`MODE_OF`).
+
+Decisions: `plan` (the initial cloud budget and display interval), `replan` (an ExtendBudget),
+`replan_held` (release a device held by a cloud-to-the-end plan), `catch_up_step` (prefill a
+batch, hold, or hand off), `on_done` (what the cloud's Done means), `stall_is_fault` (whether a
+silent cloud ends the stream). The math is `device.settings` (`choose_settings`, `CatchUp`) and
+`device.speed` (`tpot_from_arrivals`), reused here. Times are ms since the request started.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Union
+
+from .settings import CatchUp, Timing, choose_settings
+from .speed import tpot_from_arrivals
+
+BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan keeps the device idle
+
+__all__ = [
+    "Phase", "Event", "IGNORED", "TRANSITIONS", "MODE_OF", "PhaseError", "Phases", "PlanInput", "Plan", "Progress",
+    "plan", "replan", "replan_held", "Prefill", "HandOff", "HOLD", "catch_up_step", "on_done", "stall_is_fault",
+    "BACKGROUND_CHUNK", "refined_tokens",
+]
+
+
+class Phase(enum.Enum):
+    """The phase of one split request at the device (see the module docstring)."""
+
+    CONNECTING = "connecting"
+    CLOUD_PACED = "cloud_paced"
+    CATCHING_UP = "catching_up"
+    HANDED_OFF = "handed_off"
+    DEVICE_ALONE = "device_alone"
+    CLOUD_ALONE = "cloud_alone"
+    FAULT = "fault"
+    DONE = "done"
+
+
+class Event(enum.Enum):
+    """What moves a request from one phase to the next."""
+
+    START_SPLIT = "start_split"  # the Generate went out for a split request
+    START_CLOUD_ONLY = "start_cloud_only"  # the Generate went out for a cloud-only request
+    NO_CLOUD = "no_cloud"  # device-only: asked for, no cloud URL, or the cloud refused/unreachable
+    PROMPT_PREFILLED = "prompt_prefilled"  # the device's prompt is in its KV cache
+    HAND_OFF = "hand_off"  # the device covered every cloud token received (> 0) and takes over
+    READY_FIRST = "ready_first"  # ... with none received: it answers alone (a hand-off at 0)
+    CLOUD_FAULT = "cloud_fault"  # the cloud stream ended early (lost, Error, stalled, Done early)
+    DEVICE_FAILED = "device_failed"  # the device runtime raised while the cloud still streams
+    ANSWER_ENDED = "answer_ended"  # the finish rule fired, or nobody is left to go on
+
+
+P, E = Phase, Event
+IGNORED = "ignored"
+"""Transition value: the event is legal in this phase but changes nothing."""
+
+TRANSITIONS: dict[Phase, dict[Event, Union[Phase, str]]] = {
+    P.CONNECTING: {E.START_SPLIT: P.CLOUD_PACED, E.START_CLOUD_ONLY: P.CLOUD_ALONE, E.NO_CLOUD: P.DEVICE_ALONE},
+    P.CLOUD_PACED: {E.PROMPT_PREFILLED: P.CATCHING_UP, E.CLOUD_FAULT: P.FAULT, E.DEVICE_FAILED: P.CLOUD_ALONE,
+                    E.ANSWER_ENDED: P.DONE},
+    P.CATCHING_UP: {E.HAND_OFF: P.HANDED_OFF, E.READY_FIRST: P.DEVICE_ALONE, E.CLOUD_FAULT: P.FAULT,
+                    E.DEVICE_FAILED: P.CLOUD_ALONE, E.ANSWER_ENDED: P.DONE},
+    P.FAULT: {E.PROMPT_PREFILLED: IGNORED, E.HAND_OFF: P.HANDED_OFF, E.READY_FIRST: P.DEVICE_ALONE,
+              E.CLOUD_FAULT: IGNORED, E.ANSWER_ENDED: P.DONE},
+    P.HANDED_OFF: {E.CLOUD_FAULT: IGNORED, E.ANSWER_ENDED: P.DONE},
+    P.DEVICE_ALONE: {E.PROMPT_PREFILLED: IGNORED, E.READY_FIRST: IGNORED, E.CLOUD_FAULT: IGNORED,
+                     E.ANSWER_ENDED: P.DONE},
+    P.CLOUD_ALONE: {E.CLOUD_FAULT: P.DONE, E.ANSWER_ENDED: P.DONE},
+    P.DONE: {E.CLOUD_FAULT: IGNORED, E.DEVICE_FAILED: IGNORED},
+}
+"""``TRANSITIONS[phase][event]`` -> the next phase, or ``IGNORED``; an event not listed is illegal
+in that phase (`Phases.fire` raises `PhaseError`)."""
+
+MODE_OF: dict[Phase, str] = {
+    P.CLOUD_PACED: "cloud-only", P.CATCHING_UP: "cloud-only", P.CLOUD_ALONE: "cloud-only", P.FAULT: "cloud-only",
+    P.HANDED_OFF: "split", P.DEVICE_ALONE: "device-only",
+}
+"""`GenerationResult.mode` by the phase the answer ended in: the cloud streamed the whole answer
+(cloud-only), the device took over at h > 0 (split), or answered every token (device-only)."""
+
+
+class PhaseError(RuntimeError):
+    """An event the phase table does not allow (a bug in the driver, never the peer's fault)."""
+
+
+class Phases:
+    """The phase of one request (`phase`), moved only by `fire` and `hand_off`.
+
+    Attributes:
+        phase: the current `Phase`.
+        ended_in: the phase the answer ended in (None until DONE).
+        handoff: answer index of the first device token (None: the device never took over).
+    """
+
+    def __init__(self) -> None:
+        self.phase, self.ended_in, self.handoff = P.CONNECTING, None, None
+
+    def fire(self, event: Event) -> Phase:
+        """Apply `event`; returns the phase after it. Raises `PhaseError` if `event` is illegal now."""
+        nxt = TRANSITIONS[self.phase].get(event)
+        if nxt is None:
+            raise PhaseError(f"{event.value} is not allowed in phase {self.phase.value}")
+        if nxt == IGNORED:
+            return self.phase
+        if nxt is P.DONE:
+            self.ended_in = self.phase
+        self.phase = nxt
+        return nxt
+
+    def hand_off(self, covered: int, received: int) -> int:
+        """The device takes over at answer index `covered` (tokens), which must equal the cloud
+        tokens `received`: from here cloud tokens are dropped (`takes_cloud_tokens` is False).
+        Returns the hand-off index. Raises `PhaseError` when covered != received or the phase
+        allows no hand-off."""
+        if covered != received:
+            raise PhaseError(f"hand-off at {covered} with {received} cloud tokens received")
+        self.fire(E.HAND_OFF if covered else E.READY_FIRST)
+        self.handoff = covered
+        return covered
+
+    @property
+    def done(self) -> bool:
+        """The answer is complete."""
+        return self.phase is P.DONE
+
+    @property
+    def takes_cloud_tokens(self) -> bool:
+        """Cloud tokens extend the answer only before any hand-off and before its end."""
+        return self.phase in (P.CLOUD_PACED, P.CATCHING_UP, P.CLOUD_ALONE)
+
+    @property
+    def mode(self) -> str:
+        """'split', 'device-only' or 'cloud-only', from the phase the answer ended in (the
+        current phase before the end)."""
+        return MODE_OF.get(self.ended_in or self.phase, "cloud-only")
+
+
+# -- planning -----------------------------------------------------------------------------------------
+
+def refined_tokens(prompt_tokens: int, keep: float | None) -> int:
+    """Prompt tokens left after refinement at keep ratio `keep` (None: no refinement): at least 1."""
+    return max(1, int(prompt_tokens * keep)) if keep else prompt_tokens
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What the initial plan knows.
+
+    timing: the device fit (a, b ms; d ms/token) and the expected cloud TTFT/TPOT (ms), device
+    start 0. prompt_tokens: uncached prompt tokens the device must prefill. max_new_tokens: answer
+    length bound (tokens). target_tpot_ms: the pace shown to the user (ms/token). refine: the keep
+    ratio the cloud applies (None: off). kv_transfer_ms: KV hand-off, ms from the cloud's first
+    token to the imported KV (None: the device prefills the prompt)."""
+
+    timing: Timing
+    prompt_tokens: int
+    max_new_tokens: int
+    target_tpot_ms: float
+    refine: float | None = None
+    kv_transfer_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The initial plan. budget: most cloud tokens (None: the cloud streams to the end); interval_ms:
+    the display interval; held: the device cannot catch up, so it prefills in the background and
+    holds (cloud to the end); device_prompt_tokens: the prompt tokens the plan assumed the device
+    prefills; reason: the plan in words."""
+
+    budget: int | None
+    interval_ms: float
+    held: bool
+    device_prompt_tokens: int
+    reason: str
+
+
+def plan(p: PlanInput) -> Plan:
+    """The cloud budget and display interval of `settings.choose_settings` for `p`: with the KV
+    hand-off the device starts after token 0 and the transfer and prefills one token; with
+    refinement it starts after token 0 and prefills the kept share. Raises ValueError as
+    `choose_settings` does."""
+    t, n = p.timing, refined_tokens(p.prompt_tokens, p.refine)
+    if p.kv_transfer_ms is not None:
+        t, n = replace(t, device_start_ms=t.cloud_ttft_ms + p.kv_transfer_ms), 1
+    elif p.refine:
+        t = replace(t, device_start_ms=t.cloud_ttft_ms)
+    st = choose_settings(t, n, p.max_new_tokens, p.target_tpot_ms)
+    if st.cloud_budget is not None:
+        return Plan(st.cloud_budget, st.interval_ms, False, n,
+                    f"the cloud streams at most {st.cloud_budget} tokens, then the device takes over "
+                    f"(settings: display interval {st.interval_ms:.0f} ms)")
+    why = (f"the device cannot catch up: its prefill takes {t.prefill_ms_per_token:.0f} ms a token, not less "
+           f"than the {st.interval_ms:.0f} ms display interval" if t.prefill_ms_per_token >= st.interval_ms else
+           f"the device cannot catch up within {p.max_new_tokens} tokens (prompt of {n} tokens: about "
+           f"{t.prefill_ms_base + t.prefill_ms_per_token * n:.0f} ms to prefill on the device)")
+    return Plan(None, st.interval_ms, True, n, why)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the device has measured so far. now_ms: time since the request started; arrivals_ms:
+    when each cloud token received arrived (ms, ascending); prompt_left: prompt tokens the device
+    has still to prefill."""
+
+    now_ms: float
+    arrivals_ms: tuple[float, ...]
+    prompt_left: int
+
+    def measured(self, t: Timing) -> Timing:
+        """`t` re-based on the measurements: cloud TTFT = the first arrival, TPOT from the arrivals
+        (`speed.tpot_from_arrivals`; `t`'s with one arrival), the device going on from now."""
+        tpot = tpot_from_arrivals(self.arrivals_ms)
+        return replace(t, cloud_ttft_ms=self.arrivals_ms[0], cloud_tpot_ms=t.cloud_tpot_ms if tpot is None else tpot,
+                       device_start_ms=self.now_ms)
+
+
+def replan(t: Timing, progress: Progress, budget: int, max_new_tokens: int, target_tpot_ms: float) -> int | None:
+    """The cloud budget to ask for now (an ExtendBudget, tokens), or None to keep `budget`: the
+    settings re-run from now with the measured cloud and `progress.prompt_left` (margin 0.1); the
+    whole answer when the device can no longer catch up. Needs at least one arrival."""
+    st = choose_settings(progress.measured(t), progress.prompt_left, max_new_tokens, target_tpot_ms, margin=0.1)
+    want = st.cloud_budget if st.cloud_budget is not None else max_new_tokens
+    return want if want > budget else None
+
+
+def replan_held(t: Timing, progress: Progress, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
+                force: bool = False) -> float | None:
+    """Whether a device held by a cloud-to-the-end plan should go: re-planned after cloud tokens
+    1, 2, 4, 8, ... (and, `force`, when its background prompt prefill is done) with the measured
+    cloud and min(prompt_tokens, prompt_left) tokens left. Returns the display interval (ms) of the
+    feasible hand-off, or None: keep holding."""
+    k = len(progress.arrivals_ms)
+    if not k or (k & (k - 1) and not force):
+        return None
+    st = choose_settings(progress.measured(t), min(prompt_tokens, progress.prompt_left), max_new_tokens,
+                         target_tpot_ms)
+    return None if st.cloud_budget is None else st.interval_ms
+
+
+# -- catching up --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill answer tokens [start, end) (indices) in one call."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """Caught up: take over at answer index `index` (tokens covered == received)."""
+
+    index: int
+
+
+HOLD = "hold"
+"""`catch_up_step`'s answer while a plan holds the device and it has covered every token received:
+wait for the next cloud token, a fault or a re-plan."""
+
+
+def catch_up_step(rule: CatchUp, received: int, held: bool, chunk: int = BACKGROUND_CHUNK) -> Prefill | HandOff | str:
+    """The device's next move after its prompt (`settings.CatchUp` on `received` cloud tokens): a
+    `Prefill` of every token not yet covered (at most `chunk` while `held`), `HOLD` when held and
+    caught up, else `HandOff(covered)`. Raises ValueError as `CatchUp.next_batch` does."""
+    batch = rule.next_batch(received)
+    if batch is None:
+        return HOLD if held else HandOff(rule.covered)
+    lo, hi = batch
+    return Prefill(lo, min(hi, lo + chunk) if held else hi)
+
+
+# -- the cloud's signals ------------------------------------------------------------------------------
+
+def on_done(phase: Phase, reason: str) -> str:
+    """What the cloud's Done (reason `reason`) means in `phase`: 'take-over' (its budget is spent:
+    the device goes on from the tokens received), 'end' (a cloud-alone answer ended: eos, stop or
+    length), 'ignore' (the answer ended or the device took over already) or 'fault' (the cloud
+    ended the stream early: cancelled, stopped, or an end the device cannot follow)."""
+    if phase in (P.DONE, P.HANDED_OFF, P.DEVICE_ALONE, P.FAULT):
+        return "ignore"
+    if reason == "budget" and phase in (P.CLOUD_PACED, P.CATCHING_UP):
+        return "take-over"
+    if phase is P.CLOUD_ALONE and reason in ("eos", "stop", "length"):
+        return "end"
+    return "fault"
+
+
+def stall_is_fault(device_busy: bool, waiting_kv: bool, held: bool) -> bool:
+    """Whether no cloud frame within the progress timeout ends the stream: not while the device
+    works toward a hand-off on its own (`device_busy`, neither waiting for the cloud's KV nor held
+    by the plan), since it then takes over without the cloud."""
+    return not (device_busy and not waiting_kv and not held)

@@ -1,0 +1,190 @@
+"""The device's split policy without I/O: the phase table (every path to DONE, the one hand-off
+transition, illegal events), and the plan / replan / catch-up / Done decisions on the shipped
+device profiles (device/profiles/*.json) and the client's default cloud estimate."""
+from __future__ import annotations
+
+import pytest
+
+from relayinfer.device.policy import (
+    HOLD, IGNORED, MODE_OF, TRANSITIONS, Event, HandOff, Phase, PhaseError, Phases, PlanInput, Prefill, Progress,
+    catch_up_step, on_done, plan, replan, replan_held, stall_is_fault)
+from relayinfer.device.profiles import load_profile
+from relayinfer.device.settings import CatchUp, CloudEstimate, Timing, catch_up
+from relayinfer.device.virtual import profile_timing
+
+E, P = Event, Phase
+
+
+def _walk(*events: Event) -> Phases:
+    ph = Phases()
+    for e in events:
+        ph.fire(e)
+    return ph
+
+
+@pytest.mark.parametrize("events,received,mode", [
+    ([E.START_SPLIT, E.PROMPT_PREFILLED], 7, "split"),  # catches up at 7, then decodes
+    ([E.START_SPLIT, E.PROMPT_PREFILLED], 0, "device-only"),  # ready before the first cloud token
+    ([E.START_SPLIT, E.CLOUD_FAULT, E.PROMPT_PREFILLED], 3, "split"),  # the device takes over after a fault
+    ([E.START_SPLIT, E.CLOUD_FAULT], 0, "device-only"),  # a fault before token 0
+    ([E.NO_CLOUD, E.PROMPT_PREFILLED], 0, "device-only"),  # no cloud at all
+])
+def test_hand_off_is_one_transition_and_the_mode_follows_the_phase(events, received, mode):
+    ph = _walk(*events)
+    assert ph.takes_cloud_tokens is (ph.phase is P.CATCHING_UP)
+    assert ph.hand_off(received, received) == received and ph.handoff == received
+    assert not ph.takes_cloud_tokens  # from the hand-off on, cloud tokens are dropped
+    assert ph.fire(E.CLOUD_FAULT) is ph.phase  # the cloud is no longer needed: a fault changes nothing
+    ph.fire(E.ANSWER_ENDED)
+    assert ph.done and ph.mode == mode
+
+
+@pytest.mark.parametrize("events,mode", [
+    ([E.START_SPLIT], "cloud-only"),  # the answer ended while the device prefilled its prompt
+    ([E.START_SPLIT, E.PROMPT_PREFILLED], "cloud-only"),  # ... or while it caught up
+    ([E.START_CLOUD_ONLY], "cloud-only"),
+    ([E.START_SPLIT, E.DEVICE_FAILED], "cloud-only"),  # the cloud streams to the end
+])
+def test_answers_the_cloud_ends_are_cloud_only(events, mode):
+    ph = _walk(*events, E.ANSWER_ENDED)
+    assert ph.done and ph.handoff is None and ph.mode == mode
+
+
+def test_a_cloud_fault_with_no_device_behind_ends_the_answer():
+    assert _walk(E.START_CLOUD_ONLY).fire(E.CLOUD_FAULT) is P.DONE
+    assert _walk(E.START_SPLIT, E.DEVICE_FAILED).fire(E.CLOUD_FAULT) is P.DONE
+    assert _walk(E.START_SPLIT).fire(E.CLOUD_FAULT) is P.FAULT  # a device behind: it takes over
+
+
+def test_illegal_events_raise():
+    with pytest.raises(PhaseError, match="hand_off is not allowed in phase cloud_paced"):
+        _walk(E.START_SPLIT).hand_off(4, 4)  # no hand-off before the device's prompt is prefilled
+    with pytest.raises(PhaseError, match="hand-off at 3 with 5 cloud tokens received"):
+        _walk(E.START_SPLIT, E.PROMPT_PREFILLED).hand_off(3, 5)  # tokens 3, 4 not covered
+    with pytest.raises(PhaseError, match="answer_ended is not allowed in phase done"):
+        _walk(E.START_SPLIT, E.ANSWER_ENDED).fire(E.ANSWER_ENDED)
+    with pytest.raises(PhaseError):
+        _walk(E.NO_CLOUD).fire(E.START_SPLIT)
+
+
+def test_every_phase_reaches_done_and_every_end_has_a_mode():
+    reach = {P.DONE}
+    for _ in TRANSITIONS:  # fixed point of "has a move into a phase that reaches DONE"
+        reach |= {ph for ph, row in TRANSITIONS.items() if any(n in reach for n in row.values() if n != IGNORED)}
+    assert reach == set(Phase)
+    into_done = {ph for ph, row in TRANSITIONS.items() if P.DONE in row.values()}
+    assert into_done == set(MODE_OF)
+
+
+# -- plan / replan on the shipped profiles --------------------------------------------------------------
+
+def _timing(profile: str, prompt_tokens: int) -> Timing:
+    c = CloudEstimate()  # a fresh client's pessimistic cloud: TTFT 150 ms + 1 ms/token, TPOT 40 ms
+    return profile_timing(load_profile(profile), c.ttft_ms(prompt_tokens), c.tpot_ms)
+
+
+def test_plan_on_the_laptop_hands_off_and_the_phone_streams_a_long_prompt_to_the_end():
+    laptop = plan(PlanInput(_timing("laptop", 512), 512, 256, 50.0))
+    assert laptop.budget is not None and 0 < laptop.budget < 256 and not laptop.held
+    assert laptop.interval_ms == 50.0 and laptop.device_prompt_tokens == 512
+    phone = plan(PlanInput(_timing("phone", 2048), 2048, 256, 50.0))
+    # 2048 x 16.67 ms of prefill cannot be caught up within 256 tokens at the phone's 52.6 ms decode pace
+    assert phone.budget is None and phone.held and phone.interval_ms == 52.6
+    assert "cannot catch up within 256 tokens" in phone.reason and "2048 tokens" in phone.reason
+
+
+def test_plan_with_refinement_and_with_the_kv_hand_off_prefills_less():
+    t = _timing("phone", 256)
+    full = plan(PlanInput(t, 256, 256, 50.0))
+    refined = plan(PlanInput(t, 256, 256, 50.0, refine=0.25))
+    kv = plan(PlanInput(t, 256, 256, 50.0, kv_transfer_ms=20.0))
+    assert (full.device_prompt_tokens, refined.device_prompt_tokens, kv.device_prompt_tokens) == (256, 64, 1)
+    assert full.budget is not None and kv.budget < refined.budget < full.budget
+    # a 512-token prompt the phone cannot catch up on becomes a hand-off once refined to a quarter
+    assert plan(PlanInput(_timing("phone", 512), 512, 256, 50.0)).held
+    assert not plan(PlanInput(_timing("phone", 512), 512, 256, 50.0, refine=0.25)).held
+
+
+def test_replan_extends_the_budget_when_the_device_falls_behind_its_plan():
+    """Phone, 256-token prompt, planned budget 130 against the estimated cloud (TTFT 406 ms, TPOT
+    40 ms). Re-planned with two measured arrivals and the whole prompt still to prefill: at 0.4 s
+    (an earlier first token, 300 ms, moves the display slots earlier) a few more tokens; at 2 s
+    (the device started late) many more; a 120 ms/token cloud slows the display enough that the
+    budget stands."""
+    t = _timing("phone", 256)
+    p = plan(PlanInput(t, 256, 256, 50.0))
+    assert p.budget == 130
+
+    def at(now_ms: float, tpot_ms: float) -> int | None:
+        return replan(t, Progress(now_ms, (300.0, 300.0 + tpot_ms), 256), p.budget, 256, 50.0)
+
+    assert at(400.0, 40.0) == 135 and at(2000.0, 40.0) == 184
+    assert at(400.0, 120.0) is None and at(2000.0, 120.0) is None
+
+
+def test_a_held_device_is_released_when_the_measured_cloud_is_slower():
+    """A 1000-token prompt on a phone-like fit: against the estimated cloud (TPOT 40 ms) the device
+    cannot catch up within 256 tokens and holds (cloud to the end); when the measured TPOT is 200 ms,
+    the re-plan after cloud token 2 finds a hand-off (the display then follows the cloud's pace);
+    at the estimated 40 ms it keeps holding."""
+    c = CloudEstimate(ttft_base_ms=150.0, prefill_ms_per_token=1.0, tpot_ms=40.0)
+    t = Timing(24.0, 16.57, 79.1, c.ttft_ms(1000), c.tpot_ms)
+    p = plan(PlanInput(t, 1000, 256, 50.0))
+    assert p.held and p.budget is None
+
+    def released_at(tpot_ms: float):
+        for k in range(1, 17):  # cloud token k measured at 1 s + k x TPOT, re-planned when it arrives
+            arr = tuple(1000.0 + i * tpot_ms for i in range(k))
+            interval = replan_held(t, Progress(arr[-1], arr, 1000), p.device_prompt_tokens, 256, 50.0)
+            if interval is not None:
+                return k, interval
+        return None
+
+    assert released_at(200.0) == (2, 200.0)
+    assert released_at(40.0) is None
+    # between powers of two it does not re-plan, unless forced (the background prompt prefill is done)
+    arr = tuple(1000.0 + i * 200.0 for i in range(3))
+    assert replan_held(t, Progress(arr[-1], arr, 1000), 1000, 256, 50.0) is None
+    assert replan_held(t, Progress(arr[-1], arr, 1000), 1000, 256, 50.0, force=True) == 200.0
+
+
+# -- catching up ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile,prompt_tokens,budget", [("phone", 64, 40), ("laptop", 512, 30), ("phone", 256, 200)])
+def test_catch_up_steps_on_a_simulated_clock_hand_off_where_the_model_says(profile, prompt_tokens, budget):
+    t = _timing(profile, prompt_tokens)
+    now, rule = t.prefill_ms(prompt_tokens), CatchUp()
+    while not isinstance(step := catch_up_step(rule, t.arrived(now, budget), held=False), HandOff):
+        assert isinstance(step, Prefill) and step.start == rule.covered < step.end
+        now += t.prefill_ms(step.end - step.start)
+        rule.prefilled(step.end)
+    assert (step.index, now) == catch_up(t, prompt_tokens, budget)
+
+
+def test_a_held_device_prefills_small_chunks_and_holds_when_caught_up():
+    rule = CatchUp()
+    assert catch_up_step(rule, 100, held=True, chunk=32) == Prefill(0, 32)
+    rule.prefilled(32)
+    assert catch_up_step(rule, 100, held=False, chunk=32) == Prefill(32, 100)  # released: one batch
+    rule.prefilled(100)
+    assert catch_up_step(rule, 100, held=True) == HOLD
+    assert catch_up_step(rule, 100, held=False) == HandOff(100)
+    with pytest.raises(ValueError):
+        catch_up_step(rule, 99, held=False)  # tokens cannot be un-received
+
+
+# -- the cloud's signals -------------------------------------------------------------------------------
+
+def test_what_the_clouds_done_means_in_each_phase():
+    assert on_done(P.CLOUD_PACED, "budget") == on_done(P.CATCHING_UP, "budget") == "take-over"
+    assert on_done(P.CLOUD_ALONE, "eos") == on_done(P.CLOUD_ALONE, "length") == "end"
+    assert on_done(P.CLOUD_PACED, "cancel") == on_done(P.CLOUD_ALONE, "budget") == "fault"
+    assert on_done(P.CATCHING_UP, "eos") == "fault"  # the finish came on no Token: the stream ended early
+    assert on_done(P.HANDED_OFF, "stop") == on_done(P.DONE, "eos") == "ignore"
+
+
+def test_a_silent_cloud_is_a_fault_unless_the_device_works_on_alone():
+    assert not stall_is_fault(device_busy=True, waiting_kv=False, held=False)
+    assert stall_is_fault(device_busy=True, waiting_kv=True, held=False)  # it waits for the cloud's KV
+    assert stall_is_fault(device_busy=True, waiting_kv=False, held=True)  # the plan holds it for the cloud
+    assert stall_is_fault(device_busy=False, waiting_kv=False, held=False)
