@@ -67,6 +67,7 @@ import os
 import random
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -349,13 +350,6 @@ def cpu_times_s(pid: int | None) -> tuple[float, float] | None:
         return None
 
 
-def _count(xs) -> dict:
-    out: dict = {}
-    for x in xs:
-        out[x] = out.get(x, 0) + 1
-    return out
-
-
 def _pct(xs, q):
     xs = [x for x in xs if x is not None]
     return float(np.percentile(xs, q)) if xs else None
@@ -426,7 +420,7 @@ async def rate_point(url: str, fingerprint: str, pool: Sequence[dict], rate_rps:
            "cloud_cpu_s": (cpu1[0] - cpu0[0]) if cpu0 and cpu1 else None,
            "cloud_cpu_busy": (cpu1[0] - cpu0[0]) / wall if cpu0 and cpu1 and wall else None,
            "cloud_cpu_wait": (cpu1[1] - cpu0[1]) / wall if cpu0 and cpu1 and wall else None,
-           "errors": _count(r["error"].split(":")[0] for r in meas if r["error"]),
+           "errors": dict(Counter(r["error"].split(":")[0] for r in meas if r["error"])),
            "load_avg_1m": os.getloadavg()[0]}
     out["slo"] = [point_summary(meas, s) for s in slos]
     out["requests_detail"] = rows

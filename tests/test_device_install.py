@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
+from relayinfer.protocol.model.device_model import FORMAT_VERSION
 
 TOKEN = "device-install-token"
 
@@ -77,7 +78,7 @@ def test_torch_free_device_fetches_the_model_and_splits(cloud, onnx_engine, tmp_
     # the model came from the cloud into the cache keyed by its fingerprint
     assert out["fetched"] == ["config.json", "model.gguf.onnx", "tokenizer.json", "tokenizer_meta.json"]
     assert out["fingerprint"] == cloud.fingerprint
-    assert out["model_dir"] == str(tmp_path / "models" / cloud.fingerprint[:16] / "onnx-v2")
+    assert out["model_dir"] == str(tmp_path / "models" / cloud.fingerprint[:16] / f"onnx-v{FORMAT_VERSION}")
     # a real split: the cloud streamed its budget, the device took over, greedy tokens as the device alone
     assert out["mode"] == "split" and out["fault"] is None, out
     assert out["cloud_tokens"] == 3 and out["device_tokens"] == 5

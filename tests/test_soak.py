@@ -44,7 +44,7 @@ def test_soak_60s(soak_cloud):
     t = time.perf_counter()
     r = run_soak(DEVICES, DURATION_S, cloud_url=svc.url, http_url=svc.http_url, token=TOKEN,
                  server_pid=os.getpid(), fault_rate=0.3, seed=1, request_timeout_s=75.0, grace_s=30.0,
-                 max_new_tokens=(8, 32), max_requests_per_session=svc.max_requests_per_session, settle_s=20.0,
+                 max_new_tokens=(8, 32), max_requests_per_session=svc.admission.max_requests_per_session, settle_s=20.0,
                  stall_s=(1.0, 4.0))
     wall = time.perf_counter() - t
     print(table(r))

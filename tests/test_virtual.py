@@ -38,7 +38,10 @@ def test_virtual_devices_complete_and_split_streams_fewer_cloud_tokens(cloud, to
     assert time.perf_counter() - t < 60
     for run in (co, sp):
         assert 1 <= run["requests"] <= 3 and run["ok"] == run["requests"]
-        assert all(r["ttft_ms"] > 0 and r["cloud_busy_ms"] > 0 for r in run["results"])
+        # a device that is ready before the cloud's first token stops it then (hand-off at 0): the
+        # cloud reports no prefill time for a request stopped before its first token
+        assert all(r["ttft_ms"] > 0 and r["cloud_busy_ms"] >= (0 if r["handoff"] == 0 else 1e-9)
+                   for r in run["results"]), run["results"]
         assert 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"]
     # cloud-only streams the whole answer (the prompts' answers are longer than MAX_NEW tokens or end on EOS)
     assert all(1 <= r["cloud_tokens"] <= MAX_NEW and r["handoff"] is None for r in co["results"])
