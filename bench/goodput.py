@@ -204,13 +204,13 @@ async def timed_request(url: str, fingerprint: str, prompt: Sequence[int], mode:
     """One virtual device request (see the module docstring). timing: the device's
     `device.settings.Timing` (a, b, d; its cloud fields unused); answer_len: tokens of the greedy
     answer of this prompt (the device's answer length after a hand-off, <= max_new_tokens); cloud:
-    the `device.split.CloudEstimate` the plan uses (None: a fresh client's). Never raises for a
+    the `device.settings.CloudEstimate` the plan uses (None: a fresh client's). Never raises for a
     cloud failure: `ok` False and `error` say it."""
-    from relayinfer.device.settings import CatchUp, Timing, choose_settings
+    from relayinfer.device.settings import CatchUp, CloudEstimate, Timing, choose_settings
     from relayinfer.device.speed import tpot_from_arrivals
-    from relayinfer.device.split import CloudEstimate
     from relayinfer.protocol.transport import ws as proto_ws
-    from relayinfer.protocol.messages import Done, Error, ExtendBudget, Generate, Stop, Token
+    from relayinfer.protocol.messages import Done, Error, ExtendBudget, Stop, Token
+    from relayinfer.protocol.model.decoding import SamplingParams, generate_message
     from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
     prompt = list(prompt)
@@ -283,7 +283,8 @@ async def timed_request(url: str, fingerprint: str, prompt: Sequence[int], mode:
 
     rx = dev = None
     try:
-        g = Generate(rid, prompt, max_new_tokens, 0.0, 1.0, 0, None, res.budget if split else None, None, [])
+        g = generate_message(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens),
+                             cloud_budget=res.budget if split else None)
         table.send(g)
         await ch.send(g)
         rx = asyncio.create_task(receive())

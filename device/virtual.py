@@ -35,7 +35,8 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from relayinfer.protocol.transport import ws as proto_ws
-from relayinfer.protocol.messages import Done, Error, Generate, RefinedPrompt, Stop, Token
+from relayinfer.protocol.messages import Done, Error, RefinedPrompt, Stop, Token
+from relayinfer.protocol.model.decoding import SamplingParams, generate_message
 from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
 from .policy import HOLD, HandOff, PlanInput, catch_up_step, plan
@@ -174,8 +175,8 @@ async def virtual_request(url: str, fingerprint: str, prompt: Sequence[int], mod
 
     t0 = time.perf_counter()
     try:
-        g = Generate(rid, prompt, max_new_tokens, 0.0, 1.0, 0, None, budget if split else None,
-                     refine if split else None, [], min_tokens=min_tokens)
+        g = generate_message(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens, min_tokens=min_tokens),
+                             cloud_budget=budget if split else None, refine=refine if split else None)
         table.send(g)
         await ch.send(g)
         rx = asyncio.create_task(receive())
