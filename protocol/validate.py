@@ -115,10 +115,12 @@ RULES: dict[str, Rule] = {
     "cloud_budget": Rule(True, 0, MAX_TOKENS),
     "refine": Rule(False, 0, 1, lo_open=True),
     "kv_from": Rule(True, 0, MAX_TOKENS),
+    "handoff_index": Rule(True, 0, MAX_TOKENS),  # Stop: the first answer position the device generates
     "token_id": Rule(True, 0, (1 << 31) - 1),  # hi: the vocabulary's last id where it is known
     # relay
     "int64": Rule(True, SEED_MIN, SEED_MAX),
     "user_id": Rule(True, SEED_MIN, SEED_MAX),
+    "item_id": Rule(True, 1, SEED_MAX),  # hi: the catalogue's last id
     "timestamp": Rule(True, 0, MAX_TIMESTAMP),
     # pathology
     "coord": Rule(True, 0, (1 << 31) - 1),

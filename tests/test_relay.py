@@ -187,11 +187,11 @@ def test_instance_bad_input_is_a_clear_error(model, data):
     inst = _instance(model, Clock())
     u = data.users[0]
     it, ts = data.items[u], data.ts[u]
-    with pytest.raises(ValueError, match="empty history"):
+    with pytest.raises(ValueError, match=r"^item_ids must be a list of 1\.\.16384 ids, got \[\]"):
         inst.rank(u, [], [], [1, 2])
-    with pytest.raises(ValueError, match="unknown candidate"):
+    with pytest.raises(ValueError, match=r"^candidate_ids\[1\] must be an integer in \[1, 1682\], got 99999"):
         inst.rank(u, it, ts, [1, 99_999])
-    with pytest.raises(ValueError, match="unknown history"):
+    with pytest.raises(ValueError, match=r"^item_ids\[0\] must be an integer in \[1, 1682\], got 0"):
         inst.pre_infer(u, [0, 5], [1, 2])
     with pytest.raises(ValueError, match="timestamps"):
         inst.rank(u, it, ts[:-1], [1])

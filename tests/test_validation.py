@@ -19,7 +19,7 @@ from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.model.decoding import SamplingParams, sample, seed_key
 from relayinfer.protocol.errors import ErrorCode
-from relayinfer.protocol.messages import Cancel, Done, Error, Generate, Stop, Token
+from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, Stop, Token
 from relayinfer.protocol.validate import SEED_MAX, SEED_MIN, FieldError
 
 MODEL = "smollm2-135m-instruct"
@@ -128,6 +128,18 @@ BAD_HTTP = [  # body (besides model, messages, max_tokens=2), the field named
     ({"stream": "yes"}, "stream"), ({"ignore_eos": 1}, "ignore_eos"), ({"stop": 5}, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": [1]}, "logit_bias"),
+    # token-id keys in decimal only: int() would take each of these (two of them as a second 5)
+    ({"logit_bias": {"+5": 1}}, "logit_bias"), ({"logit_bias": {" 5": 1}}, "logit_bias"),
+    ({"logit_bias": {"1_000": 1}}, "logit_bias"), ({"logit_bias": {"5": 1, "05": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u0665": 1}}, "logit_bias"),
+    # an option accepted must work; ignored fields only of their OpenAI type
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"), ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
+    ({"user": 5}, "user"), ({"metadata": "x"}, "metadata"), ({"store": "yes"}, "store"),
+    ({"service_tier": 7}, "service_tier"), ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    ({"model": 5}, "model"), ({"model": ["m"]}, "model"),
+    ({"messages": [{"role": "user", "content": "Hi", "name": 5}]}, "messages[0].name"),
+    ({"max_tokens": None, "min_tokens": 10 ** 6}, "min_tokens"),
 ]
 
 
@@ -149,6 +161,14 @@ def test_completions_bad_values_get_400_naming_the_field(base, body, param):
     r = comp(base, **{"max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"].startswith(f"{param} must be "), r.text
+
+
+@pytest.mark.parametrize("prompt,param", [(["Hi", " "], "prompt[1]"), ([""], "prompt"), (["", "Hi"], "prompt[0]")])
+def test_an_empty_prompt_of_a_batch_is_named_by_its_index(base, prompt, param):
+    r = comp(base, prompt=prompt, max_tokens=2)
+    assert r.status_code == 400, r.text
+    e = r.json()["error"]
+    assert e["param"] == param and e["message"].startswith(f"{param} is empty"), e
 
 
 def test_http_signed_seeds_accepted_and_reproducible(base, service):
@@ -391,7 +411,8 @@ def test_openai_stream_that_fails_ends_with_error_event_finish_reason_and_done(t
             import aiohttp
             async with aiohttp.ClientSession() as s:
                 async with s.post(f"{base}/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 12,
-                                                               "temperature": 0, "stream": True}) as r:
+                                                               "temperature": 0, "stream": True,
+                                                               "stream_options": {"include_usage": True}}) as r:
                     res["raw"] = (r.status, await r.text())
         finally:
             await client.close()
@@ -408,7 +429,8 @@ def test_openai_stream_that_fails_ends_with_error_event_finish_reason_and_done(t
     body = json.loads(events[err])["error"]
     assert body["type"] == "server_error" and body["code"] == 500 and "injected engine fault" in body["message"]
     finals = [json.loads(x) for x in events[err + 1:-1]]
-    assert [c["choices"][0]["finish_reason"] for c in finals] == ["error"]
+    assert [c["choices"][0]["finish_reason"] for c in finals[:-1]] == ["error"]
+    assert finals[-1]["choices"] == [] and finals[-1]["usage"]["completion_tokens"] == 3  # usage up to the fault
     assert sum(len(json.loads(x)["choices"][0]["text"]) > 0 for x in events[:err]) >= 1
     assert res["used_blocks"] == 0  # the failed requests freed their KV blocks
 
@@ -565,3 +587,99 @@ def test_the_token_that_ends_the_answer_carries_the_finish_reason(service, token
     assert isinstance(done_eos, Done) and done_eos.reason == "eos", done_eos
     assert toks_eos[-1].token_id == tokenizer.eos_id and toks_eos[-1].finish_reason == "eos"
     assert all(t.finish_reason is None for t in toks_eos[:-1])
+
+
+# --- values inside their range whose arithmetic overflows, repeats, control messages ---------------
+# A temperature of 1e-310 or a repetition_penalty of 1e-310 is inside its range, but logits / 1e-310
+# overflow to inf and inf - inf is NaN: the draw then returned token 0 whatever the model said.
+
+def test_sampler_limits_of_overflowing_logits():
+    logits = np.random.default_rng(1).standard_normal(VOCAB).astype(np.float32)
+    greedy = int(np.argmax(logits))
+    assert all(sample(logits, SamplingParams(temperature=t, seed=3), 0) == greedy for t in (5e-324, 1e-310, 9e-6))
+    ctx = [7, 11, 13]
+    logits[ctx] = [3.0, 2.0, -1.0]  # the seen positive ones go to +inf under r = 1e-310, the negative one to ~0
+    p = SamplingParams(temperature=1.0, repetition_penalty=1e-310, seed=5)
+    assert {sample(logits, p, i, ctx, len(ctx)) for i in range(40)} == {7, 11}  # uniform over the +inf logits
+    bad = logits.copy()
+    bad[100] = np.nan
+    with pytest.raises(FloatingPointError, match="NaN"):
+        sample(bad, SamplingParams(temperature=0.7, seed=1), 0)
+
+
+@pytest.mark.parametrize("kv_from", [None, 1], ids=["batched", "per-request"])
+def test_overflowing_sampling_values_are_served_as_their_limit(service, tokenizer, kv_from):
+    """On both cloud paths: temperature 1e-310 is the greedy answer; repetition_penalty 1e-310 at
+    temperature 1 draws only tokens already in the context (their positive logits went to +inf)."""
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Tell me a story about the sea."}])
+
+    async def script(ch):
+        out = []
+        for rid, kw in (("greedy", {}), ("tiny-t", dict(temperature=1e-310, seed=1)),
+                        ("tiny-r", dict(temperature=1.0, repetition_penalty=1e-310, seed=2))):
+            await ch.send(Generate(rid, prompt, 6, kv_from=kv_from, **kw))
+            toks, end = await _until_end(ch, rid)
+            assert isinstance(end, Done), end
+            out.append([t.token_id for t in toks if isinstance(t, Token)])
+        return out
+
+    greedy, tiny_t, tiny_r = _ws(service, script)
+    assert tiny_t == greedy and len(greedy) == 6
+    seen = set(prompt)
+    for t in tiny_r:
+        assert t in seen, (t, tiny_r)
+        seen.add(t)
+    http = chat(f"http://127.0.0.1:{service.http_port}", max_tokens=4, temperature=1e-310, seed=9)
+    zero = chat(f"http://127.0.0.1:{service.http_port}", max_tokens=4, temperature=0)
+    assert http.status_code == 200 and http.json()["choices"][0]["message"] == zero.json()["choices"][0]["message"]
+
+
+def test_a_logit_bias_token_given_twice_is_refused(service):
+    """Biases of one token would add up past [-100, 100]: the second entry is refused by name."""
+    async def script(ch):
+        await ch.send(Generate("b", [1, 2, 3], 3, temperature=1.0, logit_bias=[(5, 100.0), (5, 100.0)]))
+        return await _until_end(ch, "b")
+    toks, end = _ws(service, script)
+    assert toks == [] and isinstance(end, Error) and end.code == ErrorCode.BAD_REQUEST.value, end
+    assert end.message.startswith("logit_bias[5] must be given once per token id"), end.message
+    with pytest.raises(FieldError) as e:
+        SamplingParams(logit_bias=((5, 1.0), (6, 1.0), (5, -1.0)))
+    assert e.value.field == "logit_bias[5]"
+
+
+@pytest.mark.parametrize("kv_from", [None, 1], ids=["batched", "per-request"])
+@pytest.mark.parametrize("control,field", [(ExtendBudget("c", -1), "cloud_budget"),
+                                           (ExtendBudget("c", 2 ** 63 - 1), "cloud_budget"),
+                                           (Stop("c", -1), "handoff_index"), (Stop("c", 2 ** 63), "handoff_index")])
+def test_a_bad_control_message_ends_its_request_with_the_error_last(service, control, field, kv_from):
+    """A Stop / ExtendBudget with a value outside its rule ends its live request: the tokens already
+    produced, then one Error naming the field, nothing after it for that id (a request-level Error
+    ends the request at the device too); its KV is freed and the id serves again."""
+    async def script(ch):
+        await ch.send(Generate("c", [1, 2, 3, 4, 5], 200, cloud_budget=200, kv_from=kv_from))
+        first = await asyncio.wait_for(ch.recv(), 60)
+        await ch.send(control)
+        toks, end = await _until_end(ch, "c")
+        await ch.send(Generate("tail", [1, 2], 1))  # anything later for "c" would arrive before tail's end
+        late = []
+        while not (isinstance(m := await asyncio.wait_for(ch.recv(), 60), (Done, Error)) and m.request_id == "tail"):
+            late.append(m)
+        await ch.send(Generate("c", [1, 2, 3], 2))
+        return first, toks, end, late, await _until_end(ch, "c")
+
+    first, toks, end, late, again = _ws(service, script)
+    assert isinstance(first, Token) and len(toks) < 199
+    assert [m for m in late if m.request_id == "c"] == []
+    assert isinstance(end, Error) and end.code == ErrorCode.BAD_REQUEST.value, end
+    assert end.message.startswith(f"{field} must be an integer in [0, 1048576]"), end.message
+    assert isinstance(again[1], Done) and again[1].cloud_tokens == 2
+    assert service.llm.engine.block_manager.num_used_blocks == 0 and service.health() is None
+
+
+def test_an_empty_request_id_is_refused_naming_it(service):
+    async def script(ch):
+        await ch.send(Generate("", [1, 2, 3], 2))
+        return await asyncio.wait_for(ch.recv(), 60)
+    e = _ws(service, script)
+    assert isinstance(e, Error) and e.code == ErrorCode.BAD_REQUEST.value
+    assert e.message.startswith("request_id must be a string of 1..64 characters"), e.message

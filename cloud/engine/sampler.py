@@ -1,6 +1,6 @@
 """Sampling for one engine step: every sequence that samples in the step, at once.
 
-Greedy rows (temperature 0, no logit adjustments: the common case and the benchmarks') are one
+Greedy rows (temperature below SAMPLING_EPS, no logit adjustments: the common case and the benchmarks') are one
 `torch.argmax` over their logits [B, vocab] (first maximum on ties, as `np.argmax`). Rows that draw
 (temperature > 0) or adjust logits (penalties, bias, min_tokens) go through
 `protocol.model.decoding.sample`, the numpy sampler the device and the split service also use: it is
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from relayinfer.protocol.model.decoding import sample
+from relayinfer.protocol.model.decoding import SAMPLING_EPS, sample
 
 from .sequence import Sequence
 
@@ -31,7 +31,7 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_id: int | None)
     if logits.dim() != 2 or logits.shape[0] != len(seqs):
         raise ValueError(f"logits must be [{len(seqs)}, vocab], got {tuple(logits.shape)}")
     out = [0] * len(seqs)
-    greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0 and not s.params.adjusts_logits]
+    greedy = [i for i, s in enumerate(seqs) if s.params.temperature < SAMPLING_EPS and not s.params.adjusts_logits]
     if greedy:
         rows = logits if len(greedy) == len(seqs) else logits[greedy]
         for i, t in zip(greedy, rows.argmax(dim=-1).tolist()):
@@ -39,7 +39,7 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_id: int | None)
     if len(greedy) < len(seqs):
         arr: np.ndarray = logits.cpu().numpy()
         for i, s in enumerate(seqs):
-            if s.params.temperature == 0 and not s.params.adjusts_logits:
+            if s.params.temperature < SAMPLING_EPS and not s.params.adjusts_logits:
                 continue
             out[i] = sample(arr[i], s.params, s.num_output_tokens, s.token_ids, s.num_prompt_tokens, eos_id)
     return out

@@ -29,7 +29,7 @@ from relayinfer.cloud.relay.expander import Expander
 from relayinfer.cloud.relay.latency import LatencyModel
 from relayinfer.cloud.relay.pool import DramTier, Entry, HBMPool
 from relayinfer.cloud.relay.trigger import Trigger, TriggerConfig
-from relayinfer.protocol.validate import MAX_TIMESTAMP, SEED_MAX, check, check_ids
+from relayinfer.protocol.validate import MAX_TIMESTAMP, FieldError, check, check_ids
 
 MAX_HISTORY = 16_384
 MAX_CANDS = 4_096
@@ -109,28 +109,18 @@ class RankingInstance:
 
     # ---- input checks ----------------------------------------------------------------------------
     def _tensors(self, items, ts, cands=None):
-        if len(items) == 0:
-            raise ValueError("empty history: at least one history event is required")
-        if len(items) != len(ts):
-            raise ValueError(f"history has {len(items)} items but {len(ts)} timestamps")
-        if len(items) > MAX_HISTORY:
-            raise ValueError(f"history longer than {MAX_HISTORY} events")
-        # the shared rules (`protocol.validate`): int64 ids, timestamps in [0, 2**40] s (no gap overflows)
-        check_ids("item_ids", items, SEED_MAX, rule="int64")
-        check_ids("timestamps", ts, MAX_TIMESTAMP, rule="timestamp")
+        # the shared rules (`protocol.validate`): item ids of this model's catalogue, timestamps in
+        # [0, 2**40] s (no gap overflows), one timestamp per history item; FieldError names the field
+        n = self.model.cfg.num_items
+        items = check_ids("item_ids", items, n, rule="item_id", min_len=1, max_len=MAX_HISTORY)
+        ts = check_ids("timestamps", ts, MAX_TIMESTAMP, rule="timestamp")
+        if len(ts) != len(items):
+            raise FieldError("timestamps", f"a list of {len(items)} timestamps (one per item_ids entry)", ts)
         if cands is not None:
-            check_ids("candidate_ids", cands, SEED_MAX, rule="int64")
+            cands = torch.as_tensor(np.asarray(check_ids("candidate_ids", cands, n, rule="item_id", min_len=1,
+                                                         max_len=MAX_CANDS), np.int64))
         items = torch.as_tensor(np.asarray(items, np.int64))
         ts = torch.as_tensor(np.asarray(ts, np.int64))
-        n = self.model.cfg.num_items
-        if int(items.min()) < 1 or int(items.max()) > n:
-            raise ValueError(f"unknown history item id (valid ids are 1..{n})")
-        if cands is not None:
-            cands = torch.as_tensor(np.asarray(cands, np.int64))
-            if cands.ndim != 1 or not 1 <= len(cands) <= MAX_CANDS:
-                raise ValueError(f"need 1..{MAX_CANDS} candidates")
-            if int(cands.min()) < 1 or int(cands.max()) > n:
-                raise ValueError(f"unknown candidate item id (valid ids are 1..{n})")
         return items, ts, cands
 
     # ---- pre-infer -------------------------------------------------------------------------------

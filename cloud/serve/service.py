@@ -121,7 +121,9 @@ class Metrics:
 class _Request:
     """One admitted Generate of a session: `key` names it in its engine (unique over sessions),
     `pending` its prompt tokens still waiting for a first token, `charge` its bytes in the memory
-    budget (per-request path)."""
+    budget (per-request path), `refused` the request-level Error it ends with when a control
+    message for it broke a rule (its engine request is aborted; the Error goes after the tokens
+    already produced)."""
 
     msg: Generate
     key: str
@@ -129,6 +131,7 @@ class _Request:
     budget: int | None
     pending: int = 0
     charge: Charge | None = None
+    refused: Error | None = None
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -549,6 +552,8 @@ class CloudService:
         Error was sent)."""
         if isinstance(msg, Generate):
             await self._on_generate(channel, sess, msg)
+        elif isinstance(msg, Stop) and self._refuse_control(sess, msg, "handoff_index", msg.handoff_index):
+            pass
         elif isinstance(msg, (Stop, Cancel)):
             ev = sess.table.receive(msg)
             req = sess.requests.get(msg.request_id)
@@ -565,14 +570,32 @@ class CloudService:
             return rid is not None  # a connection-level Error: the protocol says the sender closes
         return True
 
+    def _refuse_control(self, sess: _Session, msg, field_name: str, value) -> bool:
+        """Check `value` of a Stop / ExtendBudget by its rule (`protocol.validate`). When it breaks
+        the rule the message does nothing but end its live request with a BAD_REQUEST naming the
+        field (a request-level Error ends the request at both ends: it cannot go on after it);
+        for a request that is not live it is ignored, as any control message for it. True when
+        refused."""
+        try:
+            check(field_name, value)
+            return False
+        except FieldError as e:
+            err = Error(ErrorCode.BAD_REQUEST.value, str(e), msg.request_id)
+        req = sess.requests.get(msg.request_id)
+        if req is not None and req.refused is None:
+            self.metrics.errors.labels(err.code).inc()
+            req.refused = err
+            req.client.abort(req.key)  # it ends at its next step; `_run` sends the Error last
+        return True
+
     async def _on_generate(self, channel, sess: _Session, msg: Generate) -> None:
         """Admit a Generate (the table decides whether its id is free) and start its task, or answer
         the request-level Error."""
         rid = msg.request_id
-        if len(rid) > MAX_REQUEST_ID:
+        if not 1 <= len(rid) <= MAX_REQUEST_ID:
             self.metrics.errors.labels(ErrorCode.BAD_REQUEST.value).inc()
-            await channel.send(Error(ErrorCode.BAD_REQUEST.value, f"request_id longer than {MAX_REQUEST_ID} "
-                                     "characters", rid[:MAX_REQUEST_ID]))
+            await channel.send(Error(ErrorCode.BAD_REQUEST.value, f"request_id must be a string of 1..{MAX_REQUEST_ID} "
+                                     f"characters, got {len(rid)}", rid[:MAX_REQUEST_ID]))
             return
         ev = sess.table.receive(msg)
         if isinstance(ev, RequestViolation):  # the id is running: that request goes on
@@ -599,10 +622,7 @@ class CloudService:
 
     async def _on_extend(self, channel, sess: _Session, msg: ExtendBudget) -> None:
         """A larger (or smaller) cloud budget, capped at max_new_tokens, which admission checked."""
-        try:
-            check("cloud_budget", msg.cloud_budget)
-        except FieldError as e:
-            await channel.send(Error(ErrorCode.BAD_REQUEST.value, str(e), msg.request_id))
+        if self._refuse_control(sess, msg, "cloud_budget", msg.cloud_budget):
             return
         ev = sess.table.receive(msg)
         req = sess.requests.get(msg.request_id)
@@ -626,6 +646,7 @@ class CloudService:
         try:
             try:
                 end = await self._stream(channel, req, sess)
+                end = req.refused or end
             except RequestViolation as e:  # our own bug: the table refused what we were about to send
                 log.error("request %s: %s", rid, e)
                 end = Error(ErrorCode.INTERNAL.value, _internal(e), rid)

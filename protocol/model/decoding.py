@@ -60,7 +60,8 @@ class SamplingParams:
         Raises:
             protocol.validate.FieldError (a ValueError) naming the first bad field, its value and
             the allowed range; also min_tokens > max_new_tokens (vLLM's rule), more than
-            MAX_STOP_IDS stop ids or MAX_LOGIT_BIAS logit-bias entries.
+            MAX_STOP_IDS stop ids or MAX_LOGIT_BIAS logit-bias entries, a token id twice in
+            logit_bias.
         """
         put = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 (frozen)
         for name in ("temperature", "top_p", "top_k", "max_new_tokens", "presence_penalty", "frequency_penalty",
@@ -78,6 +79,11 @@ class SamplingParams:
             raise FieldError("logit_bias", f"at most {MAX_LOGIT_BIAS} (token id, bias) pairs", bias)
         put("logit_bias", tuple((check("token_id", t, f"logit_bias[{t!r}]"), check("logit_bias", b, f"logit_bias[{t!r}]"))
                                 for t, b in bias))
+        seen: set[int] = set()
+        for t, _ in self.logit_bias:  # one bias per token: repeats would add up past [-100, 100]
+            if t in seen:
+                raise FieldError(f"logit_bias[{t}]", "given once per token id", t)
+            seen.add(t)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -108,7 +114,8 @@ def adjust_logits(logits: np.ndarray, params: SamplingParams, context: Sequence[
         seen = np.unique(np.asarray(context, dtype=np.int64))
         seen = seen[(seen >= 0) & (seen < v)]
         r = params.repetition_penalty
-        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+        with np.errstate(over="ignore"):  # r near 0 sends a seen positive logit to +inf (see `sample`)
+            x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
     if (params.frequency_penalty or params.presence_penalty) and out.size:
         counts = np.bincount(out, minlength=v)[:v]
         x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
@@ -136,6 +143,7 @@ def token_logprobs(logits: np.ndarray, token_id: int, top: int = 0) -> tuple[flo
 
 
 TOP_P_CANDIDATES = 64  # nucleus filtering sorts this many most likely tokens first (all ties included)
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-310 overflow to inf
 
 
 def top_p_keep(p: np.ndarray, top_p: float) -> np.ndarray:
@@ -176,21 +184,36 @@ def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequ
 
     The logits are first adjusted by `adjust_logits` (penalties over `context`: the prompt's
     `n_prompt` ids then the `index` answer ids so far; `min_tokens` masks `eos_id` and stop ids).
-    Greedy when temperature is 0; otherwise softmax(logits / T) filtered by top-k then top-p
+    Greedy when temperature is below `SAMPLING_EPS` (0 included); otherwise softmax(logits / T)
+    (a logit that overflowed to +inf takes all the mass, shared with any other +inf one) filtered
+    by top-k then top-p
     (nucleus, `top_p_keep`), drawn with `np.random.default_rng((seed_key(seed), index))` (`draw`). Every
     side (cloud engine, split service, device) calls this with the same arguments at the same
     position, so a seeded answer is the same whichever side draws each token. No step sorts the
     whole vocabulary (top-k: one partition; top-p: see `top_p_keep`).
+
+    Raises:
+        FloatingPointError: the logits hold NaN, or every logit is -inf (a model fault; the
+            engines end this request alone with the error).
     """
     if params.adjusts_logits:
         logits = adjust_logits(logits, params, context, n_prompt, eos_id)
-    if params.temperature == 0:
+    if np.isnan(logits).any():  # a model fault, not a choice: this request fails (the engine serves on)
+        raise FloatingPointError(f"the logits hold {int(np.isnan(logits).sum())} NaN values")
+    if params.temperature < SAMPLING_EPS:
         return int(np.argmax(logits))
-    x = logits.astype(np.float64) / params.temperature
+    with np.errstate(over="ignore"):
+        x = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < x.size:
         kth = np.partition(x, -params.top_k)[-params.top_k]
         x = np.where(x < kth, -np.inf, x)
-    p = np.exp(x - x.max())
+    top = x.max()
+    if top == np.inf:  # a logit pushed past any float (repetition_penalty 1e-310): the limit of softmax,
+        p = (x == np.inf).astype(np.float64)  # uniform over the infinite ones
+    elif top == -np.inf:
+        raise FloatingPointError("every token's logit is -inf: nothing to sample")
+    else:
+        p = np.exp(x - top)
     p /= p.sum()
     if params.top_p < 1.0:
         keep = top_p_keep(p, params.top_p)

@@ -10,6 +10,7 @@ engine, tokenizer or HTTP.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -23,9 +24,14 @@ DEFAULT_MAX_TOKENS_CHAT = 256  # OpenAI: up to the context; capped here at min(2
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
 MAX_BATCH = 64  # prompts per /v1/completions request
 _ROLES = {"system", "developer", "user", "assistant"}
-# accepted and ignored (they change nothing about the answer): documented in docs/SERVING.md
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
-            "prompt_cache_key"}
+# accepted and ignored (they change nothing about the answer), each of its OpenAI type (JSON's):
+# documented in docs/SERVING.md
+_IGNORED_TYPES = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
+                  "safety_identifier": str, "prompt_cache_key": str}
+_IGNORED = set(_IGNORED_TYPES)
+_TYPE_NAMES = {str: "a string", dict: "an object", bool: "a boolean"}
+_STREAM_OPTIONS = {"include_usage"}  # the keys of stream_options this server implements
+_TOKEN_KEY = re.compile(r"-?(0|[1-9][0-9]*)")  # a logit_bias key: a token id in decimal, as JSON writes an integer
 # every top-level request field this server reads (implemented, refused by name, or in _IGNORED); any
 # other field gets 400 naming it (as OpenAI's "Unrecognized request argument"), never silence
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
@@ -82,7 +88,10 @@ class ServedModel:
     vocab_size: int = 1 << 31
 
     def check_model(self, model: Any) -> None:
-        """Raises APIError(404, code `model_not_found`) unless `model` is None, `name` or an alias."""
+        """Raises APIError(404, code `model_not_found`) unless `model` is None, `name` or an alias
+        (400 `invalid_type` when it is no string)."""
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, f"model must be a string, got {type(model).__name__}", "model", "invalid_type")
         if model is not None and model != self.name and model not in self.aliases:
             known = ", ".join(repr(m) for m in (self.name, *self.aliases))
             raise APIError(404, f"The model '{model}' does not exist; this server serves {known} (or leave "
@@ -156,6 +165,9 @@ class GenerationRequest:
         max_new = self.max_tokens
         if max_new is None:  # the default, capped to what fits (vLLM: up to the context)
             max_new = max(1, min(max(self.default_max_tokens, self.min_tokens), max_model_len - prompt_tokens))
+            if self.min_tokens > max_new:
+                raise FieldError("min_tokens", f"at most the {max_new} tokens that fit after this prompt (max_tokens "
+                                 "left out)", self.min_tokens)
         return SamplingParams(
             temperature=temperature, top_p=top_p, top_k=self.top_k, seed=choice_seed(self.seed, choice),
             max_new_tokens=max_new, stop_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
@@ -248,10 +260,11 @@ def _require_text(body: dict, chat: bool) -> None:
         items = v if isinstance(v, list) else []
     for i, item in enumerate(items):
         if isinstance(item, (str, list)):
+            param = name if len(items) == 1 else f"{name}[{i}]"
             try:
-                check_prompt_text(item, name if len(items) == 1 else f"{name}[{i}]")
+                check_prompt_text(item, param)
             except ValueError as e:
-                raise APIError(400, str(e), name, "invalid_value") from None
+                raise APIError(400, str(e), param, "invalid_value") from None
 
 
 def _check_body(body: Any, served: ServedModel, chat: bool) -> None:
@@ -268,6 +281,10 @@ def _check_body(body: Any, served: ServedModel, chat: bool) -> None:
     if bad:
         raise APIError(400, f"'{bad}' holds a lone surrogate: not valid Unicode text", bad, "invalid_value")
     served.check_model(body.get("model"))
+    for name, kind in _IGNORED_TYPES.items():  # ignored, but only when it is what OpenAI takes
+        v = body.get(name)
+        if v is not None and not isinstance(v, kind):
+            raise FieldError(name, _TYPE_NAMES[kind], v)
     _require_text(body, chat)
     for name in ("tools", "functions"):
         if body.get(name):
@@ -309,6 +326,10 @@ def _common_fields(body: dict, vocab_size: int) -> dict:
         raise FieldError("stream_options", "an object", opts)
     if opts is not None and not stream:  # as vLLM: the options of a stream need a stream
         raise FieldError("stream_options", "left out unless stream is true", opts)
+    for key in opts or {}:  # an option accepted must work
+        if key not in _STREAM_OPTIONS:
+            raise FieldError(f"stream_options.{key}", f"left out (this server implements only "
+                             f"{', '.join(sorted(_STREAM_OPTIONS))})", opts[key])
     out["include_usage"] = _bool(opts or {}, "include_usage", "stream_options.include_usage")
     out["logit_bias"] = _logit_bias(body.get("logit_bias"), vocab_size)
     for name, default in (("top_k", 0), ("seed", None), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -333,10 +354,9 @@ def _logit_bias(bias: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         raise FieldError("logit_bias", f"an object mapping up to {MAX_LOGIT_BIAS} token ids to numbers", bias)
     pairs = []
     for k, v in bias.items():
-        try:
-            tid = int(k)
-        except ValueError:
-            raise FieldError("logit_bias", "keyed by token ids", k) from None
+        if not _TOKEN_KEY.fullmatch(k):  # int() would also take "+5", " 5", "1_000", "٥" and "05" (a second 5)
+            raise FieldError("logit_bias", 'keyed by token ids in decimal ("50256")', k)
+        tid = int(k)
         pairs.append((check("token_id", tid, "logit_bias", hi=vocab_size - 1), check("logit_bias", v)))
     return tuple(pairs)
 
@@ -361,6 +381,9 @@ def parse_messages(msgs: Any) -> list[dict]:
             raise unsupported(f"{p}.tool_calls", "tool calling is not implemented")
         if m.get("audio") is not None:
             raise unsupported(f"{p}.audio")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise APIError(400, f"{p}.name must be a string, got {type(m['name']).__name__}", f"{p}.name",
+                           "invalid_type")
         content = m.get("content")
         if content is None:
             raise APIError(400, f"'{p}.content' is required (null content is only valid with tool_calls, "

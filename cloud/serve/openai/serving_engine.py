@@ -282,8 +282,10 @@ class OpenAIServing:
             yield DONE_EVENT
         except Exception as e:  # the request failed mid-stream: the headers are out, say so in the stream
             log.exception("%s failed mid-stream", head["id"])
-            for event in _failed(e, [chunk(fmt.delta(ci, None, "error", [])) for ci in range(len(choices))
-                                     if ci not in finished]):
+            finals = [chunk(fmt.delta(ci, None, "error", [])) for ci in range(len(choices)) if ci not in finished]
+            if req.include_usage:  # the tokens generated up to the failure
+                finals.append(chunk(None, choices.usage()))
+            for event in _failed(e, finals):
                 yield event
         finally:
             for t in tasks:
@@ -306,7 +308,8 @@ def _failed(e: Exception, finals: list[bytes]) -> list[bytes]:
     """The end of a stream whose request failed after the headers went out, as vLLM's: an error
     event `data: {"error": {"message", "type", "param", "code"}}` (vLLM's
     `create_streaming_error_response`; the `openai` client raises `APIError` on it), then a last
-    chunk with finish_reason "error" for every choice still open (`finals`), then `data: [DONE]`."""
+    chunk with finish_reason "error" for every choice still open and, with `include_usage`, the
+    usage so far (`finals`), then `data: [DONE]`."""
     err = error_body(f"internal error while generating: {type(e).__name__}: {e}", "server_error", None, 500)
     return [sse_event(err), *finals, DONE_EVENT]
 
