@@ -401,3 +401,49 @@ def test_restart_budget_is_a_sliding_window():
     assert b.recent("a") == 0 and b.take("a")
     with pytest.raises(ValueError):
         RestartBudget(max_restarts=-1)
+
+
+def test_per_request_model_that_keeps_failing_is_reported_and_refused(torch_engine, chat_prompt_ids):
+    """The per-request path: a decode step that raises ends its request alone (INTERNAL, /healthz
+    stays ok, a request served to its end resets the count); MAX_FORWARD_FAILURES requests in a row
+    failing so mean the model cannot go on: health() names it, /healthz answers 503, new requests
+    get INTERNAL naming it."""
+    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+    from relayinfer.protocol.messages import Done, Error, Generate, Token
+
+    class Flaky:
+        def __init__(self, engine):
+            self._e, self.broken = engine, True
+
+        def __getattr__(self, name):
+            return getattr(self._e, name)
+
+        def decode(self, tok, kv):
+            if self.broken:
+                raise RuntimeError("injected decode fault")
+            return self._e.decode(tok, kv)
+
+    flaky = Flaky(torch_engine)
+    p = chat_prompt_ids[1]
+    with ServiceThread(CloudService(flaky, torch_engine.fingerprint)) as svc:  # no batching engine: per-request
+        def one(rid):
+            return _ws_generate(svc.url, svc.fingerprint, [Generate(rid, p, 4)])[rid]
+
+        for i in range(MAX_FORWARD_FAILURES - 1):
+            got = one(f"f{i}")
+            assert isinstance(got[0], Token) and isinstance(got[-1], Error) and got[-1].code == "internal"
+            assert "injected decode fault" in got[-1].message and svc.health() is None
+        flaky.broken = False
+        assert isinstance(one("ok")[-1], Done)  # a model step that works: the count starts again
+        flaky.broken = True
+        for i in range(MAX_FORWARD_FAILURES - 1):
+            assert isinstance(one(f"g{i}")[-1], Error) and svc.health() is None
+        assert _get(svc.http_url + "/healthz")[0] == 200
+        assert isinstance(one("last")[-1], Error)
+        why = svc.health()
+        assert why is not None and f"{MAX_FORWARD_FAILURES} requests in a row failed in a model step" in why, why
+        assert "injected decode fault" in why
+        status, body = _get(svc.http_url + "/healthz")
+        assert status == 503 and body["status"] == "error", body
+        refused = one("after")
+        assert len(refused) == 1 and refused[0].code == "internal" and "failed in a model step" in refused[0].message

@@ -46,7 +46,7 @@ def test_to_sampling_params_defaults_and_edges():
     assert comp.to_sampling_params(6, 352).max_new_tokens == 16
     assert CompletionRequest.from_json({"prompt": "x", "min_tokens": 40}, SERVED).to_sampling_params(
         6, 352).max_new_tokens == 40  # the default grows to min_tokens
-    with pytest.raises(FieldError, match="min_tokens must be at most max_new_tokens"):
+    with pytest.raises(FieldError, match=r"min_tokens must be at most the 52 tokens that fit after this prompt"):
         chat_req(min_tokens=100).to_sampling_params(300, 352)  # 52 fit
     # top_p 0 is greedy; max_completion_tokens wins over max_tokens; edge values pass through
     p = chat_req(top_p=0, temperature=2, max_tokens=9, max_completion_tokens=3, seed=-(1 << 63), top_k=-1,

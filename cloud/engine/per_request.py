@@ -23,7 +23,7 @@ from relayinfer.cloud.refine import WINDOW, select
 from relayinfer.protocol.model.refine import TemplateMarkers
 
 from .interface import EngineLimits, EngineOutput, KVParts, RefinedIndices
-from .llm_engine import RequestStats, StepOutput
+from .llm_engine import MAX_FORWARD_FAILURES, RequestStats, StepOutput
 
 REUSE_WAIT_S = 1.0  # longest wait of a new turn for the previous, stopping turn's KV (s)
 STATS_KEPT = 1000  # finished requests whose `RequestStats` stay readable (count)
@@ -123,6 +123,13 @@ class PerRequestEngine:
     `decode` / `warmup` interface, `eos_id`, `context_length`, `cfg`), one request at a time per
     step on one worker thread.
 
+    Fault isolation: an exception while serving one request (its sampling, a model step, the
+    hand-off) ends that request alone (the exception leaves its `generate`, its KV is dropped).
+    `MAX_FORWARD_FAILURES` requests in a row (over all requests) ending in a failed model step
+    (prefill or decode) mean the model itself cannot go on: `health()` then names the last failure
+    (the service's /healthz answers 503 and the process exits non-zero after draining). A request
+    that ends without one starts the count again.
+
     Args:
         engine: the model runtime; logits float32 numpy [vocab], KV a `StaticKV`.
         markers: returns the chat template's scaffold refinement keeps whole (read on first use).
@@ -135,6 +142,8 @@ class PerRequestEngine:
         self._markers = markers
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-model")
         self._live: dict[str, _Live] = {}
+        self._step_failures = 0  # requests in a row that ended in a failed model step
+        self._failed: str | None = None  # why the model cannot go on, once it cannot
         self._ended: OrderedDict[str, RequestStats] = OrderedDict()  # the last STATS_KEPT finished
 
     @property
@@ -151,7 +160,21 @@ class PerRequestEngine:
         return None
 
     def health(self) -> str | None:
-        return None
+        """None while the model steps; else why not (`MAX_FORWARD_FAILURES` requests in a row
+        ended in a failed model step)."""
+        return self._failed
+
+    async def _step(self, fn, *args):
+        """Run one model step `fn(*args)` on the worker; a failure is counted (once per request:
+        the exception ends it) before it propagates."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        except Exception as e:
+            self._step_failures += 1
+            if self._step_failures >= MAX_FORWARD_FAILURES and self._failed is None:
+                self._failed = (f"engine failed: {self._step_failures} requests in a row failed in a model step, "
+                                f"the last: {type(e).__name__}: {e}")
+            raise
 
     def state(self) -> dict:
         return {"running": len(self._live)}
@@ -200,7 +223,7 @@ class PerRequestEngine:
         loop = asyncio.get_running_loop()
         try:
             past = await session.take() if session is not None else None  # taken: no two requests share a cache
-            logits, kv, kept, live.cached = await loop.run_in_executor(self.worker, self._prefill, ids, refine, past)
+            logits, kv, kept, live.cached = await self._step(self._prefill, ids, refine, past)
             del past
             for i in range(params.max_new_tokens):
                 if live.aborted:
@@ -220,8 +243,9 @@ class PerRequestEngine:
                     break
                 if self.step_delay_ms:
                     await asyncio.sleep(self.step_delay_ms / 1e3)
-                logits, kv = await loop.run_in_executor(self.worker, self.engine.decode, tok, kv)
+                logits, kv = await self._step(self.engine.decode, tok, kv)
             ended = True
+            self._step_failures = 0  # this request's model steps all worked
         finally:
             self._ended[request_id] = self.request_stats(request_id)
             while len(self._ended) > STATS_KEPT:

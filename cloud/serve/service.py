@@ -499,8 +499,9 @@ class CloudService:
         return (self.llm if batched else self.per_request).limits.max_request_tokens
 
     def health(self) -> str | None:
-        """None while the service can serve; else why not (the batching engine failed)."""
-        return self.llm.health() if self.llm is not None else None
+        """None while the service can serve; else why not (the batching engine or the per-request
+        engine's model failed)."""
+        return (self.llm.health() if self.llm is not None else None) or self.per_request.health()
 
     def health_response(self, details: bool) -> tuple[dict, int]:
         """/healthz: (body, status). Liveness for anyone (200 `{"status": "ok"}`, or 503
