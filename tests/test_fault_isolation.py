@@ -447,3 +447,51 @@ def test_per_request_model_that_keeps_failing_is_reported_and_refused(torch_engi
         assert status == 503 and body["status"] == "error", body
         refused = one("after")
         assert len(refused) == 1 and refused[0].code == "internal" and "failed in a model step" in refused[0].message
+
+
+@pytest.mark.parametrize("at", [0, 2], ids=["prefill-instance", "decode-instance"])
+def test_pd_request_whose_sampler_raises_fails_alone_without_a_restart(torch_engine, chat_prompt_ids, reference,
+                                                                       monkeypatch, at):
+    """Through the P/D gateway (local instances): a request whose sampling raises on the prefill
+    instance (its first token) or the decode instance (its third) fails alone with RequestFailed,
+    split or not; it is not retried, no instance is counted dead or replaced, the greedy requests
+    beside it get their own answers and every KV block goes back."""
+    from relayinfer.cloud.pd.gateway import Gateway, GroupSpec, Scenario, local_groups
+    from relayinfer.cloud.pd.instance import InstanceConfig
+    from relayinfer.cloud.pd.service import wait_idle
+
+    real = sampler_mod.sample
+
+    def sample(logits, params, index, *a, **kw):
+        if params.seed == BAD_SEED and index == at:
+            raise ValueError("injected sampler fault")
+        return real(logits, params, index, *a, **kw)
+
+    monkeypatch.setattr(sampler_mod, "sample", sample)
+    p = chat_prompt_ids[0]
+
+    async def run(gw, rid, params, budget=None):
+        try:
+            return [o.token_id async for o in gw.generate(rid, p, params, budget, split=budget is not None)]
+        except RequestFailed as e:
+            return e
+
+    async def main():
+        groups = local_groups(torch_engine, [GroupSpec(Scenario("chat", 5000, 500), 1, 1)],
+                              InstanceConfig(kv_cache_bytes=16 << 20))
+        gw = Gateway(groups, report_interval_s=0.3, restart_wait_s=20.0, max_retries=3)
+        await gw.start()
+        try:
+            res = await asyncio.gather(run(gw, "ok", GREEDY), run(gw, "bad", DRAW), run(gw, "bad-split", DRAW, 3),
+                                       run(gw, "ok2", GREEDY))
+            reports = await wait_idle(gw, 30)
+            return res, gw.health(), gw.health_state(), dict(gw.num_restarts), reports
+        finally:
+            await gw.stop()
+
+    (ok, bad, bad_split, ok2), fatal, state, restarts, reports = asyncio.run(asyncio.wait_for(main(), 300))
+    assert ok == reference[0] and ok2 == reference[0]
+    for e in (bad, bad_split):
+        assert isinstance(e, RequestFailed) and "injected sampler fault" in str(e), e
+    assert fatal is None and state["status"] == "ok" and not state["dead"] and restarts == {}
+    assert all(r["kv_blocks_used"] == 0 and r["running"] == 0 and r["held"] == 0 for r in reports.values()), reports
