@@ -280,7 +280,8 @@ def openai_fields(chat: bool, vocab: int, max_len: int) -> dict:
                         ("obj:{abc:1}", {"abc": 1}), ("obj:{1.5:1}", {"1.5": 1}), ("obj:{' 1':1}", {" 1": 1}),
                         ("obj:{0:NaN}", {"0": math.nan}), ("obj:{0:'x'}", {"0": "x"}), ("obj:{0:null}", {"0": None}),
                         ("obj:{0:inf}", {"0": math.inf}), ("obj:1e5 keys", {str(i): 1 for i in range(100_000)}),
-                        ("obj:{arabic-digit:1}", {"\u0661": 1})]),
+                        ("obj:{arabic-digit:1}", {"\u0661": 1}), ("obj:{'+5':1}", {"+5": 1}),
+                        ("obj:{'1_000':1}", {"1_000": 1}), ("obj:{5:1,'05':1}", {"5": 1, "05": 1})]),
         "presence_penalty": (["presence_penalty"], lambda v: _num_invalid(v, -2, 2), [("float:2.01", 2.01)]),
         "frequency_penalty": (["frequency_penalty"], lambda v: _num_invalid(v, -2, 2), [("float:-2.01", -2.01)]),
         "repetition_penalty": (["repetition_penalty"], lambda v: _num_invalid(v, 0, None) or (
@@ -290,7 +291,8 @@ def openai_fields(chat: bool, vocab: int, max_len: int) -> dict:
         "stream_options": (["stream_options"], lambda v: None if v is MISSING or v is None or isinstance(v, dict) else True,
                            [("obj:include_usage", {"include_usage": True}), ("obj:include_usage:'yes'",
                                                                               {"include_usage": "yes"}),
-                            ("obj:unknown", {"bogus": 1})]),
+                            ("obj:unknown", {"bogus": 1}),
+                            ("obj:continuous_usage_stats", {"include_usage": True, "continuous_usage_stats": True})]),
         "response_format": (["response_format"], lambda v: None if v is MISSING or v is None or isinstance(v, dict) else True,
                             [("obj:text", {"type": "text"}), ("obj:json_object", {"type": "json_object"}),
                              ("obj:json_schema", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
@@ -299,8 +301,9 @@ def openai_fields(chat: bool, vocab: int, max_len: int) -> dict:
                                               ("list:[{}]", [{}])]),
         "tool_choice": (["tool_choice"], lambda v: None, [("str:none", "none"), ("str:auto", "auto"),
                                                           ("str:required", "required")]),
-        "logprobs": (["logprobs"], _bool_invalid if chat else (lambda v: _num_invalid(v, 0, 5, True)),
-                     [("int:5", 5), ("int:6", 6)] if not chat else []),
+        # completions: [0, 20] as documented in docs/SERVING.md (vLLM's max_logprobs; OpenAI allows 5)
+        "logprobs": (["logprobs"], _bool_invalid if chat else (lambda v: _num_invalid(v, 0, 20, True)),
+                     [("int:5", 5), ("int:20", 20), ("int:21", 21)] if not chat else []),
         "stop_token_ids": (["stop_token_ids"], lambda v: None, [("list:[-1]", [-1]), ("list:[vocab]", [vocab]),
                                                                 ("list:65", list(range(65)))]),
         "ignore_eos": (["ignore_eos"], _bool_invalid, []),
@@ -356,9 +359,9 @@ def ws_generate_fields(vocab: int, max_len: int) -> dict:
                                      ("list:max_len", [1] * max_len), ("list:[1.5]", [1.5])]),
         "max_new_tokens": (lambda v: True if v is MISSING else _num_invalid(v, 1, None, True, nullable=False),
                            [("int:max_len", max_len)]),
-        "temperature": (lambda v: _num_invalid(v, 0, None), [("float:2.0", 2.0)]),
+        "temperature": (lambda v: _num_invalid(v, 0, None), [("float:2.0", 2.0), ("float:5e-324", 5e-324)]),
         "top_p": (lambda v: _num_invalid(v, 0, 1), [("float:1.0001", 1.0001)]),
-        "top_k": (lambda v: _num_invalid(v, 0, None, True), [("int:vocab+1", vocab + 1)]),
+        "top_k": (lambda v: _num_invalid(v, -1, None, True), [("int:vocab+1", vocab + 1)]),  # -1 and 0: off
         "seed": (lambda v: _num_invalid(v, -2**63, 2**64 - 1, True), []),
         "cloud_budget": (lambda v: _num_invalid(v, 0, None, True), []),
         "refine": (lambda v: _num_invalid(v, 1e-12, 1), [("float:1.0", 1.0), ("float:1e-9", 1e-9)]),
@@ -369,8 +372,25 @@ def ws_generate_fields(vocab: int, max_len: int) -> dict:
         "repetition_penalty": (lambda v: _num_invalid(v, 1e-12, None), []),
         "min_tokens": (lambda v: _num_invalid(v, 0, None, True), [("int:3", 3)]),
         "kv_from": (lambda v: _num_invalid(v, 0, 1, True), [("int:1", 1), ("int:2", 2)]),
+        "logit_bias": (lambda v: _bias_pairs_invalid(v, vocab),
+                       [("pairs:[[5,100]]", [[5, 100.0]]), ("pairs:repeated id", [[5, 100.0], [5, 100.0]]),
+                        ("pairs:[[vocab,1]]", [[vocab, 1.0]]), ("pairs:[[0,101]]", [[0, 101.0]]),
+                        ("pairs:[[0,nan]]", [[0, math.nan]]), ("pairs:[[-1,1]]", [[-1, 1.0]]),
+                        ("pairs:301", [[i, 1.0] for i in range(301)])]),
         "unknown_field": (lambda v: None, []),
     }
+
+
+def _bias_pairs_invalid(v: Any, vocab: int) -> bool | None:
+    """Generate.logit_bias: [token id, bias] pairs, ids in [0, vocab) each once, biases in [-100, 100]."""
+    if v is MISSING:
+        return None
+    if not isinstance(v, list) or len(v) > 300 or not all(isinstance(e, list) and len(e) == 2 for e in v):
+        return True
+    ids = [e[0] for e in v]
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids) or len(set(ids)) < len(ids):
+        return True
+    return True if any(_num_invalid(b, -100, 100) for _, b in v) else None
 
 
 def _str_invalid_required(v: Any) -> bool | None:
@@ -678,7 +698,7 @@ class Generator:
                         frame = _set({"type": typ, "request_id": rid, **extra}, [fname], value)
                         inv = None
                         if fname != "request_id" and value is not MISSING and (
-                                isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 20):
                             inv = True
                         return Case(i, "ws", typ, f"{typ}.{fname}", label, body=frame, pre=pre, invalid=inv,
                                     expect="done")
