@@ -369,7 +369,7 @@ def ws_generate_fields(vocab: int, max_len: int) -> dict:
                      [("list:[vocab]", [vocab]), ("list:[-1]", [-1])]),
         "presence_penalty": (lambda v: _num_invalid(v), []),
         "frequency_penalty": (lambda v: _num_invalid(v), []),
-        "repetition_penalty": (lambda v: _num_invalid(v, 1e-12, None), []),
+        "repetition_penalty": (lambda v: _num_invalid(v, 0, 2) or (True if v == 0 else None), []),  # (0, 2]
         "min_tokens": (lambda v: _num_invalid(v, 0, None, True), [("int:3", 3)]),
         "kv_from": (lambda v: _num_invalid(v, 0, 1, True), [("int:1", 1), ("int:2", 2)]),
         "logit_bias": (lambda v: _bias_pairs_invalid(v, vocab),
