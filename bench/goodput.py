@@ -74,26 +74,19 @@ from typing import Sequence
 
 import numpy as np
 
+from relayinfer.device.speed import display_ms, tpot_p90_ms  # noqa: F401  (the display model, written once)
+
 BUCKETS = (("short", 64), ("medium", 128), ("long", 192))  # (name, target prompt tokens); see SLOS
 # (TTFT ms, TPOT ms). The longest bucket is the longest prompt this CPU prefills well within the first
 # TTFT SLO at zero load (~3.3 ms/token: 192 tokens ~0.7 s); the second pair: see docs/BENCHMARKS.md
 SLOS = ((1000.0, 100.0), (2000.0, 200.0))
-RATES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)  # requests/s, x2 steps
+RATES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.4, 3.2)  # requests/s: x2 steps, x1.5 where split mode ends
 QUICK_RATES = (0.05, 0.4)
 ATTAINMENT_GOAL = 0.9
 MODES = ("cloud-only", "split")
 
 
 # -- the goodput math (pure) --
-
-def tpot_p90_ms(shown_ms: Sequence[float]) -> float | None:
-    """The user-visible TPOT of one request: the 90th percentile (linear interpolation) of its
-    inter-token gaps as shown, ms. shown_ms: shown times of its tokens, ms, ascending. None for an
-    answer of fewer than 2 tokens (no gap)."""
-    if len(shown_ms) < 2:
-        return None
-    return float(np.percentile(np.diff(np.asarray(shown_ms, dtype=np.float64)), 90))
-
 
 def attains(ok: bool, ttft_ms: float | None, tpot_ms: float | None, ttft_slo_ms: float, tpot_slo_ms: float) -> bool:
     """Whether one request meets the SLO pair: it completed (`ok`), ttft_ms <= ttft_slo_ms and
@@ -121,24 +114,6 @@ def goodput_rps(points: Sequence[tuple[float, float | None]], goal: float = ATTA
             break
         best = rate
     return best
-
-
-def display_ms(ready_ms: Sequence[float], interval_ms: float, interval_after_ms: float | None = None,
-               handoff_ms: float | None = None) -> list[float]:
-    """Shown times (ms) of tokens ready at `ready_ms` under the speed controller: token 0 when ready,
-    token k at max(ready[k], shown[k-1] + I), where I is `interval_ms`, or `interval_after_ms` for a
-    token the display turns to at or after `handoff_ms` (the moment the device takes over and the
-    interval drops to its pace; the display turns to token k at max(shown[k-1], ready[k]))."""
-    from relayinfer.device.speed import release_time
-
-    shown: list[float] = []
-    for k, r in enumerate(ready_ms):
-        prev = shown[-1] if shown else None
-        at = r if prev is None else max(prev, r)
-        iv = interval_after_ms if (interval_after_ms is not None and handoff_ms is not None and at >= handoff_ms) \
-            else interval_ms
-        shown.append(release_time(r, prev, iv))
-    return shown
 
 
 def bound_of(point: dict, zero_load_ttft_ms: float | None, cores: int = 1) -> dict:
@@ -169,168 +144,21 @@ def bound_of(point: dict, zero_load_ttft_ms: float | None, cores: int = 1) -> di
             "zero_load_ttft_ms": zero_load_ttft_ms, "verdict": verdict}
 
 
-# -- the virtual device with shown times --
+# -- the virtual device --
 
-@dataclass
-class Timed:
-    """One virtual request (times ms since just before the connect). ready_ms / shown_ms: per answer
-    token (cloud tokens before the hand-off, then device tokens); handoff: answer index of the first
-    device token (None: the cloud answered to the end; 0: the device answered alone); budget: the
-    cloud budget (after `extensions` ExtendBudget re-plans; None: cloud to the end)."""
-
-    prompt_tokens: int
-    mode: str
-    ok: bool = False
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    tpot_max_ms: float | None = None
-    answer_tokens: int = 0
-    cloud_tokens: int = 0
-    handoff: int | None = None
-    budget: int | None = None
-    extensions: int = 0
-    interval_ms: float | None = None
-    cloud_busy_ms: float | None = None
-    cloud_prefill_ms: float | None = None
-    cloud_step_ms: float | None = None
-    error: str | None = None
-    ready_ms: list = field(default_factory=list)
-    shown_ms: list = field(default_factory=list)
-
-
-async def timed_request(url: str, fingerprint: str, prompt: Sequence[int], mode: str, timing, answer_len: int,
+async def timed_request(url: str, fingerprint: str, prompt: Sequence[int], mode: str, timing, answer_len: int | None,
                         max_new_tokens: int = 256, target_tpot_ms: float = 50.0, cloud=None,
-                        timeout_s: float = 120.0) -> Timed:
-    """One virtual device request (see the module docstring). timing: the device's
+                        timeout_s: float = 120.0):
+    """One virtual device request with shown times (`device.virtual.virtual_request`, the one
+    virtual device: the real device's plan and decisions, the profile's costs). timing: the device's
     `device.settings.Timing` (a, b, d; its cloud fields unused); answer_len: tokens of the greedy
     answer of this prompt (the device's answer length after a hand-off, <= max_new_tokens); cloud:
-    the `device.settings.CloudEstimate` the plan uses (None: a fresh client's). Never raises for a
-    cloud failure: `ok` False and `error` say it."""
-    from relayinfer.device.settings import CatchUp, CloudEstimate, Timing, choose_settings
-    from relayinfer.device.speed import tpot_from_arrivals
-    from relayinfer.protocol.transport import ws as proto_ws
-    from relayinfer.protocol.messages import Done, Error, ExtendBudget, Stop, Token
-    from relayinfer.protocol.model.decoding import SamplingParams, generate_message
-    from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
+    the `device.settings.CloudEstimate` the plan uses (None: a fresh client's). Returns the
+    `VirtualResult`; never raises for a cloud failure (`ok` False and `error` say it)."""
+    from relayinfer.device.virtual import virtual_request
 
-    prompt = list(prompt)
-    split = mode == "split"
-    res = Timed(len(prompt), mode)
-    interval, after = target_tpot_ms, None
-    if split:
-        c = cloud or CloudEstimate()
-        t = Timing(timing.prefill_ms_base, timing.prefill_ms_per_token, timing.decode_ms_per_token,
-                   c.ttft_ms(len(prompt)), c.tpot_ms)
-        st = choose_settings(t, len(prompt), max_new_tokens, target_tpot_ms)
-        res.budget, interval = st.cloud_budget, st.interval_ms
-        after = max(target_tpot_ms, timing.decode_ms_per_token)
-    res.interval_ms = interval
-    rid = uuid.uuid4().hex[:12]
-    t0 = time.perf_counter()
-    now = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
-    try:
-        ch = await proto_ws.open_channel(url, fingerprint, None, client="relayinfer-virtual", open_timeout=timeout_s)
-    except Exception as e:
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    table = RequestTable(Role.DEVICE)
-    arrivals: list[float] = []
-    cloud_t: list[float] = []
-    done: list = []
-    handoff_ms: list[float] = []
-
-    async def receive():
-        async for msg in ch:
-            ev = table.receive(msg)
-            if isinstance(ev, RequestViolation):
-                res.error = f"protocol violation: {ev.message}"
-                return
-            if isinstance(msg, Token):
-                arrivals.append(now())
-                cloud_t.append(msg.t_cloud_ms)
-            elif isinstance(msg, Done):
-                done.append(msg)
-                return
-            elif isinstance(msg, Error):
-                res.error = f"cloud error [{msg.code}]: {msg.message}"
-                return
-
-    async def device():
-        await asyncio.sleep(timing.prefill_ms(len(prompt)) / 1e3)
-        if arrivals and not done:  # re-plan with the measured cloud TTFT and TPOT (as `SplitSession.replan`)
-            t = Timing(timing.prefill_ms_base, timing.prefill_ms_per_token, timing.decode_ms_per_token,
-                       arrivals[0], tpot_from_arrivals(arrivals) or 0.0, now())
-            st = choose_settings(t, 0, max_new_tokens, target_tpot_ms, margin=0.1)
-            want = st.cloud_budget if st.cloud_budget is not None else max_new_tokens
-            if want > res.budget and not table.send(ExtendBudget(rid, want)).ignored:
-                res.budget, res.extensions = want, res.extensions + 1
-                await ch.send(ExtendBudget(rid, want))
-        rule = CatchUp()
-        while True:
-            if done and done[0].reason != "budget":
-                return  # the cloud ended the answer first
-            batch = rule.next_batch(len(arrivals))
-            if batch is None:
-                break
-            await asyncio.sleep(timing.prefill_ms(batch[1] - batch[0]) / 1e3)
-            rule.prefilled(batch[1])
-        if rule.covered >= answer_len:
-            return  # the cloud's tokens already make the whole answer
-        res.handoff = rule.covered
-        handoff_ms.append(now())
-        if not done and not table.send(Stop(rid, rule.covered)).ignored:
-            await ch.send(Stop(rid, rule.covered))
-
-    rx = dev = None
-    try:
-        g = generate_message(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens),
-                             cloud_budget=res.budget if split else None)
-        table.send(g)
-        await ch.send(g)
-        rx = asyncio.create_task(receive())
-        # the cloud-to-the-end plan (budget None): the device stays idle and the cloud answers to the end
-        dev = asyncio.create_task(device()) if split and res.budget is not None else None
-        left = lambda: max(0.0, timeout_s - now() / 1e3)  # noqa: E731
-        await asyncio.wait_for(asyncio.shield(rx), left())
-        if dev is not None:
-            if done and done[0].reason == "budget" and res.error is None:
-                await asyncio.wait_for(asyncio.shield(dev), left())  # the device still takes over
-            elif not dev.done():
-                dev.cancel()
-            await asyncio.gather(dev, return_exceptions=True)
-    except asyncio.TimeoutError:
-        res.error = f"timeout after {timeout_s} s"
-    except Exception as e:
-        res.error = f"{type(e).__name__}: {e}"
-    finally:
-        for task in (rx, dev):
-            if task is not None:
-                task.cancel()
-        try:
-            await asyncio.wait_for(ch.close(), 5.0)
-        except Exception:
-            pass
-    d = done[0] if done else None
-    res.cloud_tokens = d.cloud_tokens if d is not None else len(arrivals)
-    if d is not None:
-        res.cloud_prefill_ms = d.prefill_ms
-        res.cloud_busy_ms = d.prefill_ms + (cloud_t[-1] - cloud_t[0] if cloud_t else 0.0)
-    if len(cloud_t) > 1:
-        res.cloud_step_ms = (cloud_t[-1] - cloud_t[0]) / (len(cloud_t) - 1)
-    h = res.handoff
-    if h is not None and handoff_ms:
-        ready = arrivals[:h] + [handoff_ms[0] + timing.decode_ms_per_token * j for j in range(answer_len - h)]
-    else:
-        ready = list(arrivals)
-    res.ready_ms = ready
-    res.shown_ms = display_ms(ready, interval, after, handoff_ms[0] if handoff_ms else None)
-    res.answer_tokens = len(ready)
-    res.ok = d is not None and res.error is None and bool(ready)
-    if res.shown_ms:
-        res.ttft_ms = res.shown_ms[0]
-        res.tpot_ms = tpot_p90_ms(res.shown_ms)
-        res.tpot_max_ms = float(np.diff(res.shown_ms).max()) if len(res.shown_ms) > 1 else None
-    return res
+    return await virtual_request(url, fingerprint, prompt, mode, timing, max_new_tokens, target_tpot_ms=target_tpot_ms,
+                                 timeout_s=timeout_s, answer_len=answer_len, cloud=cloud)
 
 
 # -- the load --
@@ -489,6 +317,25 @@ async def _real(client, ids, max_new_tokens, **kw):
     return stream.result, shown
 
 
+def _replay_twin(real, profile_timing, max_new_tokens: int, target_tpot_ms: float, est) -> dict:
+    """The virtual device replayed on the real request's own cloud stream (`device.virtual.replay`):
+    the cloud tokens it received before its hand-off (or all of them), its answer length, the cloud
+    estimate it started with; plus the display model alone on the real request's ready times
+    ('display_tpot_ms': the speed controller of `display_ms` at the replay's intervals, hand-off at
+    the real one), which separates the real display's scheduling delays from the device model."""
+    from relayinfer.device.virtual import replay
+
+    h = real.handoff_index
+    n_cloud = h if h is not None else (len(real.token_ids) if real.mode != "device-only" else 0)
+    arrivals = list(real.ready_ms[:n_cloud])
+    r = replay(profile_timing, len(real.prompt_ids), arrivals, len(real.token_ids), max_new_tokens, target_tpot_ms,
+               cloud=est)
+    after = max(target_tpot_ms, profile_timing.decode_ms_per_token)
+    hms = real.ready_ms[h] if h is not None and h < len(real.ready_ms) else None
+    r["display_tpot_ms"] = tpot_p90_ms(display_ms(real.ready_ms, r["interval_ms"], after if hms is not None else None, hms))
+    return r
+
+
 def _dev_stats(devs: Sequence[float | None]) -> dict:
     """Median / max of relative deviations and the fraction within 10 % (a None: a mismatch that
     has no ratio, e.g. a hand-off on one side only, counts as outside)."""
@@ -527,6 +374,7 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
             est = copy.deepcopy(client.cloud)  # the twins plan on the estimate the real request starts with
             real, shown = await _real(client, p["ids"], max_new_tokens)
             # one after the other (each alone on the background load: not queued behind each other)
+            rp = _replay_twin(real, profile_timing, max_new_tokens, target_tpot_ms, est)
             vp = await timed_request(url, fingerprint, p["ids"], "split", profile_timing, p["answer_len"],
                                      max_new_tokens, target_tpot_ms, cloud=est, timeout_s=timeout_s)
             vf = vp if same else await timed_request(url, fingerprint, p["ids"], "split", fit, p["answer_len"],
@@ -535,7 +383,12 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
                    "real": {"ttft_ms": real.ttft_ms, "tpot_ms": tpot_p90_ms(shown), "handoff": real.handoff_index,
                             "answer_tokens": len(real.token_ids), "cloud_budget": real.cloud_budget,
                             "interval_ms": real.interval_ms, "mode": real.mode, "plan": real.plan,
-                            "budget_extensions": real.budget_extensions, "fault": real.fault}}
+                            "budget_extensions": real.budget_extensions, "fault": real.fault,
+                            "device_prefill_ms": real.device_prefill_ms, "device_prompt_ms": real.device_prompt_ms}}
+            row["virtual_replay"] = {k: rp[k] for k in ("ttft_ms", "tpot_ms", "handoff", "handoff_ms", "budget",
+                                                        "extensions", "interval_ms", "extrapolated", "display_tpot_ms")}
+            row["virtual_replay"]["dev"] = {k: rel_dev(rp[k], row["real"][k]) for k in ("ttft_ms", "tpot_ms", "handoff")}
+            row["virtual_replay"]["dev"]["display_tpot_ms"] = rel_dev(rp["display_tpot_ms"], row["real"]["tpot_ms"])
             for name, v in (("virtual_profile", vp), ("virtual_fit", vf)):
                 row[name] = {"ttft_ms": v.ttft_ms, "tpot_ms": v.tpot_ms, "handoff": v.handoff,
                              "answer_tokens": v.answer_tokens, "cloud_budget": v.budget, "interval_ms": v.interval_ms,
@@ -554,18 +407,22 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
             print(f"[bench goodput] validate {rate:5.2f} rps {len(p['ids']):4d} tok: real ttft {r['ttft_ms']:6.0f} "
                   f"tpot {r['tpot_ms'] or 0:5.1f} h {r['handoff']} | virtual ttft {vp.ttft_ms or 0:6.0f} tpot "
                   f"{vp.tpot_ms or 0:5.1f} h {vp.handoff} | fit ttft {vf.ttft_ms or 0:6.0f} tpot {vf.tpot_ms or 0:5.1f} "
-                  f"h {vf.handoff}", flush=True)
+                  f"h {vf.handoff} | replay ttft {rp['ttft_ms'] or 0:6.0f} tpot {rp['tpot_ms'] or 0:5.1f} h {rp['handoff']}",
+                  flush=True)
         if bg is not None:
             stop.set()
             await bg
     summary = {name: {k: _dev_stats([p[name]["dev"][k] for p in pairs]) for k in ("ttft_ms", "tpot_ms", "handoff")}
-               for name in ("virtual_profile", "virtual_fit") if not (same and name == "virtual_fit")}
+               for name in ("virtual_replay", "virtual_profile", "virtual_fit") if not (same and name == "virtual_fit")}
+    summary["virtual_replay"]["display_tpot_ms"] = _dev_stats([p["virtual_replay"]["dev"]["display_tpot_ms"] for p in pairs])
     summary["cloud_only_ttft"] = {"ttft_ms": _dev_stats([p["cloud_only_ttft"]["dev"] for p in pairs])}
     bias = lambda k, sub: _pct([p[sub][k] - p["real"][k] for p in pairs if p[sub][k] is not None  # noqa: E731
                                 and p["real"][k] is not None], 50)
     summary["median_virtual_minus_real"] = {
         "split_ttft_ms": bias("ttft_ms", "virtual_profile"), "split_tpot_ms": bias("tpot_ms", "virtual_profile"),
         "split_handoff": bias("handoff", "virtual_profile"),
+        "replay_ttft_ms": bias("ttft_ms", "virtual_replay"), "replay_tpot_ms": bias("tpot_ms", "virtual_replay"),
+        "replay_handoff": bias("handoff", "virtual_replay"),
         "cloud_only_ttft_ms": _pct([p["cloud_only_ttft"]["virtual_ms"] - p["cloud_only_ttft"]["real_ms"] for p in pairs
                                     if p["cloud_only_ttft"]["virtual_ms"] is not None], 50)}
     return {"pairs": pairs, "summary": summary, "device_fit": [a, b, d], "rates": list(rates), "per_rate": per_rate}
@@ -792,5 +649,7 @@ def markdown(res: dict) -> str:
                              f"{f(st['max'] and st['max'] * 100, 1)} % | {f(st['within_10pct'] and st['within_10pct'] * 100)} % |")
         b = v["summary"]["median_virtual_minus_real"]
         lines.append(f"\nMedian virtual - real: split TTFT {f(b['split_ttft_ms'])} ms, TPOT {f(b['split_tpot_ms'], 1)} ms, "
-                     f"hand-off index {f(b['split_handoff'], 1)}; cloud-only TTFT {f(b['cloud_only_ttft_ms'])} ms.")
+                     f"hand-off index {f(b['split_handoff'], 1)}; replayed on the real stream: TTFT {f(b['replay_ttft_ms'], 1)} ms, "
+                     f"TPOT {f(b['replay_tpot_ms'], 1)} ms, hand-off index {f(b['replay_handoff'], 1)}; "
+                     f"cloud-only TTFT {f(b['cloud_only_ttft_ms'])} ms.")
     return "\n".join(lines) + "\n"
