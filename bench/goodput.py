@@ -349,8 +349,11 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
     """Real `SplitSession`s (through `client`, an `sdk.Client` with a device profile) against
     virtual twins (see the module docstring): `per_rate` real requests one after another at each
     background rate of `rates` (virtual split requests/s with the profile's timing; 0: none).
-    Returns {'pairs': per real request its figures and each twin's ('virtual_profile',
-    'virtual_fit') with relative deviations (`rel_dev`) of TTFT, TPOT (p90 shown gap) and hand-off
+    Returns {'pairs': per real request its figures (with its ready and shown times) and each
+    twin's with relative deviations: 'virtual_replay' (the virtual device replayed on the real
+    request's own cloud stream with the device fit that request planned with: the device model
+    alone), 'virtual_replay_profile' (the same with the profile's timing), 'virtual_profile' and
+    'virtual_fit' (live twins, after it, on the same background load) (`rel_dev`) of TTFT, TPOT (p90 shown gap) and hand-off
     index; 'summary': per twin kind and figure, `_dev_stats`; 'device_fit': the real client's (a, b,
     d) ms}; per pair also 'cloud_only_ttft': the same prompt cloud-only (8 tokens), real against
     virtual (no device compute on either side), and in the summary the median signed differences
@@ -372,9 +375,13 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
         for _ in range(per_rate):
             p = pool[rng.randrange(len(pool))]
             est = copy.deepcopy(client.cloud)  # the twins plan on the estimate the real request starts with
+            fit_now = Timing(*client.device_timing(), 0.0, 0.0)  # the fit this request plans with
+            fit_prof = Timing(profile_timing.prefill_ms_base, profile_timing.prefill_ms_per_token,
+                              profile_timing.decode_ms_per_token, 0.0, 0.0)
             real, shown = await _real(client, p["ids"], max_new_tokens)
             # one after the other (each alone on the background load: not queued behind each other)
-            rp = _replay_twin(real, profile_timing, max_new_tokens, target_tpot_ms, est)
+            rp = _replay_twin(real, fit_now, max_new_tokens, target_tpot_ms, est)
+            rpp = rp if fit_now == fit_prof else _replay_twin(real, profile_timing, max_new_tokens, target_tpot_ms, est)
             vp = await timed_request(url, fingerprint, p["ids"], "split", profile_timing, p["answer_len"],
                                      max_new_tokens, target_tpot_ms, cloud=est, timeout_s=timeout_s)
             vf = vp if same else await timed_request(url, fingerprint, p["ids"], "split", fit, p["answer_len"],
@@ -385,10 +392,13 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
                             "interval_ms": real.interval_ms, "mode": real.mode, "plan": real.plan,
                             "budget_extensions": real.budget_extensions, "fault": real.fault,
                             "device_prefill_ms": real.device_prefill_ms, "device_prompt_ms": real.device_prompt_ms}}
-            row["virtual_replay"] = {k: rp[k] for k in ("ttft_ms", "tpot_ms", "handoff", "handoff_ms", "budget",
-                                                        "extensions", "interval_ms", "extrapolated", "display_tpot_ms")}
-            row["virtual_replay"]["dev"] = {k: rel_dev(rp[k], row["real"][k]) for k in ("ttft_ms", "tpot_ms", "handoff")}
-            row["virtual_replay"]["dev"]["display_tpot_ms"] = rel_dev(rp["display_tpot_ms"], row["real"]["tpot_ms"])
+            row["real"]["device_fit"] = [fit_now.prefill_ms_base, fit_now.prefill_ms_per_token, fit_now.decode_ms_per_token]
+            row["real"]["ready_ms"], row["real"]["shown_ms"] = list(real.ready_ms), list(shown)
+            for name, r_ in (("virtual_replay", rp), ("virtual_replay_profile", rpp)):
+                row[name] = {k: r_[k] for k in ("ttft_ms", "tpot_ms", "handoff", "handoff_ms", "budget", "extensions",
+                                                "interval_ms", "extrapolated", "display_tpot_ms", "shown_ms")}
+                row[name]["dev"] = {k: rel_dev(r_[k], row["real"][k]) for k in ("ttft_ms", "tpot_ms", "handoff")}
+                row[name]["dev"]["display_tpot_ms"] = rel_dev(r_["display_tpot_ms"], row["real"]["tpot_ms"])
             for name, v in (("virtual_profile", vp), ("virtual_fit", vf)):
                 row[name] = {"ttft_ms": v.ttft_ms, "tpot_ms": v.tpot_ms, "handoff": v.handoff,
                              "answer_tokens": v.answer_tokens, "cloud_budget": v.budget, "interval_ms": v.interval_ms,
@@ -413,8 +423,10 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
             stop.set()
             await bg
     summary = {name: {k: _dev_stats([p[name]["dev"][k] for p in pairs]) for k in ("ttft_ms", "tpot_ms", "handoff")}
-               for name in ("virtual_replay", "virtual_profile", "virtual_fit") if not (same and name == "virtual_fit")}
-    summary["virtual_replay"]["display_tpot_ms"] = _dev_stats([p["virtual_replay"]["dev"]["display_tpot_ms"] for p in pairs])
+               for name in ("virtual_replay", "virtual_replay_profile", "virtual_profile", "virtual_fit")
+               if not (same and name == "virtual_fit")}
+    for name in ("virtual_replay", "virtual_replay_profile"):
+        summary[name]["display_tpot_ms"] = _dev_stats([p[name]["dev"]["display_tpot_ms"] for p in pairs])
     summary["cloud_only_ttft"] = {"ttft_ms": _dev_stats([p["cloud_only_ttft"]["dev"] for p in pairs])}
     bias = lambda k, sub: _pct([p[sub][k] - p["real"][k] for p in pairs if p[sub][k] is not None  # noqa: E731
                                 and p["real"][k] is not None], 50)
@@ -500,8 +512,8 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
     from .split import _CloudProcess, _git_commit
 
     profs = [load_profile(p) for p in profiles]  # unknown -> ValueError before anything loads
-    if not profs or not rates:
-        raise ValueError("give at least one device profile and one rate")
+    if not profs or not (rates or validate_per_rate):
+        raise ValueError("give at least one device profile, and one rate or a validation (no rates: validation only)")
     if pool_size < 1:
         raise ValueError(f"--prompts (the prompt pool) must be >= 1, got {pool_size}")
     cores = sorted(os.sched_getaffinity(0))
@@ -533,9 +545,10 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
                   target_tpot_ms=target_tpot_ms, timeout_s=timeout_s, cloud_pid=cloud.pid)
         sweeps = {}
         zero = Timing(0, 0, 0, 0, 0)
-        sweeps["cloud-only"] = asyncio.run(sweep(url, fingerprint, pool, "cloud-only", zero, rates, deadline, slos,
-                                                 seed=seed, **kw))
-        for prof in profs:
+        if rates:
+            sweeps["cloud-only"] = asyncio.run(sweep(url, fingerprint, pool, "cloud-only", zero, rates, deadline, slos,
+                                                     seed=seed, **kw))
+        for prof in profs if rates else ():
             tm = Timing(prof.prefill_ms_base, prof.prefill_ms_per_token, prof.decode_ms_per_token, 0.0, 0.0)
             sweeps[f"split {prof.name}"] = asyncio.run(sweep(url, fingerprint, pool, "split", tm, rates, deadline, slos,
                                                              seed=seed, **kw))
@@ -571,6 +584,13 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
                     "git_commit": _git_commit(), "cores": os.cpu_count(), "load_avg_start": list(load0),
                     "load_avg_end": list(os.getloadavg()), "wall_s": time.perf_counter() - t_start, "priority": prio,
                     "shared_machine": "other processes ran on this machine: see load_avg_* and each point's load_avg_1m"}
+    from .goodput_model import model
+
+    try:
+        res["model"] = model(res) if sweeps else None
+    except ValueError as e:  # too few prompt lengths for the prefill fit
+        res["model"] = None
+        print(f"[bench goodput] no model: {e}", flush=True)
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
     if plot:
@@ -627,6 +647,14 @@ def _plot(res: dict, path: Path) -> str:
     return str(path)
 
 
+def arrived_rps(point: dict, rate_point: dict) -> float | None:
+    """The rate (requests/s) the seeded Poisson draw of a point actually offered: its requests over
+    the arrival window (`duration_s`, or the time of the last arrival when `max_requests` ended it).
+    At low rates one 120 s draw can be far from the nominal rate (12 arrivals at 0.2 rps)."""
+    window = point["arrivals_s"] if point["requests"] >= rate_point["max_requests"] else rate_point["duration_s"]
+    return point["requests"] / window if window else None
+
+
 def _priority_line(p: dict | None) -> str:
     """The run's CPU priority in words (`session_priority`)."""
     if not p:
@@ -648,19 +676,21 @@ def markdown(res: dict) -> str:
              "| SLO (TTFT / TPOT p90) | " + " | ".join(f"{m} goodput (rps)" for m in res["sweeps"]) +
              " | " + " | ".join(f"{m} / cloud-only" for m in res["sweeps"] if m != "cloud-only") + " | bound |",
              "|" + "---|" * (2 + 2 * (len(res["sweeps"]) - 1) + 1)]
-    for g in res["goodput"]:
+    if not res["sweeps"]:
+        lines = lines[:2] + ["(validation only: no rate sweep)"]
+    for g in res["goodput"] if res["sweeps"] else ():
         gp = [f"{f(v, 2)}{' (>=)' if g['lower_bound'][m] else ''}" for m, v in g["goodput_rps"].items()]
         ratio = [f(g["ratio_over_cloud_only"][m], 1) for m in g["goodput_rps"] if m != "cloud-only"]
         bound = "; ".join(f"{m}: {b['verdict']} at {b['rate_rps']:g} rps" for m, b in g["bound"].items() if b)
         lines.append(f"| {g['ttft_slo_ms'] / 1e3:g} s / {g['tpot_slo_ms']:g} ms | " + " | ".join(gp) + " | "
                      + " | ".join(ratio) + f" | {bound or '-'} |")
-    lines += ["", "| mode | rate (rps) | measured | ok | " + " | ".join(f"attain {t / 1e3:g}s/{p:g}ms" for t, p in res["slos"])
+    lines += [] if not res["sweeps"] else ["", "| mode | rate (rps) | arrived (rps) | measured | ok | " + " | ".join(f"attain {t / 1e3:g}s/{p:g}ms" for t, p in res["slos"])
               + " | TTFT p50 / p90 | TPOT p90 p50 / p90 | answer tok | cloud tok/req | cloud busy ms/req | cloud step ms |"
               " cloud CPU busy + wait | held | load avg |",
-              "|" + "---|" * (4 + len(res["slos"]) + 9)]
+              "|" + "---|" * (5 + len(res["slos"]) + 9)]
     for mode, sw in res["sweeps"].items():
         for p in sw["points"]:
-            lines.append(f"| {mode} | {p['offered_rps']:g} | {p['measured']} | {p['ok']} | "
+            lines.append(f"| {mode} | {p['offered_rps']:g} | {f(arrived_rps(p, res['rate_point']), 2)} | {p['measured']} | {p['ok']} | "
                          + " | ".join(f(x["attainment"], 2) for x in p["slo"])
                          + f" | {f(p['ttft_ms_p50'])} / {f(p['ttft_ms_p90'])} | {f(p['tpot_ms_p50'])} / {f(p['tpot_ms_p90'])} | "
                          f"{f(p['answer_tokens_mean'])} | {f(p['cloud_tokens_mean'], 1)} | {f(p['cloud_busy_ms_mean'])} | "
@@ -684,4 +714,9 @@ def markdown(res: dict) -> str:
                      f"hand-off index {f(b['split_handoff'], 1)}; replayed on the real stream: TTFT {f(b['replay_ttft_ms'], 1)} ms, "
                      f"TPOT {f(b['replay_tpot_ms'], 1)} ms, hand-off index {f(b['replay_handoff'], 1)}; "
                      f"cloud-only TTFT {f(b['cloud_only_ttft_ms'])} ms.")
-    return "\n".join(lines) + "\n"
+    out = "\n".join(lines) + "\n"
+    if res.get("model"):
+        from .goodput_model import markdown as model_md
+
+        out += model_md(res["model"])
+    return out
