@@ -317,7 +317,21 @@ async def _real(client, ids, max_new_tokens, **kw):
     return stream.result, shown
 
 
-def _replay_twin(real, profile_timing, max_new_tokens: int, target_tpot_ms: float, est) -> dict:
+def measured_cost(real, fit):
+    """What the real request's device calls took (`device.settings.Timing`, ms): its prompt
+    prefill's ms/token (`device_prompt_ms` over the prompt tokens, a = 0) and its decode pace (the
+    median gap between its device tokens' ready times; `fit`'s d without two device tokens)."""
+    from relayinfer.device.settings import Timing
+
+    n = real.device_prompt_tokens or len(real.prompt_ids)
+    b = real.device_prompt_ms / n if real.device_prompt_ms and n else fit.prefill_ms_per_token
+    h = real.handoff_index
+    dev = real.ready_ms[h:] if h is not None else []
+    d = float(np.median(np.diff(dev))) if len(dev) > 2 else fit.decode_ms_per_token
+    return Timing(0.0, b, d, 0.0, 0.0)
+
+
+def _replay_twin(real, profile_timing, max_new_tokens: int, target_tpot_ms: float, est, cost=None) -> dict:
     """The virtual device replayed on the real request's own cloud stream (`device.virtual.replay`):
     the cloud tokens it received before its hand-off (or all of them), its answer length, the cloud
     estimate it started with; plus the display model alone on the real request's ready times
@@ -329,7 +343,7 @@ def _replay_twin(real, profile_timing, max_new_tokens: int, target_tpot_ms: floa
     n_cloud = h if h is not None else (len(real.token_ids) if real.mode != "device-only" else 0)
     arrivals = list(real.ready_ms[:n_cloud])
     r = replay(profile_timing, len(real.prompt_ids), arrivals, len(real.token_ids), max_new_tokens, target_tpot_ms,
-               cloud=est)
+               cloud=est, cost=cost)
     after = max(target_tpot_ms, profile_timing.decode_ms_per_token)
     hms = real.ready_ms[h] if h is not None and h < len(real.ready_ms) else None
     r["display_tpot_ms"] = tpot_p90_ms(display_ms(real.ready_ms, r["interval_ms"], after if hms is not None else None, hms))
@@ -352,7 +366,8 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
     Returns {'pairs': per real request its figures (with its ready and shown times) and each
     twin's with relative deviations: 'virtual_replay' (the virtual device replayed on the real
     request's own cloud stream with the device fit that request planned with: the device model
-    alone), 'virtual_replay_profile' (the same with the profile's timing), 'virtual_profile' and
+    alone), 'virtual_replay_measured' (the same plan, each call costing what the real request's
+    calls took: `measured_cost`), 'virtual_replay_profile' (the same with the profile's timing), 'virtual_profile' and
     'virtual_fit' (live twins, after it, on the same background load) (`rel_dev`) of TTFT, TPOT (p90 shown gap) and hand-off
     index; 'summary': per twin kind and figure, `_dev_stats`; 'device_fit': the real client's (a, b,
     d) ms}; per pair also 'cloud_only_ttft': the same prompt cloud-only (8 tokens), real against
@@ -382,6 +397,8 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
             # one after the other (each alone on the background load: not queued behind each other)
             rp = _replay_twin(real, fit_now, max_new_tokens, target_tpot_ms, est)
             rpp = rp if fit_now == fit_prof else _replay_twin(real, profile_timing, max_new_tokens, target_tpot_ms, est)
+            cost = measured_cost(real, fit_now)
+            rpm = _replay_twin(real, fit_now, max_new_tokens, target_tpot_ms, est, cost)
             vp = await timed_request(url, fingerprint, p["ids"], "split", profile_timing, p["answer_len"],
                                      max_new_tokens, target_tpot_ms, cloud=est, timeout_s=timeout_s)
             vf = vp if same else await timed_request(url, fingerprint, p["ids"], "split", fit, p["answer_len"],
@@ -394,7 +411,9 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
                             "device_prefill_ms": real.device_prefill_ms, "device_prompt_ms": real.device_prompt_ms}}
             row["real"]["device_fit"] = [fit_now.prefill_ms_base, fit_now.prefill_ms_per_token, fit_now.decode_ms_per_token]
             row["real"]["ready_ms"], row["real"]["shown_ms"] = list(real.ready_ms), list(shown)
-            for name, r_ in (("virtual_replay", rp), ("virtual_replay_profile", rpp)):
+            row["real"]["measured_cost"] = [cost.prefill_ms_base, cost.prefill_ms_per_token, cost.decode_ms_per_token]
+            row["cloud_estimate"] = [est.ttft_base_ms, est.prefill_ms_per_token, est.tpot_ms]
+            for name, r_ in (("virtual_replay_measured", rpm), ("virtual_replay", rp), ("virtual_replay_profile", rpp)):
                 row[name] = {k: r_[k] for k in ("ttft_ms", "tpot_ms", "handoff", "handoff_ms", "budget", "extensions",
                                                 "interval_ms", "extrapolated", "display_tpot_ms", "shown_ms")}
                 row[name]["dev"] = {k: rel_dev(r_[k], row["real"][k]) for k in ("ttft_ms", "tpot_ms", "handoff")}
@@ -417,15 +436,16 @@ async def validate(url: str, fingerprint: str, pool, client, profile_timing, rat
             print(f"[bench goodput] validate {rate:5.2f} rps {len(p['ids']):4d} tok: real ttft {r['ttft_ms']:6.0f} "
                   f"tpot {r['tpot_ms'] or 0:5.1f} h {r['handoff']} | virtual ttft {vp.ttft_ms or 0:6.0f} tpot "
                   f"{vp.tpot_ms or 0:5.1f} h {vp.handoff} | fit ttft {vf.ttft_ms or 0:6.0f} tpot {vf.tpot_ms or 0:5.1f} "
-                  f"h {vf.handoff} | replay ttft {rp['ttft_ms'] or 0:6.0f} tpot {rp['tpot_ms'] or 0:5.1f} h {rp['handoff']}",
+                  f"h {vf.handoff} | replay ttft {rp['ttft_ms'] or 0:6.0f} tpot {rp['tpot_ms'] or 0:5.1f} h {rp['handoff']} | "
+                  f"replay, measured cost: ttft {rpm['ttft_ms'] or 0:6.0f} tpot {rpm['tpot_ms'] or 0:5.1f} h {rpm['handoff']}",
                   flush=True)
         if bg is not None:
             stop.set()
             await bg
     summary = {name: {k: _dev_stats([p[name]["dev"][k] for p in pairs]) for k in ("ttft_ms", "tpot_ms", "handoff")}
-               for name in ("virtual_replay", "virtual_replay_profile", "virtual_profile", "virtual_fit")
-               if not (same and name == "virtual_fit")}
-    for name in ("virtual_replay", "virtual_replay_profile"):
+               for name in ("virtual_replay_measured", "virtual_replay", "virtual_replay_profile", "virtual_profile",
+                            "virtual_fit") if not (same and name == "virtual_fit")}
+    for name in ("virtual_replay_measured", "virtual_replay", "virtual_replay_profile"):
         summary[name]["display_tpot_ms"] = _dev_stats([p[name]["dev"]["display_tpot_ms"] for p in pairs])
     summary["cloud_only_ttft"] = {"ttft_ms": _dev_stats([p["cloud_only_ttft"]["dev"] for p in pairs])}
     bias = lambda k, sub: _pct([p[sub][k] - p["real"][k] for p in pairs if p[sub][k] is not None  # noqa: E731

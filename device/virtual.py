@@ -151,12 +151,15 @@ class VirtualDevice:
     of `device.policy` as `split._Run` takes them, each engine call costing `Timing.prefill_ms`.
 
     timing: the plan's `Timing` (device fit and cloud estimate, ms); p: the initial `Plan`;
-    prompt_tokens: tokens the device prefills; chunk: prompt tokens per call (32 while held).
+    prompt_tokens: tokens the device prefills; chunk: prompt tokens per call (32 while held); cost:
+    what its engine calls take (a, b, d; None: the plan's fit, as for a device whose calibration is
+    exact; a real device may plan on a fit that differs from its calls).
     After `run`: handoff (index or None), handoff_ms, budget, extensions, held, interval_ms."""
 
     def __init__(self, timing: Timing, p: Plan, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
-                 chunk: int = PREFILL_CHUNK):
+                 chunk: int = PREFILL_CHUNK, cost: Timing | None = None):
         self.t, self.max_new, self.target, self.chunk = timing, max_new_tokens, target_tpot_ms, chunk
+        self.c = cost or timing  # what its calls take (a, b, d); the plan believes `timing`'s
         self.prompt_tokens, self.prompt_left = prompt_tokens, prompt_tokens
         self.budget, self.held, self.interval_ms, self.prompt_est = p.budget, p.held, p.interval_ms, \
             p.device_prompt_tokens
@@ -183,7 +186,7 @@ class VirtualDevice:
             if io.finished():
                 return None
             n = min(self.prompt_left, min(self.chunk, BACKGROUND_CHUNK) if self.held else self.chunk)
-            await io.sleep(self.t.prefill_ms(n))
+            await io.sleep(self.c.prefill_ms(n))
             self.prompt_left -= n
         await self._replan(io)
         self.on_token(io.now(), io.arrivals, force=True)
@@ -196,7 +199,7 @@ class VirtualDevice:
                 self.handoff, self.handoff_ms = step.index, io.now()
                 return step.index
             else:
-                await io.sleep(self.t.prefill_ms(step.end - step.start))
+                await io.sleep(self.c.prefill_ms(step.end - step.start))
                 rule.prefilled(step.end)
         return None
 
@@ -216,7 +219,7 @@ class VirtualDevice:
         if h is None or self.handoff_ms is None:
             ready = list(arrivals)
         else:
-            d = self.t.decode_ms_per_token
+            d = self.c.decode_ms_per_token
             ready = list(arrivals[:h]) + [self.handoff_ms + d * j for j in range(max(answer_len - h, 0))]
         after = max(self.target, self.t.decode_ms_per_token) if self.handoff_ms is not None else None
         return ready, display_ms(ready, self.interval_ms, after, self.handoff_ms)
@@ -283,16 +286,17 @@ class _Replay:
 
 def replay(device: DeviceProfile | Timing | str, prompt_tokens: int, arrivals_ms: Sequence[float], answer_len: int,
            max_new_tokens: int, target_tpot_ms: float = 50.0, cloud: CloudEstimate | None = None,
-           cloud_ends: bool = True, chunk: int = PREFILL_CHUNK) -> dict:
+           cloud_ends: bool = True, chunk: int = PREFILL_CHUNK, cost: Timing | None = None) -> dict:
     """The virtual device on a recorded cloud stream (module docstring): `arrivals_ms` (ms since
     the request started, ascending) are the cloud tokens a request received, `answer_len` its
     answer's length in tokens, `cloud_ends` whether the cloud's last token of that length ends it
     (False: the cloud was stopped, so only the device can end it). The plan is `plan_for(device,
-    ...)` on `cloud` (the estimate the recorded request started with). Returns {'ttft_ms',
+    ...)` on `cloud` (the estimate the recorded request started with); `cost`: what the device's
+    calls take (None: the plan's fit). Returns {'ttft_ms',
     'tpot_ms', 'handoff', 'handoff_ms', 'budget', 'extensions', 'interval_ms', 'ready_ms',
     'shown_ms', 'extrapolated' (cloud tokens past the recording, at its mean gap)}."""
     t, p = plan_for(device, prompt_tokens, max_new_tokens, target_tpot_ms, cloud=cloud)
-    dev = VirtualDevice(t, p, prompt_tokens, max_new_tokens, target_tpot_ms, chunk)
+    dev = VirtualDevice(t, p, prompt_tokens, max_new_tokens, target_tpot_ms, chunk, cost)
     io = _Replay(dev, arrivals_ms, answer_len, cloud_ends)
     _drive(dev.run(io))
     ready, shown = dev.answer(io.arrivals, answer_len)
