@@ -613,7 +613,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
         print(f"[bench goodput] no model: {e}", flush=True)
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
-    if plot:
+    if plot and sweeps:
         res["plot"] = _plot(res, outp.with_suffix(".png"))
     outp.write_text(json.dumps(res, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
     outp.with_suffix(".md").write_text(markdown(res))

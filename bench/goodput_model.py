@@ -130,16 +130,17 @@ def model(res: dict, paper_prompt_tokens: int = 64, paper_answer_tokens: int = 5
 def markdown(m: dict) -> str:
     """The model's section of the goodput table (labelled MODEL)."""
     f = lambda x, p=0: "-" if x is None else f"{x:,.{p}f}"  # noqa: E731
-    lines = ["", "MODEL (not a run; `bench/goodput_model.py`, inputs measured in this run): cloud prefill "
+    how = f"`{m['command']}`" if m.get("command") else "`bench/goodput_model.py`"
+    lines = ["", f"MODEL (not a run; {how}, inputs measured in this run): cloud prefill "
              f"{f(m['prefill_tokens_per_s'])} tokens/s ({f(m['prefill_ms_per_token'], 2)} ms/token + "
              f"{f(m['prefill_base_ms'])} ms, fit of the zero-load TTFT); device {m['device']['name']}: prefill "
              f"{f(m['device']['prefill_ms_per_token'], 2)} ms/token, decode {f(m['device']['decode_ms_per_token'], 1)} "
              "ms/token.", "",
-             "| mode | rate (rps) | cloud CPU ms/request | cloud tokens/request | CPU ms per cloud token (prefill off) | held | step ms p50 |",
-             "|---|---|---|---|---|---|---|"]
+             "| mode, rate | cloud CPU ms/request | cloud tokens/request | CPU ms per cloud token (prefill off) | held | step ms p50 |",
+             "|---|---|---|---|---|---|"]
     for mode, rows in m["per_point"].items():
         for r in rows:
-            lines.append(f"| {mode} | {r['rate_rps']:g} | {f(r['cpu_ms_per_request'])} | {f(r['cloud_tokens'], 1)} | "
+            lines.append(f"| {mode}, {r['rate_rps']:g} rps | {f(r['cpu_ms_per_request'])} | {f(r['cloud_tokens'], 1)} | "
                          f"{f(r['cpu_ms_per_cloud_token'], 1)} | {f(r['held'], 1)} | {f(r['step_ms_p50'])} |")
     if "run_workload" in m:
         w, pl = m["run_workload"], m["paper_like"]
@@ -163,6 +164,7 @@ def main(argv: list[str]) -> None:
     path = Path(argv[0] if argv else "bench/results/goodput.json")
     res = json.loads(path.read_text())
     res["model"] = model(res)
+    res["model"]["command"] = f"python -m bench.goodput_model {path}"
     path.write_text(json.dumps(res, indent=1))
     path.with_suffix(".md").write_text(table(res))
 
