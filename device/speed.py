@@ -26,6 +26,32 @@ def release_time(ready_ms: float, prev_shown_ms: float | None, interval_ms: floa
     return ready_ms if prev_shown_ms is None else max(ready_ms, prev_shown_ms + interval_ms)
 
 
+def display_ms(ready_ms, interval_ms: float, interval_after_ms: float | None = None,
+               handoff_ms: float | None = None) -> list[float]:
+    """Shown times (ms) of tokens ready at `ready_ms` (ms, one per answer token, in order) under the
+    speed controller (`release_time`, as `SpeedController` runs it): token 0 when ready, token k at
+    max(ready[k], shown[k-1] + I), where I is `interval_ms`, or `interval_after_ms` for a token the
+    display turns to at or after `handoff_ms` (the moment the device takes over and the interval
+    drops to its pace; the display turns to token k at max(shown[k-1], ready[k]))."""
+    shown: list[float] = []
+    for r in ready_ms:
+        prev = shown[-1] if shown else None
+        at = r if prev is None else max(prev, r)
+        iv = interval_after_ms if (interval_after_ms is not None and handoff_ms is not None and at >= handoff_ms) \
+            else interval_ms
+        shown.append(release_time(r, prev, iv))
+    return shown
+
+
+def tpot_p90_ms(shown_ms) -> float | None:
+    """The user-visible TPOT of one answer: the 90th percentile (linear interpolation) of its
+    inter-token gaps as shown, ms (the per-request TPOT of DistServe / vLLM's goodput). shown_ms:
+    shown times of its tokens, ms, ascending. None for an answer of fewer than 2 tokens (no gap)."""
+    if len(shown_ms) < 2:
+        return None
+    return float(np.percentile(np.diff(np.asarray(shown_ms, dtype=np.float64)), 90))
+
+
 def count_stalls(shown_ms, pace_ms, target_tpot_ms: float, stall_factor: float = 2.0) -> int:
     """Stalls of a shown stream: gaps between consecutive shown times (`shown_ms`, ms) longer than
     `stall_factor` x max(target_tpot_ms, the interval in force when the later token was shown).

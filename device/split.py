@@ -185,6 +185,7 @@ class GenerationResult:
     cloud_cached_tokens: int = 0
     request_id: str = ""
     prefill_left_at_fault: int | None = None
+    ready_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -196,7 +197,9 @@ class GenerationResult:
 # device's prompt work (prefill of the uncached tokens, or waiting for and importing the KV), before
 # the catch-up; cloud_cached_tokens: prompt tokens the cloud reused (its first `Token.cached_tokens`;
 # 0 when the device answered before that token arrived: the cloud's `Done.cached_tokens` then has it);
-# request_id: the id of the request on the wire (the cloud's logs and `Done` name it);
+# request_id: the id of the request on the wire (the cloud's logs and `Done` name it); ready_ms: when each
+# answer token was ready at the device (ms since the request started: a cloud token when it arrived, a
+# device token when sampled), before the speed controller;
 # prefill_left_at_fault: tokens (prompt + cloud tokens received) the device still had to prefill when the
 # cloud fault came (None without a cloud fault, or after the hand-off); under the cloud-to-the-end plan the
 # background prefill makes it less than the prompt.
@@ -1045,7 +1048,7 @@ class _Run:
             budget_extensions=pl.extended, interval_ms=self.speed.interval_ms, fault=self.fault.kind,
             error=self.fault.error, plan=pl.planned, plan_reason=pl.reason, device_cached_tokens=d.reused,
             kv_imported_tokens=d.kv_imported, device_prompt_ms=d.prompt_ms, cloud_cached_tokens=self.cloud.cached,
-            request_id=self.request_id, prefill_left_at_fault=self.fault.prefill_left)
+            request_id=self.request_id, prefill_left_at_fault=self.fault.prefill_left, ready_ms=list(a.ready_ms))
 
 
 class _KeepKV:

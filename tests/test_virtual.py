@@ -99,3 +99,59 @@ def test_virtual_request_names_a_protocol_violation(monkeypatch, frames, why):
     res = asyncio.run(virtual.virtual_request("ws://x", "fp", [1, 2, 3], mode="cloud-only", max_new_tokens=8,
                                               timeout_s=10.0))
     assert not res.ok and res.error.startswith("protocol violation") and why in res.error, res.error
+
+
+PHONE = DeviceProfile("phone-like", prefill_ms_per_token=16.67, decode_ms_per_token=52.6)
+
+
+def _exact_estimate(ttft_ms: float, tpot_ms: float, prompt: int):
+    """A cloud estimate whose TTFT for `prompt` tokens and TPOT are exactly the stream's (ms)."""
+    from relayinfer.device.settings import CloudEstimate
+
+    return CloudEstimate(ttft_base_ms=ttft_ms - 1.0 * prompt, prefill_ms_per_token=1.0, tpot_ms=tpot_ms)
+
+
+def test_replay_on_a_steady_stream_hands_off_where_the_model_says():
+    """Replayed on a stream that arrives as the plan expected (token k at T + k*c), the virtual
+    device plans the real device's budget, asks for no more, and hands off at the index and time
+    of `settings.catch_up`; its tokens follow at the decode pace and the TTFT is the first arrival."""
+    from relayinfer.device.settings import catch_up
+
+    P, T, c, answer = 120, 400.0, 45.0, 200
+    est = _exact_estimate(T, c, P)
+    t, p = virtual.plan_for(PHONE, P, 256, 50.0, cloud=est)
+    assert p.budget is not None and not p.held
+    trace = [T + c * k for k in range(p.budget)]
+    r = virtual.replay(PHONE, P, trace, answer, 256, 50.0, cloud=est)
+    h, at = catch_up(t, P, p.budget)
+    assert (r["handoff"], r["budget"], r["extensions"], r["extrapolated"]) == (h, p.budget, 0, 0)
+    assert r["handoff_ms"] == pytest.approx(at) and 0 < h <= p.budget
+    assert r["ttft_ms"] == T and len(r["ready_ms"]) == answer
+    assert r["ready_ms"][h + 1] - r["ready_ms"][h] == pytest.approx(52.6)
+    # shown after the hand-off at the device's pace (52.6 ms > the 50 ms target): the p90 gap is that pace
+    assert r["tpot_ms"] == pytest.approx(max(52.6, p.interval_ms), rel=1e-6)
+
+
+def test_replay_of_a_fast_device_answers_alone_and_a_short_trace_is_extended():
+    """A device ready before the first cloud token hands off at 0 (its own first token is the
+    TTFT); a recording that ends before the virtual device caught up is extended at its mean gap."""
+    fast = DeviceProfile("fast", prefill_ms_per_token=0.5, decode_ms_per_token=60.0)
+    r = virtual.replay(fast, 3, [500.0, 540.0], 16, 16, 50.0)
+    assert r["handoff"] == 0 and r["ttft_ms"] == pytest.approx(1.5) and len(r["shown_ms"]) == 16
+    P = 120
+    est = _exact_estimate(400.0, 45.0, P)
+    r = virtual.replay(PHONE, P, [400.0 + 45.0 * k for k in range(10)], 200, 256, 50.0, cloud=est)
+    assert r["extrapolated"] > 0 and r["handoff"] == 10 + r["extrapolated"]
+
+
+def test_occupancy_model_and_prefill_fit():
+    from relayinfer.sdk.cli_common import bench_module
+
+    gm = bench_module("goodput_model")
+    base, slope = gm.prefill_fit([{"prompt_tokens": 100, "zero_load_ttft_ms": 400.0},
+                                  {"prompt_tokens": 200, "zero_load_ttft_ms": 700.0}])
+    assert (base, slope) == (pytest.approx(100.0), pytest.approx(3.0))
+    # prefill 300 ms, 150 answer tokens at 20 ms vs 10 cloud tokens at 30 ms: (300 + 3000) / (300 + 300)
+    assert gm.occupancy_ratio(100, 3.0, 150, 20.0, 10, 30.0) == pytest.approx(5.5)
+    with pytest.raises(ValueError):
+        gm.prefill_fit([{"prompt_tokens": 100, "zero_load_ttft_ms": 400.0}] * 2)
