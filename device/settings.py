@@ -222,27 +222,52 @@ def simulate(t: Timing, prompt_tokens: int, answer_tokens: int, budget: int | No
             "tpot_max_ms": float(gaps.max()) if gaps.size else 0.0}
 
 
-def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
-                    margin: float = 0.2) -> Settings:
-    """The fewest cloud tokens N with no late token under `t` (see the module docstring), then
-    N * (1 + margin); cloud-to-the-end when the device cannot catch up (b >= I) or N >= the answer.
-
-    Raises:
-        ValueError: target_tpot_ms <= 0 or prompt_tokens < 1.
-    """
-    if target_tpot_ms <= 0 or prompt_tokens < 0:
-        raise ValueError("target_tpot_ms must be > 0 and prompt_tokens >= 0")
-    interval = max(target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
-    if t.prefill_ms_per_token >= interval:
-        return Settings(None, interval, None)
+def _budget_at(t: Timing, prompt_tokens: int, max_new_tokens: int, interval: float, margin: float) -> int | None:
+    """The fewest cloud tokens N with no late token at display interval `interval` (ms), times
+    (1 + margin); None when none below `max_new_tokens` fits."""
     def ok(n: int) -> bool:  # the first device token (index h <= n) is ready by its display slot
         h, r = catch_up(t, prompt_tokens, n)
         return r <= t.cloud_ttft_ms + h * interval
     # R(n) - slot(n) is not monotone (each extra catch-up batch pays `a` again): scan upwards
     first = next((n for n in range(1, max_new_tokens) if ok(n)), None)
     if first is None:
-        return Settings(None, interval, None)
-    n = next((m for m in range(math.ceil(first * (1 + margin)), max_new_tokens) if ok(m)), None)
+        return None
+    return next((m for m in range(math.ceil(first * (1 + margin)), max_new_tokens) if ok(m)), None)
+
+
+def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
+                    margin: float = 0.2, max_interval_ms: float | None = None) -> Settings:
+    """The fewest cloud tokens N with no late token under `t` (see the module docstring), then
+    N * (1 + margin); cloud-to-the-end when the device cannot catch up (b >= I) or N >= the answer.
+
+    The display interval is I0 = max(target, c, d). With `max_interval_ms` > I0 (ms/token) the
+    interval is a decision too (the speed controller of P/D-Device slowing the display to buy the
+    device time): when no budget fits at I0, the smallest I in (I0, max_interval_ms] (to 0.5 ms,
+    by bisection: a slower display only moves every slot later, so feasibility is monotone in I)
+    for which one fits; cloud-to-the-end at I0 when none does. The per-call base `a` is charged per
+    prefill call of the catch-up (`catch_up`), never per token.
+
+    Raises:
+        ValueError: target_tpot_ms <= 0 or prompt_tokens < 0.
+    """
+    if target_tpot_ms <= 0 or prompt_tokens < 0:
+        raise ValueError("target_tpot_ms must be > 0 and prompt_tokens >= 0")
+    interval = max(target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
+    n = None if t.prefill_ms_per_token >= interval else _budget_at(t, prompt_tokens, max_new_tokens, interval, margin)
+    if n is None and max_interval_ms is not None and max_interval_ms > interval and \
+            t.prefill_ms_per_token < max_interval_ms:
+        hi, n_hi = max_interval_ms, _budget_at(t, prompt_tokens, max_new_tokens, max_interval_ms, margin)
+        if n_hi is not None:
+            lo = interval  # infeasible at lo, feasible at hi
+            while hi - lo > 0.5:
+                mid = (lo + hi) / 2
+                n_mid = None if t.prefill_ms_per_token >= mid else _budget_at(t, prompt_tokens, max_new_tokens, mid,
+                                                                               margin)
+                if n_mid is None:
+                    lo = mid
+                else:
+                    hi, n_hi = mid, n_mid
+            interval, n = hi, n_hi
     if n is None:
         return Settings(None, interval, None)
     return Settings(n, interval, handoff_time(t, prompt_tokens, n))
