@@ -535,7 +535,9 @@ def bench_split(
     seed: int = typer.Option(0),
     link: Optional[list[str]] = typer.Option(None, help="Emulated link between device and cloud: loopback, wifi, "
                                              "lte, lossy (repeatable or a comma list; one run per link, default "
-                                             "out bench/results/split-link-<link>.json, no capacity sweep)."),
+                                             "out bench/results/split-link-<link>.json, no capacity sweep; with "
+                                             "--per-bucket: every prompt on each link in one run, with "
+                                             "--no-capacity, out default bench/results/split-handoff-links.json)."),
     pin_cores: Optional[bool] = typer.Option(None, help="Pin the cloud and device model threads to two cores "
                                              "(default: on with --link)."),
     per_bucket: Optional[int] = typer.Option(None, min=1, help="The hand-off benchmark (bench/SPLIT.md): this many "
@@ -565,7 +567,7 @@ def bench_split(
     bad = [x for x in links if x not in PROFILES]
     if bad:
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
-    if out and len(links) > 1:
+    if out and len(links) > 1 and per_bucket is None:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
     if goodput:
         for flag, given in (("--link", bool(links)), ("--per-bucket", per_bucket is not None),
@@ -586,13 +588,16 @@ def bench_split(
                          indent=1, default=str))
         return
     if per_bucket is not None:
-        if links:
-            fail(ValueError("--per-bucket runs on the direct loopback: leave out --link"))
+        if links and capacity:
+            fail(ValueError("--per-bucket with --link: add --no-capacity (the capacity sweep runs on the direct "
+                            "loopback; run it without --link)"))
         profiles = [x.strip() for x in profile.split(",") if x.strip()]
         try:
             res = bench_module("split").run_handoff_bench(
-                profiles, per_bucket, out or "bench/results/split-handoff.json", seed=seed,
-                max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command)
+                profiles, per_bucket, out or ("bench/results/split-handoff-links.json" if links else
+                                              "bench/results/split-handoff.json"), seed=seed,
+                max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command,
+                links=links or None)
         except ValueError as e:
             fail(e)
         print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
