@@ -29,12 +29,17 @@ batches pays `a` more than once, so instead of the closed form we take the small
 `simulate` (this very model, batch by batch) shows no late token, times (1 + margin) for safety.
 P/D-Device (the paper this project follows) derives the same trade-off; the derivation here is ours.
 
-During a request the device refines the estimate when the refined prompt arrives and again when its
-prompt prefill is done (and, while a cloud-to-the-end plan keeps it idle, whenever the measured T
-and c arrive: after cloud tokens 1, 2, 4, 8, ..., it re-plans and starts if a hand-off became
-feasible): it re-plans from "now" with the tokens it still has to prefill and the
-measured T and c; if the budget they imply is larger, it sends ExtendBudget (before the cloud
-reaches the old budget, or the extension comes too late and is skipped). After the hand-off only
+The display interval can be a decision as well (`max_interval_ms`): when no budget fits at
+I = max(target, c, d), the least slower I (up to that bound) for which one does; the display then
+slows down to buy the device time (P/D-Device's speed controller).
+
+During a request the device refines the estimate when the refined prompt arrives, after every
+prompt chunk, and whenever a measured figure moves by more than 10 % (T on the first cloud token,
+c on later ones, the device's own prefill ms/token; `policy.moved`): it re-plans from "now" with
+the tokens it still has to prefill and the measured figures; if the budget they imply is larger,
+it sends ExtendBudget (before the cloud reaches the old budget, or the extension comes too late
+and is skipped), and it may slow the display; a device a cloud-to-the-end plan keeps idle starts
+when a hand-off became feasible. After the hand-off only
 the device's pace matters, so the display interval drops to max(target, d).
 """
 from __future__ import annotations
