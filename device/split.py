@@ -983,11 +983,14 @@ class _Run:
         every token covered and it). Returns (logits, kv, hand-off index, phase before it), or None
         when the answer ended first. `base`: RoPE position of answer token 0 (None: contiguous)."""
         rule = CatchUp()
+        self.dev.covered = 0
         while not self.phases.done:
             step = catch_up_step(rule, len(self.answer.ids), self.plan.held)
-            if step == HOLD:  # held by the plan: wait for a cloud token, a fault or a re-plan
-                self.dev.wake.clear()
-                await self.dev.wake.wait()
+            if step == HOLD:  # held by the plan and caught up: it can go now (replan_held), else wait for
+                self.replan_held()  # a cloud token, a fault or a re-plan
+                if self.plan.held:
+                    self.dev.wake.clear()
+                    await self.dev.wake.wait()
             elif isinstance(step, HandOff):
                 before = self.phases.phase
                 return logits, kv, self.phases.hand_off(step.index, len(self.answer.ids)), before
