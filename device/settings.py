@@ -249,7 +249,9 @@ def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_t
     interval is a decision too (the speed controller of P/D-Device slowing the display to buy the
     device time): when no budget fits at I0, the smallest I in (I0, max_interval_ms] (to 0.5 ms,
     by bisection: a slower display only moves every slot later, so feasibility is monotone in I)
-    for which one fits; cloud-to-the-end at I0 when none does. The per-call base `a` is charged per
+    whose budget leaves the device at least the margin's share of the answer (N <= answer /
+    (1 + margin); else the smallest I with any budget: a hand-off at the answer's last tokens is
+    worth little); cloud-to-the-end at I0 when none fits. The per-call base `a` is charged per
     prefill call of the catch-up (`catch_up`), never per token.
 
     Raises:
@@ -261,17 +263,19 @@ def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_t
     n = None if t.prefill_ms_per_token >= interval else _budget_at(t, prompt_tokens, max_new_tokens, interval, margin)
     if n is None and max_interval_ms is not None and max_interval_ms > interval and \
             t.prefill_ms_per_token < max_interval_ms:
-        hi, n_hi = max_interval_ms, _budget_at(t, prompt_tokens, max_new_tokens, max_interval_ms, margin)
+        def budget(i: float) -> int | None:
+            return None if t.prefill_ms_per_token >= i else _budget_at(t, prompt_tokens, max_new_tokens, i, margin)
+
+        roomy = lambda b: b is not None and b <= max_new_tokens / (1 + margin)  # noqa: E731
+        n_hi = budget(max_interval_ms)
         if n_hi is not None:
-            lo = interval  # infeasible at lo, feasible at hi
+            # the least interval whose budget leaves the device the margin's share of the answer (else any budget)
+            fits = roomy if roomy(n_hi) else (lambda b: b is not None)
+            lo, hi = interval, max_interval_ms  # fits(budget(lo)) is False, fits(budget(hi)) is True
             while hi - lo > 0.5:
                 mid = (lo + hi) / 2
-                n_mid = None if t.prefill_ms_per_token >= mid else _budget_at(t, prompt_tokens, max_new_tokens, mid,
-                                                                               margin)
-                if n_mid is None:
-                    lo = mid
-                else:
-                    hi, n_hi = mid, n_mid
+                n_mid = budget(mid)
+                lo, hi, n_hi = (lo, mid, n_mid) if fits(n_mid) else (mid, hi, n_hi)
             interval, n = hi, n_hi
     if n is None:
         return Settings(None, interval, None)
