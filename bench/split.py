@@ -456,13 +456,15 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                       max_new_tokens: int = 256, ref_new_tokens: int = 2, capacity: bool = True,
                       capacity_rates=CAPACITY_RATES, capacity_window_s: float = 12.0, capacity_max_requests: int = 16,
                       kv_cache_mb: int = 256, time_limit_s: float = 1500.0, long_answers: bool = True,
-                      command: str | None = None, links: list[str] | None = None) -> dict:
+                      command: str | None = None, links: list[str] | None = None,
+                      bucket_targets=BUCKET_TARGETS) -> dict:
     """The hand-off split benchmark (see bench/SPLIT.md): one batched cloud
     (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
     thread, in its own forked process pinned to the first core this process may use, `_CloudProcess`)
     and, per device profile,
     the real `OnnxEngine` behind `Client(profile=...)` (one thread, pinned to the second core).
-    `per_bucket` chitchat prompts per bucket of `BUCKET_TARGETS`; each prompt runs split with
+    `per_bucket` chitchat prompts per target length of `bucket_targets` (default `BUCKET_TARGETS`,
+    one per bucket; a subset, e.g. (720, 1150), measures the long buckets only); each prompt runs split with
     `max_new_tokens` (greedy, ends at EOS), then device-only and cloud-only with `ref_new_tokens`
     (their TTFT is the reference; their later tokens do not matter to it). Then the capacity sweep:
     virtual devices (`device.virtual.capacity_sweep`, phone profile, ~64-token prompts,
@@ -507,13 +509,13 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         print(f"[bench split] calibration: a {local.prefill_ms_base:.0f} ms, b {local.prefill_ms_per_token:.2f} ms/token, "
               f"d {local.decode_ms_per_token:.0f} ms", flush=True)
         tok = device_engine.tokenizer()
-        plist = _prompts(tok, per_bucket * len(BUCKET_TARGETS), seed, BUCKET_TARGETS)
+        plist = _prompts(tok, per_bucket * len(bucket_targets), seed, tuple(bucket_targets))
         print(f"[bench split] prompts: {[len(ids) for _, ids in plist]}", flush=True)
         # round robin over the buckets (one prompt of each, then the next), so a time cut keeps every bucket
         by: dict = {}
         for t, ids in plist:
             by.setdefault(t, []).append((t, ids))
-        plist = [x for k in range(per_bucket) for t in BUCKET_TARGETS for x in by.get(t, [])[k:k + 1]]
+        plist = [x for k in range(per_bucket) for t in bucket_targets for x in by.get(t, [])[k:k + 1]]
         proxies = {name: stack.enter_context(LinkProxyThread(url, lp, seed=seed)) for name, lp in link_profiles.items()}
         clients = {}
         for name in link_names:
@@ -568,7 +570,8 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                 long["ratio_split_over_cloud_only"] = (s / c) if c else None
         link_counters = {name: p.counters() for name, p in proxies.items()}
     buckets = bucket_summary(rows, target_tpot_ms)
-    res = {"command": command, "profiles": profiles, "per_bucket": per_bucket, "max_new_tokens": max_new_tokens,
+    res = {"command": command, "profiles": profiles, "per_bucket": per_bucket, "bucket_targets": list(bucket_targets),
+           "max_new_tokens": max_new_tokens,
            "ref_new_tokens": ref_new_tokens, "target_tpot_ms": target_tpot_ms, "skipped_prompts": skipped,
            "buckets": buckets, "capacity": cap, "goals": _goals(buckets, cap, target_tpot_ms, link_names),
            "links": {name: {"profile": lp.to_dict(), "counters": link_counters.get(name)}

@@ -640,6 +640,9 @@ def bench_split(
     max_new_tokens: int = typer.Option(256, min=1, help="With --per-bucket: the split answers' token cap; with "
                                        "--goodput: every answer's cap (to EOS)."),
     capacity: bool = typer.Option(True, help="With --per-bucket: run the capacity sweep."),
+    bucket_targets: Optional[str] = typer.Option(None, help="With --per-bucket: the prompt lengths drawn, a comma "
+                                                 "list of tokens (default 160,384,720,1150: one per bucket; "
+                                                 "720,1150: the >=512 buckets only)."),
     time_limit_s: float = typer.Option(1500.0, min=1.0, help="With --per-bucket: skip prompts after this many seconds; "
                                        "with --goodput: add no rate point after this many seconds."),
     goodput: bool = typer.Option(False, help="Cloud goodput under TTFT/TPOT SLOs (bench/goodput.py): Poisson rate "
@@ -659,6 +662,8 @@ def bench_split(
     bad = [x for x in links if x not in PROFILES]
     if bad:
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
+    if bucket_targets is not None and per_bucket is None:
+        fail(ValueError("--bucket-targets applies to --per-bucket only"))
     if out and len(links) > 1 and per_bucket is None:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
     if goodput:
@@ -685,11 +690,17 @@ def bench_split(
                             "loopback; run it without --link)"))
         profiles = [x.strip() for x in profile.split(",") if x.strip()]
         try:
+            targets = tuple(int(x) for x in (bucket_targets or "").split(",") if x.strip())
+            if any(t < 1 for t in targets):
+                raise ValueError(f"--bucket-targets must be prompt lengths >= 1 token, got {bucket_targets!r}")
+        except ValueError as e:
+            fail(ValueError(f"--bucket-targets: a comma list of token counts, got {bucket_targets!r} ({e})"))
+        try:
             res = bench_module("split").run_handoff_bench(
                 profiles, per_bucket, out or ("bench/results/split-handoff-links.json" if links else
                                               "bench/results/split-handoff.json"), seed=seed,
                 max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command,
-                links=links or None)
+                links=links or None, **({"bucket_targets": targets} if targets else {}))
         except ValueError as e:
             fail(e)
         print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
