@@ -379,15 +379,19 @@ def _in_bucket(n: int, lo: int, hi: int | None) -> bool:
 
 
 def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
-    """Per prompt-length bucket (`BUCKETS`; >=512 includes >=1024) and profile: for the split rows,
+    """Per link (rows' "link", None: the direct loopback; keyed "<link> <profile> <bucket>", else
+    "<profile> <bucket>"), prompt-length bucket (`BUCKETS`; >=512 includes >=1024) and profile: for the split rows,
     the fraction handed off (result mode 'split'), cloud tokens streamed per request, TTFT p50/p99,
     TPOT p50/max over all shown gaps, stalls, the result-mode mix and fallbacks (requests ended by
     a fault, counted apart, never as a split); TTFT p50/p99 of the device-only and cloud-only
-    reference runs of the same prompts, and split/device-only, split/cloud-only p50 ratios."""
+    reference runs of the same prompts, and split/device-only, split/cloud-only p50 ratios;
+    ended_early: split answers that ended (EOS) before the hand-off the plan had set (no hand-off
+    was possible in them: counted in, not out, of handed_off_fraction)."""
     out: dict = {}
-    for prof in sorted({r["profile"] for r in rows}):
+    for link, prof in sorted({(r.get("link"), r["profile"]) for r in rows}, key=lambda x: (str(x[0]), x[1])):
         for name, lo, hi in BUCKETS:
-            sel = [r for r in rows if r["profile"] == prof and _in_bucket(r["prompt_tokens"], lo, hi)]
+            sel = [r for r in rows if r["profile"] == prof and r.get("link") == link
+                   and _in_bucket(r["prompt_tokens"], lo, hi)]
             sp = [r for r in sel if r["bench_mode"] == "split"]
             if not sp:
                 continue
@@ -395,12 +399,14 @@ def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
             gaps = np.concatenate([np.diff(r["shown_ms"]) for r in sp if len(r["shown_ms"]) > 1] or [np.zeros(0)])
             ttft = [r["ttft_ms"] for r in sp]
             p50 = _pct(ttft, 50)
-            out[f"{prof} {name}"] = {
-                "profile": prof, "bucket": name, "requests": len(sp),
+            out[f"{prof} {name}" if link is None else f"{link} {prof} {name}"] = {
+                "link": link, "profile": prof, "bucket": name, "requests": len(sp),
                 "prompt_tokens": [r["prompt_tokens"] for r in sp],
                 "answer_tokens": [len(r["token_ids"]) for r in sp],
                 "handed_off": sum(1 for r in sp if r["mode"] == "split"),
                 "handed_off_fraction": sum(1 for r in sp if r["mode"] == "split") / len(sp),
+                "ended_early": sum(1 for r in sp if r["mode"] == "cloud-only" and r.get("finish_reason", "length") != "length"
+                                   and r["plan"] == "split" and len(r["token_ids"]) <= (r.get("cloud_budget") or 0)),
                 "cloud_tokens_per_request": float(np.mean([r["cloud_streamed"] for r in sp])),
                 "cloud_tokens_shown_per_request": float(np.mean([r["cloud_tokens"] for r in sp])),
                 "handoff_index": [r["handoff_index"] for r in sp],
@@ -422,17 +428,21 @@ def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
     return out
 
 
-def _goals(buckets: dict, capacity: dict | None, target_tpot_ms: float) -> dict:
-    """The issue's goals on the phone's >=512 bucket and the capacity ratio, with the numbers."""
-    b = buckets.get("phone >=512")
+def _goals(buckets: dict, capacity: dict | None, target_tpot_ms: float, links=(None,)) -> dict:
+    """The goals on the phone's >=512 bucket (per link: keys prefixed "<link> ") and the capacity
+    ratio, with the numbers."""
     g: dict = {}
-    if b:
-        g["handoff_fraction_ge512"] = {"value": b["handed_off_fraction"], "goal": ">= 0.8", "met": b["handed_off_fraction"] >= 0.8}
+    for link in links:
+        b, pre = buckets.get("phone >=512" if link is None else f"{link} phone >=512"), "" if link is None else f"{link} "
+        if not b:
+            continue
+        g[pre + "handoff_fraction_ge512"] = {"value": b["handed_off_fraction"], "goal": ">= 0.8",
+                                             "met": b["handed_off_fraction"] >= 0.8}
         r = b["ttft_p50_over_device_only"]
-        g["ttft_p50_over_device_only_ge512"] = {"value": r, "goal": "<= 0.2", "met": r is not None and r <= 0.2}
-        g["stalls_ge512"] = {"value": b["stalls"], "goal": "0", "met": b["stalls"] == 0}
-        g["tpot_max_ge512_ms"] = {"value": b["tpot_ms_max"], "goal": f"<= {2 * target_tpot_ms:.0f}",
-                                  "met": b["tpot_ms_max"] is not None and b["tpot_ms_max"] <= 2 * target_tpot_ms}
+        g[pre + "ttft_p50_over_device_only_ge512"] = {"value": r, "goal": "<= 0.2", "met": r is not None and r <= 0.2}
+        g[pre + "stalls_ge512"] = {"value": b["stalls"], "goal": "0", "met": b["stalls"] == 0}
+        g[pre + "tpot_max_ge512_ms"] = {"value": b["tpot_ms_max"], "goal": f"<= {2 * target_tpot_ms:.0f}",
+                                        "met": b["tpot_ms_max"] is not None and b["tpot_ms_max"] <= 2 * target_tpot_ms}
     if capacity:
         r = capacity.get("ratio_split_over_cloud_only")
         g["capacity_ratio"] = {"value": r, "goal": ">= 15 (aim 20)", "met": r is not None and r >= 15}
@@ -446,25 +456,34 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                       max_new_tokens: int = 256, ref_new_tokens: int = 2, capacity: bool = True,
                       capacity_rates=CAPACITY_RATES, capacity_window_s: float = 12.0, capacity_max_requests: int = 16,
                       kv_cache_mb: int = 256, time_limit_s: float = 1500.0, long_answers: bool = True,
-                      command: str | None = None) -> dict:
+                      command: str | None = None, links: list[str] | None = None,
+                      bucket_targets=BUCKET_TARGETS) -> dict:
     """The hand-off split benchmark (see bench/SPLIT.md): one batched cloud
     (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
     thread, in its own forked process pinned to the first core this process may use, `_CloudProcess`)
     and, per device profile,
     the real `OnnxEngine` behind `Client(profile=...)` (one thread, pinned to the second core).
-    `per_bucket` chitchat prompts per bucket of `BUCKET_TARGETS`; each prompt runs split with
+    `per_bucket` chitchat prompts per target length of `bucket_targets` (default `BUCKET_TARGETS`,
+    one per bucket; a subset, e.g. (720, 1150), measures the long buckets only); each prompt runs split with
     `max_new_tokens` (greedy, ends at EOS), then device-only and cloud-only with `ref_new_tokens`
     (their TTFT is the reference; their later tokens do not matter to it). Then the capacity sweep:
     virtual devices (`device.virtual.capacity_sweep`, phone profile, ~64-token prompts,
     `max_new_tokens`) at the `capacity_rates` (x1.41 steps) against the same cloud, cloud-only and
     split, each rate a window of `capacity_window_s` s and at most `capacity_max_requests` requests;
     with `long_answers`, again with every answer `max_new_tokens` long (`Generate.min_tokens`: the
-    decode-heavy regime, labelled as such).
+    decode-heavy regime, labelled as such). `links`: `sdk.linkem.PROFILES` names; the device
+    sessions then reach the cloud through a `LinkProxy` per link (one `Client` per link and
+    profile, each prompt on every link in turn; device-only runs once per prompt and profile, it
+    needs no link, and its row stands for every link; the capacity sweep stays on the loopback).
     Bounded: prompts are skipped (and counted) once `time_limit_s` has passed. Writes `out` (JSON).
 
     Raises:
-        ValueError: fewer than 2 cores to pin to, or an unknown profile."""
+        ValueError: fewer than 2 cores to pin to, an unknown profile or link."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from relayinfer.sdk.linkem import LinkProxyThread, get_profile
+
+    link_names = list(links) if links else [None]
+    link_profiles = {name: get_profile(name) for name in link_names if name is not None}  # unknown -> ValueError
     from relayinfer.device.calibrate import calibrated
     from relayinfer.device.profiles import load_profile
     from relayinfer.protocol.model.model_file import default_model_path
@@ -476,11 +495,11 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise ValueError(f"the benchmark pins cloud and device to two cores; this process may use {cores}")
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), list(os.getloadavg())
     mp = default_model_path()
     cloud = _CloudProcess(mp, cores[0], kv_cache_mb, life_s=time_limit_s + 1800.0)
-    rows, skipped, cap = [], 0, {}
-    with cloud as (url, fingerprint):
+    rows, skipped, cap, link_counters = [], 0, {}, {}
+    with cloud as (url, fingerprint), contextlib.ExitStack() as stack:
         os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
         device_engine = load_engine("onnx", mp, threads=1)
         device_engine.warmup()
@@ -490,34 +509,40 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         print(f"[bench split] calibration: a {local.prefill_ms_base:.0f} ms, b {local.prefill_ms_per_token:.2f} ms/token, "
               f"d {local.decode_ms_per_token:.0f} ms", flush=True)
         tok = device_engine.tokenizer()
-        plist = _prompts(tok, per_bucket * len(BUCKET_TARGETS), seed, BUCKET_TARGETS)
+        plist = _prompts(tok, per_bucket * len(bucket_targets), seed, tuple(bucket_targets))
         print(f"[bench split] prompts: {[len(ids) for _, ids in plist]}", flush=True)
         # round robin over the buckets (one prompt of each, then the next), so a time cut keeps every bucket
         by: dict = {}
         for t, ids in plist:
             by.setdefault(t, []).append((t, ids))
-        plist = [x for k in range(per_bucket) for t in BUCKET_TARGETS for x in by.get(t, [])[k:k + 1]]
+        plist = [x for k in range(per_bucket) for t in bucket_targets for x in by.get(t, [])[k:k + 1]]
+        proxies = {name: stack.enter_context(LinkProxyThread(url, lp, seed=seed)) for name, lp in link_profiles.items()}
         clients = {}
-        for prof in profiles:
-            clients[prof] = client = Client(cloud_url=url, engine=device_engine, profile=prof,
-                                            target_tpot_ms=target_tpot_ms)
-            _pin(client._executor, cores[1])
-            client.complete(plist[0][1], max_new_tokens=8)  # warm-up: first cloud estimates
-            client.complete(plist[-1][1], max_new_tokens=8, mode="cloud-only")  # a second prompt length for the fit
+        for name in link_names:
+            for prof in profiles:
+                clients[name, prof] = client = Client(cloud_url=proxies[name].url if name else url,
+                                                      engine=device_engine, profile=prof, target_tpot_ms=target_tpot_ms)
+                _pin(client._executor, cores[1])
+                client.complete(plist[0][1], max_new_tokens=8)  # warm-up: first cloud estimates
+                client.complete(plist[-1][1], max_new_tokens=8, mode="cloud-only")  # a second prompt length for the fit
         for pi, (target, ids) in enumerate(plist):
-            for prof, client in clients.items():
+            for (name, prof), client in clients.items():
                 if time.perf_counter() - t_start > time_limit_s:
                     skipped += 1
                     continue
                 for mode in ("split", "device-only", "cloud-only"):
+                    if mode == "device-only" and name != link_names[0]:  # no link in it: the first link's row
+                        rows += [{**r, "link": name} for r in rows if r["bench_mode"] == mode and r["prompt_idx"] == pi
+                                 and r["profile"] == prof and r["link"] == link_names[0]]
+                        continue
                     r, events, busy, cpre = _run_one(client, None, ids, mode,
                                                       max_new_tokens if mode == "split" else ref_new_tokens, None)
-                    rows.append({"profile": prof, "bench_mode": mode, "prompt_idx": pi, "target_len": target,
+                    rows.append({"link": name, "profile": prof, "bench_mode": mode, "prompt_idx": pi, "target_len": target,
                                  "prompt_tokens": len(ids), "cloud_busy_ms": busy, "cloud_prefill_ms": cpre,
                                  "shown_ms": [e.shown_at_ms for e in events], "sources": "".join(e.source[0] for e in events),
                                  "device_timing": list(client.device_timing()),
                                  **{k: v for k, v in r.to_dict().items() if k not in ("prompt_ids", "text")}})
-                    print(f"[bench split] {prof:6s} {mode:11s} {len(ids):5d} tok: ttft {r.ttft_ms:7.0f} ms  {r.mode:11s} "
+                    print(f"[bench split] {name or '':8s} {prof:6s} {mode:11s} {len(ids):5d} tok: ttft {r.ttft_ms:7.0f} ms  {r.mode:11s} "
                           f"plan {r.plan:16s} answer {len(r.token_ids):3d} cloud {r.cloud_streamed:3d} handoff "
                           f"{r.handoff_index} stalls {r.stalls} tpot max {r.tpot_ms_max:4.0f} I {r.interval_ms:3.0f}", flush=True)
         if capacity:
@@ -543,23 +568,31 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                           f"{long[mode]['capacity_rps']} rps", flush=True)
                 c, s = long["cloud-only"]["capacity_rps"], long["split"]["capacity_rps"]
                 long["ratio_split_over_cloud_only"] = (s / c) if c else None
+        link_counters = {name: p.counters() for name, p in proxies.items()}
     buckets = bucket_summary(rows, target_tpot_ms)
-    res = {"command": command, "profiles": profiles, "per_bucket": per_bucket, "max_new_tokens": max_new_tokens,
+    res = {"command": command, "profiles": profiles, "per_bucket": per_bucket, "bucket_targets": list(bucket_targets),
+           "max_new_tokens": max_new_tokens,
            "ref_new_tokens": ref_new_tokens, "target_tpot_ms": target_tpot_ms, "skipped_prompts": skipped,
-           "buckets": buckets, "capacity": cap, "goals": _goals(buckets, cap, target_tpot_ms),
+           "buckets": buckets, "capacity": cap, "goals": _goals(buckets, cap, target_tpot_ms, link_names),
+           "links": {name: {"profile": lp.to_dict(), "counters": link_counters.get(name)}
+                     for name, lp in link_profiles.items()} or None,
            "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
                               f"KV, no prefix cache)) in its own (forked) process pinned to core {cores[0]}",
                      "device": f"OnnxEngine 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
+                     "link": (f"LinkProxy per link ({', '.join(link_profiles)}) on loopback (emulated, sdk.linkem)"
+                              if link_profiles else "direct loopback"),
                      "calibration": {"prefill_ms_base": local.prefill_ms_base,
                                      "prefill_ms_per_token": local.prefill_ms_per_token,
                                      "decode_ms_per_token": local.decode_ms_per_token},
-                     "git_commit": _git_commit(), "cores": os.cpu_count(), "load_avg_1m_end": os.getloadavg()[0],
+                     "git_commit": _git_commit(), "cores": os.cpu_count(), "load_avg_start": load_start,
+                     "load_avg_end": list(os.getloadavg()),
                      "wall_s": time.perf_counter() - t_start}}
     outp = Path(out)
     outp.parent.mkdir(parents=True, exist_ok=True)
     outp.write_text(json.dumps(res, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
-    outp.with_suffix(".md").write_text(f"`{command}` (commit {res['setup']['git_commit']})\n\n" + handoff_markdown(res))
+    load = f"load average (1, 5, 15 min) {res['setup']['load_avg_start']} at the start, {res['setup']['load_avg_end']} at the end"
+    outp.with_suffix(".md").write_text(f"`{command}` (commit {res['setup']['git_commit']}; {load})\n\n" + handoff_markdown(res))
     return res
 
 
@@ -572,8 +605,9 @@ def handoff_markdown(res: dict) -> str:
              "|" + "---|" * 18]
     for b in res["buckets"].values():
         lines.append(
-            f"| {b['profile']} | {b['bucket']} | {b['requests']} | {', '.join(map(str, b['prompt_tokens']))} | "
-            f"{', '.join(map(str, b['answer_tokens']))} | {b['handed_off']}/{b['requests']} | "
+            f"| {b.get('link') + ' / ' if b.get('link') else ''}{b['profile']} | {b['bucket']} | {b['requests']} | {', '.join(map(str, b['prompt_tokens']))} | "
+            f"{', '.join(map(str, b['answer_tokens']))} | {b['handed_off']}/{b['requests']}"
+            f"{' (' + str(b['ended_early']) + ' ended first)' if b.get('ended_early') else ''} | "
             f"{f(b['cloud_tokens_per_request'], 1)} | {f(b['ttft_ms_p50'])} / {f(b['ttft_ms_p99'])} | "
             f"{f(b['device_only_ttft_ms_p50'])} / {f(b['device_only_ttft_ms_p99'])} | "
             f"{f(b['cloud_only_ttft_ms_p50'])} / {f(b['cloud_only_ttft_ms_p99'])} | {f(b['ttft_p50_over_device_only'], 2)} | "

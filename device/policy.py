@@ -20,11 +20,20 @@ Phases (`Phase`, the rules as data in `TRANSITIONS`, applied by `Phases`):
 * DONE: the answer is complete. The result's mode is that of the phase the answer ended in
   (`MODE_OF`).
 
-Decisions: `plan` (the initial cloud budget and display interval), `replan` (an ExtendBudget),
-`replan_held` (release a device held by a cloud-to-the-end plan), `catch_up_step` (prefill a
-batch, hold, or hand off), `on_done` (what the cloud's Done means), `stall_is_fault` (whether a
+Decisions: `plan` (the initial cloud budget and display interval), `replan` (an ExtendBudget and/or
+a slower display), `replan_held` (release a device held by a cloud-to-the-end plan), `moved`
+(whether a measured figure moved the plan: when to re-plan), `catch_up_step` (prefill a batch,
+hold, or hand off), `on_done` (what the cloud's Done means), `stall_is_fault` (whether a
 silent cloud ends the stream). The math is `device.settings` (`choose_settings`, `CatchUp`) and
 `device.speed` (`tpot_from_arrivals`), reused here. Times are ms since the request started.
+
+The display interval is a decision, not only max(target, cloud TPOT, device TPOT): when the device
+cannot catch up at that pace within the answer, the plan may slow the display down to
+`max_interval_ms` (the speed controller of P/D-Device buying the device time; 1.8 x the target
+by the real device's default, `split.SplitOptions.max_tpot_ms`), the smallest interval for which a
+hand-off fits (`settings.choose_settings`). The plan is revisited whenever a measured figure
+moves it (`moved`: the cloud's TTFT or TPOT, the device's prefill ms/token, by more than 10 %) and
+whenever the device finishes a prompt chunk, not only at fixed token counts.
 """
 from __future__ import annotations
 
@@ -39,7 +48,7 @@ BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan kee
 
 __all__ = [
     "Phase", "Event", "IGNORED", "TRANSITIONS", "MODE_OF", "PhaseError", "Phases", "PlanInput", "Plan", "Progress",
-    "plan", "replan", "replan_held", "Prefill", "HandOff", "HOLD", "catch_up_step", "on_done", "stall_is_fault",
+    "plan", "replan", "Replan", "replan_held", "moved", "MOVED_TOL", "Prefill", "HandOff", "HOLD", "catch_up_step", "on_done", "stall_is_fault",
     "BACKGROUND_CHUNK", "refined_tokens",
 ]
 
@@ -171,7 +180,9 @@ class PlanInput:
     start 0. prompt_tokens: uncached prompt tokens the device must prefill. max_new_tokens: answer
     length bound (tokens). target_tpot_ms: the pace shown to the user (ms/token). refine: the keep
     ratio the cloud applies (None: off). kv_transfer_ms: KV hand-off, ms from the cloud's first
-    token to the imported KV (None: the device prefills the prompt)."""
+    token to the imported KV (None: the device prefills the prompt). max_interval_ms: the slowest
+    display interval the plan may choose to let the device catch up (ms/token; None: no slower
+    than max(target, cloud TPOT, device TPOT))."""
 
     timing: Timing
     prompt_tokens: int
@@ -179,6 +190,7 @@ class PlanInput:
     target_tpot_ms: float
     refine: float | None = None
     kv_transfer_ms: float | None = None
+    max_interval_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -205,11 +217,13 @@ def plan(p: PlanInput) -> Plan:
         t, n = replace(t, device_start_ms=t.cloud_ttft_ms + p.kv_transfer_ms), 1
     elif p.refine:
         t = replace(t, device_start_ms=t.cloud_ttft_ms)
-    st = choose_settings(t, n, p.max_new_tokens, p.target_tpot_ms)
+    st = choose_settings(t, n, p.max_new_tokens, p.target_tpot_ms, max_interval_ms=p.max_interval_ms)
     if st.cloud_budget is not None:
+        pace = max(p.target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
+        slowed = f", slowed from {pace:.0f} ms so that the device catches up" if st.interval_ms > pace + 0.5 else ""
         return Plan(st.cloud_budget, st.interval_ms, False, n,
                     f"the cloud streams at most {st.cloud_budget} tokens, then the device takes over "
-                    f"(settings: display interval {st.interval_ms:.0f} ms)")
+                    f"(settings: display interval {st.interval_ms:.0f} ms{slowed})")
     why = (f"the device cannot catch up: its prefill takes {t.prefill_ms_per_token:.0f} ms a token, not less "
            f"than the {st.interval_ms:.0f} ms display interval" if t.prefill_ms_per_token >= st.interval_ms else
            f"the device cannot catch up within {p.max_new_tokens} tokens (prompt of {n} tokens: about "
@@ -220,41 +234,80 @@ def plan(p: PlanInput) -> Plan:
 @dataclass(frozen=True)
 class Progress:
     """What the device has measured so far. now_ms: time since the request started; arrivals_ms:
-    when each cloud token received arrived (ms, ascending); prompt_left: prompt tokens the device
-    has still to prefill."""
+    when each cloud token received arrived (ms, ascending; may be empty); prompt_left: prompt tokens
+    the device has still to prefill; device_ms_per_token: the device's measured prefill ms per
+    token on this request's prompt chunks, their per-call base taken out (None: none measured);
+    behind: cloud tokens received and not yet prefilled (None: not known)."""
 
     now_ms: float
     arrivals_ms: tuple[float, ...]
     prompt_left: int
+    device_ms_per_token: float | None = None
+    behind: int | None = None
 
     def measured(self, t: Timing) -> Timing:
-        """`t` re-based on the measurements: cloud TTFT = the first arrival, TPOT from the arrivals
-        (`speed.tpot_from_arrivals`; `t`'s with one arrival), the device going on from now."""
+        """`t` re-based on the measurements: cloud TTFT = the first arrival (`t`'s, but never
+        earlier than now, before it), TPOT from the arrivals (`speed.tpot_from_arrivals`; `t`'s
+        with fewer than two), the device's prefill ms/token as measured (`t`'s before a chunk),
+        the device going on from now."""
         tpot = tpot_from_arrivals(self.arrivals_ms)
-        return replace(t, cloud_ttft_ms=self.arrivals_ms[0], cloud_tpot_ms=t.cloud_tpot_ms if tpot is None else tpot,
-                       device_start_ms=self.now_ms)
+        ttft = self.arrivals_ms[0] if self.arrivals_ms else max(t.cloud_ttft_ms, self.now_ms)
+        b = t.prefill_ms_per_token if self.device_ms_per_token is None else self.device_ms_per_token
+        return replace(t, cloud_ttft_ms=ttft, cloud_tpot_ms=t.cloud_tpot_ms if tpot is None else tpot,
+                       prefill_ms_per_token=b, device_start_ms=self.now_ms)
 
 
-def replan(t: Timing, progress: Progress, budget: int, max_new_tokens: int, target_tpot_ms: float) -> int | None:
-    """The cloud budget to ask for now (an ExtendBudget, tokens), or None to keep `budget`: the
-    settings re-run from now with the measured cloud and `progress.prompt_left` (margin 0.1); the
-    whole answer when the device can no longer catch up. Needs at least one arrival."""
-    st = choose_settings(progress.measured(t), progress.prompt_left, max_new_tokens, target_tpot_ms, margin=0.1)
+MOVED_TOL = 0.1
+"""Relative change of a measured figure that makes the device re-plan (`moved`)."""
+
+
+def moved(planned: Timing, now: Timing, tol: float = MOVED_TOL) -> bool:
+    """Whether a figure the plan rests on moved by more than `tol` (relative) between the timing
+    the last plan used (`planned`) and the measured one (`now`, `Progress.measured`): the cloud's
+    TTFT or TPOT, or the device's prefill ms/token (ms). The driver re-plans when it did."""
+    pairs = ((planned.cloud_ttft_ms, now.cloud_ttft_ms), (planned.cloud_tpot_ms, now.cloud_tpot_ms),
+             (planned.prefill_ms_per_token, now.prefill_ms_per_token))
+    return any(abs(b - a) > tol * max(abs(a), 1e-9) for a, b in pairs)
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A re-plan's answer: budget, the cloud budget to ask for (tokens; an ExtendBudget when larger
+    than the one in force); interval_ms, the display interval from now (ms, never faster than the
+    one in force)."""
+
+    budget: int
+    interval_ms: float
+
+
+def replan(t: Timing, progress: Progress, budget: int, max_new_tokens: int, target_tpot_ms: float,
+           interval_ms: float | None = None, max_interval_ms: float | None = None) -> Replan | None:
+    """Re-plan from now (`progress.measured(t)`, `progress.prompt_left` prompt tokens left, margin
+    0.1) at a display no faster than the `interval_ms` in force and no slower than
+    `max_interval_ms`: a `Replan` when the budget must grow (the whole answer when the device can
+    no longer catch up) or the display must slow down; None to keep both."""
+    floor = max(target_tpot_ms, interval_ms or 0.0)
+    st = choose_settings(progress.measured(t), progress.prompt_left, max_new_tokens, floor, margin=0.1,
+                         max_interval_ms=max_interval_ms)
     want = st.cloud_budget if st.cloud_budget is not None else max_new_tokens
-    return want if want > budget else None
+    slower = st.cloud_budget is not None and st.interval_ms > floor + 0.5
+    if want <= budget and not slower:
+        return None
+    return Replan(max(want, budget), st.interval_ms if slower else floor)
 
 
 def replan_held(t: Timing, progress: Progress, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
-                force: bool = False) -> float | None:
-    """Whether a device held by a cloud-to-the-end plan should go: re-planned after cloud tokens
-    1, 2, 4, 8, ... (and, `force`, when its background prompt prefill is done) with the measured
-    cloud and min(prompt_tokens, prompt_left) tokens left. Returns the display interval (ms) of the
-    feasible hand-off, or None: keep holding."""
-    k = len(progress.arrivals_ms)
-    if not k or (k & (k - 1) and not force):
-        return None
-    st = choose_settings(progress.measured(t), min(prompt_tokens, progress.prompt_left), max_new_tokens,
-                         target_tpot_ms)
+                max_interval_ms: float | None = None) -> float | None:
+    """Whether a device held by a cloud-to-the-end plan should go, re-planned with the measured
+    figures (`progress.measured(t)`) and min(prompt_tokens, prompt_left) tokens left. The driver
+    asks whenever a figure `moved` and whenever a background prompt chunk is done. Returns the
+    display interval (ms, at most `max_interval_ms` when slowed) of the feasible hand-off, or
+    None: keep holding."""
+    m = progress.measured(t)
+    if progress.prompt_left == 0 and progress.behind == 0:  # it covered every token received: it can go now
+        return max(target_tpot_ms, m.cloud_tpot_ms, m.decode_ms_per_token)
+    st = choose_settings(m, min(prompt_tokens, progress.prompt_left), max_new_tokens, target_tpot_ms,
+                         max_interval_ms=max_interval_ms)
     return None if st.cloud_budget is None else st.interval_ms
 
 

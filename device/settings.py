@@ -29,12 +29,17 @@ batches pays `a` more than once, so instead of the closed form we take the small
 `simulate` (this very model, batch by batch) shows no late token, times (1 + margin) for safety.
 P/D-Device (the paper this project follows) derives the same trade-off; the derivation here is ours.
 
-During a request the device refines the estimate when the refined prompt arrives and again when its
-prompt prefill is done (and, while a cloud-to-the-end plan keeps it idle, whenever the measured T
-and c arrive: after cloud tokens 1, 2, 4, 8, ..., it re-plans and starts if a hand-off became
-feasible): it re-plans from "now" with the tokens it still has to prefill and the
-measured T and c; if the budget they imply is larger, it sends ExtendBudget (before the cloud
-reaches the old budget, or the extension comes too late and is skipped). After the hand-off only
+The display interval can be a decision as well (`max_interval_ms`): when no budget fits at
+I = max(target, c, d), the least slower I (up to that bound) for which one does; the display then
+slows down to buy the device time (P/D-Device's speed controller).
+
+During a request the device refines the estimate when the refined prompt arrives, after every
+prompt chunk, and whenever a measured figure moves by more than 10 % (T on the first cloud token,
+c on later ones, the device's own prefill ms/token; `policy.moved`): it re-plans from "now" with
+the tokens it still has to prefill and the measured figures; if the budget they imply is larger,
+it sends ExtendBudget (before the cloud reaches the old budget, or the extension comes too late
+and is skipped), and it may slow the display; a device a cloud-to-the-end plan keeps idle starts
+when a hand-off became feasible. After the hand-off only
 the device's pace matters, so the display interval drops to max(target, d).
 """
 from __future__ import annotations
@@ -222,27 +227,56 @@ def simulate(t: Timing, prompt_tokens: int, answer_tokens: int, budget: int | No
             "tpot_max_ms": float(gaps.max()) if gaps.size else 0.0}
 
 
-def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
-                    margin: float = 0.2) -> Settings:
-    """The fewest cloud tokens N with no late token under `t` (see the module docstring), then
-    N * (1 + margin); cloud-to-the-end when the device cannot catch up (b >= I) or N >= the answer.
-
-    Raises:
-        ValueError: target_tpot_ms <= 0 or prompt_tokens < 1.
-    """
-    if target_tpot_ms <= 0 or prompt_tokens < 0:
-        raise ValueError("target_tpot_ms must be > 0 and prompt_tokens >= 0")
-    interval = max(target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
-    if t.prefill_ms_per_token >= interval:
-        return Settings(None, interval, None)
+def _budget_at(t: Timing, prompt_tokens: int, max_new_tokens: int, interval: float, margin: float) -> int | None:
+    """The fewest cloud tokens N with no late token at display interval `interval` (ms), times
+    (1 + margin); None when none below `max_new_tokens` fits."""
     def ok(n: int) -> bool:  # the first device token (index h <= n) is ready by its display slot
         h, r = catch_up(t, prompt_tokens, n)
         return r <= t.cloud_ttft_ms + h * interval
     # R(n) - slot(n) is not monotone (each extra catch-up batch pays `a` again): scan upwards
     first = next((n for n in range(1, max_new_tokens) if ok(n)), None)
     if first is None:
-        return Settings(None, interval, None)
-    n = next((m for m in range(math.ceil(first * (1 + margin)), max_new_tokens) if ok(m)), None)
+        return None
+    return next((m for m in range(math.ceil(first * (1 + margin)), max_new_tokens) if ok(m)), None)
+
+
+def choose_settings(t: Timing, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
+                    margin: float = 0.2, max_interval_ms: float | None = None) -> Settings:
+    """The fewest cloud tokens N with no late token under `t` (see the module docstring), then
+    N * (1 + margin); cloud-to-the-end when the device cannot catch up (b >= I) or N >= the answer.
+
+    The display interval is I0 = max(target, c, d). With `max_interval_ms` > I0 (ms/token) the
+    interval is a decision too (the speed controller of P/D-Device slowing the display to buy the
+    device time): when no budget fits at I0, the smallest I in (I0, max_interval_ms] (to 0.5 ms,
+    by bisection: a slower display only moves every slot later, so feasibility is monotone in I)
+    whose budget leaves the device at least the margin's share of the answer (N <= answer /
+    (1 + margin); else the smallest I with any budget: a hand-off at the answer's last tokens is
+    worth little); cloud-to-the-end at I0 when none fits. The per-call base `a` is charged per
+    prefill call of the catch-up (`catch_up`), never per token.
+
+    Raises:
+        ValueError: target_tpot_ms <= 0 or prompt_tokens < 0.
+    """
+    if target_tpot_ms <= 0 or prompt_tokens < 0:
+        raise ValueError("target_tpot_ms must be > 0 and prompt_tokens >= 0")
+    interval = max(target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
+    n = None if t.prefill_ms_per_token >= interval else _budget_at(t, prompt_tokens, max_new_tokens, interval, margin)
+    if n is None and max_interval_ms is not None and max_interval_ms > interval and \
+            t.prefill_ms_per_token < max_interval_ms:
+        def budget(i: float) -> int | None:
+            return None if t.prefill_ms_per_token >= i else _budget_at(t, prompt_tokens, max_new_tokens, i, margin)
+
+        roomy = lambda b: b is not None and b <= max_new_tokens / (1 + margin)  # noqa: E731
+        n_hi = budget(max_interval_ms)
+        if n_hi is not None:
+            # the least interval whose budget leaves the device the margin's share of the answer (else any budget)
+            fits = roomy if roomy(n_hi) else (lambda b: b is not None)
+            lo, hi = interval, max_interval_ms  # fits(budget(lo)) is False, fits(budget(hi)) is True
+            while hi - lo > 0.5:
+                mid = (lo + hi) / 2
+                n_mid = budget(mid)
+                lo, hi, n_hi = (lo, mid, n_mid) if fits(n_mid) else (mid, hi, n_hi)
+            interval, n = hi, n_hi
     if n is None:
         return Settings(None, interval, None)
     return Settings(n, interval, handoff_time(t, prompt_tokens, n))

@@ -86,6 +86,8 @@ from .settings import CatchUp, CloudEstimate, Timing
 from .speed import SpeedController, tpot_from_arrivals
 
 MODES = ("split", "device-only", "cloud-only")
+SLOWEST_PACE = 1.8  # default slowest display interval, x the target TPOT: TPOT max stays under 2x the target
+                    # (the stall bound) with room for the jitter of the arrivals and the event loop
 SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send (s)
 
 BACKGROUND_NICE = 10  # niceness added to the background prefill thread (Linux: per thread)
@@ -252,7 +254,10 @@ class SplitOptions:
     (`Generate.kv_from`) instead of the device prefilling it: 'auto' where the link is fast enough
     (`protocol.kvhandoff.kv_handoff_pays`: `link_bytes_per_s`, the measured link bandwidth in
     bytes/s, None = unknown = never; `kv_overhead_ms`, encode + decode + import), True always,
-    False never."""
+    False never. max_tpot_ms: the slowest display interval the plan may choose so that the device
+    catches up within the answer (ms/token, the speed controller slowing down; None:
+    `SLOWEST_PACE` x target_tpot_ms; target_tpot_ms: never slower than max(target, cloud TPOT,
+    device TPOT))."""
 
     mode: str = "split"
     target_tpot_ms: float = 50.0
@@ -266,6 +271,7 @@ class SplitOptions:
     kv_handoff: bool | str = "auto"
     link_bytes_per_s: float | None = None
     kv_overhead_ms: float = 20.0
+    max_tpot_ms: float | None = None
 
     def __post_init__(self):
         """Raises ValueError (`FieldError` for numbers, by `protocol.validate`) naming a bad field."""
@@ -285,6 +291,12 @@ class SplitOptions:
             raise ValueError(f"kv_handoff must be True, False or 'auto', got {self.kv_handoff!r}")
         if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
             raise ValueError(f"link_bytes_per_s must be > 0 (bytes/s), got {self.link_bytes_per_s}")
+        if self.max_tpot_ms is not None and not self.max_tpot_ms >= self.target_tpot_ms:
+            raise FieldError("max_tpot_ms", f"a number >= target_tpot_ms ({self.target_tpot_ms})", self.max_tpot_ms)
+
+    def max_interval_ms(self) -> float:
+        """The slowest display interval a plan may choose (ms/token; see `max_tpot_ms`)."""
+        return self.max_tpot_ms if self.max_tpot_ms is not None else SLOWEST_PACE * self.target_tpot_ms
 
     def progress_timeout(self, cloud: "CloudEstimate", prompt_tokens: int, first: bool) -> float:
         """Seconds to wait for the next cloud frame (see the class docstring)."""
@@ -404,7 +416,9 @@ class _Device:
     still to prefill; covered: answer tokens prefilled; prompt_tokens: prompt tokens it prefilled
     (fewer with refinement or the KV hand-off); kv_imported: prompt tokens whose KV came from the
     cloud; prompt_ms / prefill_ms: wall ms of its prompt work / up to the hand-off; waiting_kv: it
-    waits for the cloud's KV; wake: set by a cloud token, a fault or a re-plan (wakes a held worker)."""
+    waits for the cloud's KV; wake: set by a cloud token, a fault or a re-plan (wakes a held worker);
+    chunk_ms / chunk_tokens / chunk_calls: wall ms, tokens and calls of its prompt prefill chunks of
+    more than one token so far (its measured prefill rate)."""
 
     past: DeviceCache | None
     reused: int
@@ -420,6 +434,9 @@ class _Device:
     prefill_ms: float = 0.0
     waiting_kv: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    chunk_ms: float = 0.0
+    chunk_tokens: int = 0
+    chunk_calls: int = 0
 
 
 @dataclass
@@ -481,6 +498,7 @@ class _Run:
         mode = s.opt.mode if s.cloud_url or s.opt.mode == "device-only" else "device-only"
         self.plan = _Plan(mode, mode, _asked(s.opt, mode), prompt_est=len(prompt))
         self.phases = Phases()
+        self.planned: Timing | None = None  # the timing the last plan or re-plan used (`policy.moved`)
         self.answer, self.cloud, self.fault = _Answer(), _Cloud(), _Fault()
         self.request_id = uuid.uuid4().hex[:12]
         self.speed = SpeedController(s.opt.target_tpot_ms)
@@ -525,8 +543,14 @@ class _Run:
         return Timing(a, b, d, c.ttft_ms(len(self.prompt)), c.tpot_ms)
 
     def progress(self, prompt_left: int) -> Progress:
-        """What the device measured so far, with `prompt_left` prompt tokens still to prefill."""
-        return Progress(self.now(), tuple(self.answer.ready_ms), prompt_left)
+        """What the device measured so far, with `prompt_left` prompt tokens still to prefill: the
+        cloud arrivals and the device's prefill ms/token on its prompt chunks (their per-call base
+        a taken out)."""
+        d = self.dev
+        rate = (max(0.0, d.chunk_ms - d.chunk_calls * self.s.device_timing[0]) / d.chunk_tokens
+                if d.chunk_tokens and self.s.device_timing else None)
+        return Progress(self.now(), self.answer.cloud_arrivals(), prompt_left, rate,
+                        len(self.answer.ids) - d.covered if self.phases.phase is Phase.CATCHING_UP else None)
 
     def initial_plan(self) -> None:
         """Initial cloud budget and display interval (`policy.plan`)."""
@@ -538,26 +562,48 @@ class _Run:
         n = len(self.prompt) - self.dev.reused  # multi-turn: only the uncached tokens cost device prefill
         refine = choose_refine(n, opt.refine) if not self.dev.reused and self.cloud.kv_from is None else None
         kv_ms = self.kv_transfer_ms() if self.cloud.kv_from is not None else None
-        p = policy.plan(PlanInput(self.timing(), n, self.params.max_new_tokens, opt.target_tpot_ms, refine, kv_ms))
+        p = policy.plan(PlanInput(self.timing(), n, self.params.max_new_tokens, opt.target_tpot_ms, refine, kv_ms,
+                                  opt.max_interval_ms()))
+        self.planned = self.timing()
         self.speed.interval_ms = p.interval_ms
         pl.budget, pl.held, pl.prompt_est, pl.reason = p.budget, p.held, p.device_prompt_tokens, p.reason
         if p.held:
             pl.planned = "cloud-to-the-end"
 
+    async def revisit(self, chunk: bool = False) -> None:
+        """Re-plan when a measured figure moved the plan (`policy.moved`: cloud TTFT/TPOT, device
+        prefill ms/token) or, `chunk`, a prompt chunk is done: `replan_held` while the plan holds
+        the device, else `replan`. Only before the hand-off, while the cloud streams."""
+        pl = self.plan
+        if (not pl.auto or self.phases.done or self.phases.handoff is not None or self.cloud.channel is None
+                or self.cloud.done is not None or self.phases.phase not in (Phase.CLOUD_PACED, Phase.CATCHING_UP)):
+            return
+        now = self.progress(self.dev.prompt_left).measured(self.timing())
+        if not chunk and self.planned is not None and not policy.moved(self.planned, now):
+            return
+        self.planned = now
+        if pl.held:
+            self.replan_held()
+        elif self.phases.phase is Phase.CLOUD_PACED:  # during the catch-up the device is nearly there
+            await self.replan(self.dev.prompt_left)
+
     async def replan(self, prompt_left: int) -> None:
         """Re-plan from now with `prompt_left` prompt tokens still to prefill (`policy.replan`);
-        send ExtendBudget when more cloud tokens are needed."""
+        send ExtendBudget when more cloud tokens are needed; slow the display when the plan says."""
         pl = self.plan
         if (not pl.auto or pl.budget is None or self.cloud.channel is None or not self.answer.ready_ms
                 or self.cloud.done is not None or self.phases.handoff is not None):
             return
-        want = policy.replan(self.timing(), self.progress(prompt_left), pl.budget, self.params.max_new_tokens,
-                             self.s.opt.target_tpot_ms)
-        if want is not None:
-            pl.budget, pl.extended = want, pl.extended + 1
-            await self.send_quietly(ExtendBudget(self.request_id, want))
+        r = policy.replan(self.timing(), self.progress(prompt_left), pl.budget, self.params.max_new_tokens,
+                          self.s.opt.target_tpot_ms, self.speed.interval_ms, self.s.opt.max_interval_ms())
+        if r is None:
+            return
+        self.speed.interval_ms = max(self.speed.interval_ms, r.interval_ms)
+        if r.budget > pl.budget:
+            pl.budget, pl.extended = r.budget, pl.extended + 1
+            await self.send_quietly(ExtendBudget(self.request_id, r.budget))
 
-    def replan_held(self, force: bool = False) -> None:
+    def replan_held(self) -> None:
         """While a cloud-to-the-end plan holds the device, re-plan (`policy.replan_held`); when a
         hand-off has become feasible, release the device to take over once it catches up (the
         cloud keeps streaming until the device's Stop)."""
@@ -565,7 +611,8 @@ class _Run:
         if not pl.auto or not pl.held or self.phases.done or self.cloud.channel is None:
             return
         interval = policy.replan_held(self.timing(), self.progress(self.dev.prompt_left), pl.prompt_est,
-                                      self.params.max_new_tokens, self.s.opt.target_tpot_ms, force)
+                                      self.params.max_new_tokens, self.s.opt.target_tpot_ms,
+                                      self.s.opt.max_interval_ms())
         if interval is None:
             return
         self.speed.interval_ms = max(self.speed.interval_ms, interval)
@@ -810,7 +857,10 @@ class _Run:
             return False
         if ev.ignored:
             return True
-        return self.on_message(ev.message)
+        going = self.on_message(ev.message)
+        if going and isinstance(ev.message, Token):
+            await self.revisit()  # a measured cloud figure may have moved the plan
+        return going
 
     def on_message(self, msg) -> bool:
         """Apply one legal cloud message of this request; False when it ends the stream."""
@@ -820,7 +870,6 @@ class _Run:
                 self.cloud.cached = msg.cached_tokens
             if self.phases.takes_cloud_tokens:  # the table checked the index: it is len(answer.ids)
                 self.append(msg.token_id, "cloud", msg.finish_reason)
-                self.replan_held()
         elif isinstance(msg, KVTransfer):
             self.cloud.kv_parts.append(msg)
             if len(self.cloud.kv_parts) >= (msg.num_blocks if msg.block_index >= 0 else 1):
@@ -888,13 +937,16 @@ class _Run:
             if self.phases.done:
                 return  # the cloud finished the answer first
             step = min(self.s.opt.prefill_chunk, policy.BACKGROUND_CHUNK) if self.plan.held else self.s.opt.prefill_chunk
-            logits, kv = await self.call(prefill_at, eng, prompt[i:i + step], kv, at and at[i:i + step])
+            c0, ids = time.perf_counter(), prompt[i:i + step]
+            logits, kv = await self.call(prefill_at, eng, ids, kv, at and at[i:i + step])
+            if len(ids) > 1:  # the device's measured prefill rate (a one-token call is a decode step)
+                self.dev.chunk_ms += (time.perf_counter() - c0) * 1e3
+                self.dev.chunk_tokens, self.dev.chunk_calls = self.dev.chunk_tokens + len(ids), self.dev.chunk_calls + 1
             i += step
             self.dev.prompt_left = max(0, len(prompt) - i)
+            await self.revisit(chunk=True)  # the measured prefill and the prompt left may have moved the plan
         self.dev.prompt_ms = (time.perf_counter() - t) * 1e3
         base = len(self.prompt) if at is not None else None  # answer token k at position n + k after a gapped prompt
-        await self.replan(0)
-        self.replan_held(force=True)  # the prompt is prefilled: a hand-off may have become feasible
         if self.phases.done:
             return
         self.phases.fire(Event.PROMPT_PREFILLED)
@@ -934,11 +986,14 @@ class _Run:
         every token covered and it). Returns (logits, kv, hand-off index, phase before it), or None
         when the answer ended first. `base`: RoPE position of answer token 0 (None: contiguous)."""
         rule = CatchUp()
+        self.dev.covered = 0
         while not self.phases.done:
             step = catch_up_step(rule, len(self.answer.ids), self.plan.held)
-            if step == HOLD:  # held by the plan: wait for a cloud token, a fault or a re-plan
-                self.dev.wake.clear()
-                await self.dev.wake.wait()
+            if step == HOLD:  # held by the plan and caught up: it can go now (replan_held), else wait for
+                self.replan_held()  # a cloud token, a fault or a re-plan
+                if self.plan.held:
+                    self.dev.wake.clear()
+                    await self.dev.wake.wait()
             elif isinstance(step, HandOff):
                 before = self.phases.phase
                 return logits, kv, self.phases.hand_off(step.index, len(self.answer.ids)), before

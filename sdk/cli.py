@@ -331,6 +331,41 @@ DEMO_SAMPLING = dict(temperature=0.2, top_p=0.9, seed=0)
 # the world). Of the first nine conversations it is one whose sampled answer runs to the 64-token limit without
 # repeating itself, so the hand-off shows; the old default (a random six-turn chat) got one sentence eight times.
 DEMO_CONVERSATION = dict(index=7, max_turns=2)
+# What the demo chooses from, in order of preference, when no prompt / --max-new-tokens is given: the
+# conversations (DEMO_CONVERSATION's first, then longer and shorter first turns) and the answer lengths. The
+# first (conversation, length) whose plan is a split with the hand-off planned in the first DEMO_HANDOFF_SHARE
+# of the answer is taken (`choose_demo`).
+DEMO_CONVERSATIONS = (7, 1, 2, 3, 4, 5)
+DEMO_LENGTHS = (64, 96, 128, 192, 256)
+DEMO_HANDOFF_SHARE = 0.6
+
+
+def choose_demo(candidates, lengths, timing_of, target_tpot_ms: float, max_interval_ms: float,
+                share: float = DEMO_HANDOFF_SHARE) -> dict:
+    """The demo's prompt and answer length, from the plan (`device.policy.plan`): the first of
+    `candidates` ((label, prompt ids) pairs) and `lengths` (answer tokens, ascending) whose plan is
+    a split handing off at an index h with 0 < h <= share x the length (`settings.catch_up` on the
+    planned budget). `timing_of(n)` is the `settings.Timing` for an n-token prompt (the device fit,
+    the client's measured cloud TTFT and TPOT, ms). Returns {'label', 'prompt_ids', 'max_new_tokens',
+    'planned_handoff', 'budget', 'interval_ms', 'plan_reason', 'split': True}; when none fits, the
+    first candidate at the longest length with 'split' False and the plan's reason."""
+    from relayinfer.device.policy import PlanInput, plan
+    from relayinfer.device.settings import catch_up
+
+    first = None
+    for label, ids in candidates:
+        t = timing_of(len(ids))
+        for n_new in lengths:
+            p = plan(PlanInput(t, len(ids), n_new, target_tpot_ms, max_interval_ms=max_interval_ms))
+            h = catch_up(t, len(ids), p.budget)[0] if p.budget is not None else None
+            pick = {"label": label, "prompt_ids": list(ids), "max_new_tokens": n_new, "planned_handoff": h,
+                    "budget": p.budget, "interval_ms": p.interval_ms, "plan_reason": p.reason,
+                    "cloud_ttft_ms": t.cloud_ttft_ms, "cloud_tpot_ms": t.cloud_tpot_ms}
+            if h is not None and 0 < h <= share * n_new:
+                return {**pick, "split": True}
+            if first is None and n_new == lengths[-1]:
+                first = {**pick, "split": False}
+    return first
 
 
 def _sampling_line(sampling: dict) -> str:
@@ -345,9 +380,14 @@ def _outcome(res) -> str:
     """What was planned and what happened, in words (the second summary line of demo and chat)."""
     if res.fault:
         return f"fault {res.fault}: {res.error}  (planned {res.plan})"
+    if res.mode == "split" and res.handoff_index:
+        n = len(res.token_ids)
+        return (f"split: the cloud streamed tokens 0-{res.handoff_index - 1}, the device took over at token "
+                f"{res.handoff_index} and decoded {n - res.handoff_index} of the {n} (planned {res.plan})")
     if res.plan == "split" and res.mode == "cloud-only":
-        return (f"planned split; the answer ended after {len(res.token_ids)} tokens, before the device had caught "
-                "up, so the cloud streamed all of it (no fault)")
+        end = "at the end-of-text token" if res.finish_reason == "eos" else f"({res.finish_reason})"
+        return (f"planned split; the answer ended {end} after {len(res.token_ids)} tokens, before the device had "
+                "caught up, so the cloud streamed all of it (no fault)")
     if res.plan == "split" and res.mode == "device-only":
         return "planned split; the device was ready before the cloud's first token, so it answered alone (no fault)"
     return f"planned {res.plan}: {res.plan_reason}"
@@ -356,14 +396,16 @@ def _outcome(res) -> str:
 @app.command()
 def demo(
     prompt: Optional[str] = typer.Argument(None, help="User message; default: a real conversation from chitchat-dataset."),
-    max_new_tokens: int = typer.Option(64, help="Generated tokens at most."),
+    max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Generated tokens at most; default: the "
+                                                 "shortest answer for which the plan is a split (64..256)."),
     temperature: float = typer.Option(DEMO_SAMPLING["temperature"],
                                       help="Sampling temperature (SmolLM2's recommended 0.2); 0 = greedy."),
     top_p: float = typer.Option(DEMO_SAMPLING["top_p"], help="Nucleus filter, in (0, 1]."),
     seed: Optional[int] = typer.Option(DEMO_SAMPLING["seed"], help="Sampling seed (same seed, same answer)."),
     target_tpot_ms: float = typer.Option(60.0, min=1.0, help="TPOT shown to the user (ms)."),
     profile: str = typer.Option("phone", help="Device profile pacing the device engine: phone, local, or a JSON path."),
-    cloud_budget: Optional[int] = typer.Option(None, min=1, help="Most tokens the cloud streams."),
+    cloud_budget: Optional[int] = typer.Option(None, min=1, help="Most tokens the cloud streams; default: the "
+                                               "settings algorithm's (auto)."),
     model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
     as_json: bool = typer.Option(False, "--json", help="Print the GenerationResult as one JSON object."),
     certfile: Optional[str] = typer.Option(None, help="Embedded cloud over TLS (wss://): PEM certificate chain."),
@@ -371,7 +413,11 @@ def demo(
     ca: Optional[str] = typer.Option(None, help="PEM CA file the device trusts for wss:// (a private CA)."),
     insecure: bool = typer.Option(False, "--insecure", help="Do not verify the cloud's TLS certificate."),
 ):
-    """The main job: an embedded cloud service on loopback and a device session against it."""
+    """The main job: an embedded cloud service on loopback and a device session against it.
+
+    Without a prompt or --max-new-tokens the demo chooses them (`choose_demo`) from the plan the
+    device computes with its profile and the cloud figures it measured on a warm-up request, so
+    that the plan is a split; the summary says where the hand-off happened, or what went wrong."""
     from relayinfer.device.profiles import load_profile
     from relayinfer.protocol.validate import check_prompt_text
     from relayinfer.protocol.model.decoding import SamplingParams
@@ -381,7 +427,7 @@ def demo(
     try:  # bad input fails here, before any model loads
         if prompt is not None:
             check_prompt_text(prompt)
-        SamplingParams(**sampling)
+        SamplingParams(**{**sampling, "max_new_tokens": max_new_tokens or DEMO_LENGTHS[0]})
         load_profile(profile)
     except ValueError as e:
         fail(e, as_json)
@@ -396,15 +442,17 @@ def demo(
         say("loading the cloud model (torch) and the device model (ONNX)...")
         _ensure_device_model(model, show=not as_json)
         svc = _cloud_service(model, "cpu", 1, None)
-        messages = [{"role": "user", "content": prompt}] if prompt else chitchat_prompt(**DEMO_CONVERSATION)
         with ServiceThread(svc, ssl=tls) as running:
             client = Client(cloud_url=running.url, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
-                            cloud_budget=cloud_budget, ca=ca, verify=not insecure)
-            client.check_cloud()  # an unreachable cloud (e.g. TLS not trusted) is announced once, up front
+                            cloud_budget="auto" if cloud_budget is None else cloud_budget, ca=ca, verify=not insecure)
+            problem = client.check_cloud()  # an unreachable cloud (e.g. TLS not trusted) is announced once, up front
+            messages, choice = _demo_choice(client, prompt, max_new_tokens, target_tpot_ms, problem is None)
+            sampling["max_new_tokens"] = choice["max_new_tokens"]
             if not prompt:
                 for m in messages:
                     say(f"[{m['role']}] {m['content']}")
             say(f"cloud {running.url}  device profile {profile}  target TPOT {target_tpot_ms:.0f} ms")
+            say(_choice_line(choice))
             say(_sampling_line(sampling))
             stream = client.generate(messages, **sampling)
             if as_json:
@@ -421,6 +469,8 @@ def demo(
     out = res.to_dict()
     out["device_only_ttft_ms"] = device_only.ttft_ms
     out["sampling"] = sampling
+    out["demo"] = {k: v for k, v in choice.items() if k != "prompt_ids"}
+    out["outcome"] = _outcome(res)
     if as_json:
         print(json.dumps(out))
         return
@@ -432,6 +482,50 @@ def demo(
         f"TPOT p50 {res.tpot_ms_p50:.0f} ms max {res.tpot_ms_max:.0f} ms  stalls {res.stalls}  "
         f"cloud tokens {res.cloud_tokens}  device tokens {res.device_tokens}  hand-off at {res.handoff_index}", err=True)
     typer.echo(_outcome(res), err=True)
+
+
+def _demo_choice(client, prompt: str | None, max_new_tokens: int | None, target_tpot_ms: float,
+                 cloud_ok: bool) -> tuple[list[dict], dict]:
+    """The demo's messages and `choose_demo`'s choice. Two cloud-only requests on the first
+    candidate warm the cloud up and then measure it (TTFT, TPOT: `client.cloud`); the plan then uses
+    the client's device fit (`Client.device_timing`) and those figures. A given prompt or
+    --max-new-tokens is kept (only the other is chosen); without a cloud nothing is chosen."""
+    from relayinfer.device.settings import Timing
+    from relayinfer.device.split import SplitOptions
+    from relayinfer.sdk.datasets import chitchat_prompt
+
+    if prompt:
+        convs = [("your prompt", [{"role": "user", "content": prompt}])]
+    else:
+        convs = [(f"chitchat conversation {i}", chitchat_prompt(index=i, max_turns=DEMO_CONVERSATION["max_turns"]))
+                 for i in DEMO_CONVERSATIONS]
+    lengths = (max_new_tokens,) if max_new_tokens else DEMO_LENGTHS
+    if not cloud_ok or (prompt and max_new_tokens):
+        return convs[0][1], {"label": convs[0][0], "max_new_tokens": lengths[-1] if not max_new_tokens
+                             else max_new_tokens, "split": None, "chosen_by_plan": False}
+    ids = {label: client.prompt_ids(m) for label, m in convs}
+    client.complete(ids[convs[0][0]], max_new_tokens=4, mode="cloud-only")  # warms the cloud up (a cold first
+    client.cloud = type(client.cloud)()  # request is slower than any later one: its figures are dropped)
+    client.complete(ids[convs[0][0]], max_new_tokens=8, mode="cloud-only")  # measures the cloud
+    a, b, d = client.device_timing()
+    c = client.cloud
+    pick = choose_demo(list(ids.items()), lengths, lambda n: Timing(a, b, d, c.ttft_ms(n), c.tpot_ms),
+                       target_tpot_ms, SplitOptions(target_tpot_ms=target_tpot_ms).max_interval_ms())
+    pick["chosen_by_plan"] = True
+    return dict(convs)[pick["label"]], pick
+
+
+def _choice_line(choice: dict) -> str:
+    """The demo's choice in words."""
+    if not choice.get("chosen_by_plan"):
+        return f"{choice['label']}, at most {choice['max_new_tokens']} new tokens (not chosen by the plan)"
+    head = (f"chose {choice['label']} ({len(choice['prompt_ids'])} prompt tokens) and {choice['max_new_tokens']} new "
+            f"tokens from the plan (cloud measured: TTFT {choice['cloud_ttft_ms']:.0f} ms, TPOT "
+            f"{choice['cloud_tpot_ms']:.0f} ms): ")
+    if choice["split"]:
+        return head + (f"a split, the cloud streaming at most {choice['budget']} tokens and the device taking over "
+                       f"near token {choice['planned_handoff']}, display every {choice['interval_ms']:.0f} ms")
+    return head + f"no split fits ({choice['plan_reason']})"
 
 
 @app.command()
@@ -535,7 +629,9 @@ def bench_split(
     seed: int = typer.Option(0),
     link: Optional[list[str]] = typer.Option(None, help="Emulated link between device and cloud: loopback, wifi, "
                                              "lte, lossy (repeatable or a comma list; one run per link, default "
-                                             "out bench/results/split-link-<link>.json, no capacity sweep)."),
+                                             "out bench/results/split-link-<link>.json, no capacity sweep; with "
+                                             "--per-bucket: every prompt on each link in one run, with "
+                                             "--no-capacity, out default bench/results/split-handoff-links.json)."),
     pin_cores: Optional[bool] = typer.Option(None, help="Pin the cloud and device model threads to two cores "
                                              "(default: on with --link)."),
     per_bucket: Optional[int] = typer.Option(None, min=1, help="The hand-off benchmark (bench/SPLIT.md): this many "
@@ -546,6 +642,9 @@ def bench_split(
     max_new_tokens: int = typer.Option(256, min=1, help="With --per-bucket: the split answers' token cap; with "
                                        "--goodput: every answer's cap (to EOS)."),
     capacity: bool = typer.Option(True, help="With --per-bucket: run the capacity sweep."),
+    bucket_targets: Optional[str] = typer.Option(None, help="With --per-bucket: the prompt lengths drawn, a comma "
+                                                 "list of tokens (default 160,384,720,1150: one per bucket; "
+                                                 "720,1150: the >=512 buckets only)."),
     time_limit_s: float = typer.Option(1500.0, min=1.0, help="With --per-bucket: skip prompts after this many seconds; "
                                        "with --goodput: add no rate point after this many seconds."),
     goodput: bool = typer.Option(False, help="Cloud goodput under TTFT/TPOT SLOs (bench/goodput.py): Poisson rate "
@@ -565,7 +664,9 @@ def bench_split(
     bad = [x for x in links if x not in PROFILES]
     if bad:
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
-    if out and len(links) > 1:
+    if bucket_targets is not None and per_bucket is None:
+        fail(ValueError("--bucket-targets applies to --per-bucket only"))
+    if out and len(links) > 1 and per_bucket is None:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
     if goodput:
         for flag, given in (("--link", bool(links)), ("--per-bucket", per_bucket is not None),
@@ -586,13 +687,22 @@ def bench_split(
                          indent=1, default=str))
         return
     if per_bucket is not None:
-        if links:
-            fail(ValueError("--per-bucket runs on the direct loopback: leave out --link"))
+        if links and capacity:
+            fail(ValueError("--per-bucket with --link: add --no-capacity (the capacity sweep runs on the direct "
+                            "loopback; run it without --link)"))
         profiles = [x.strip() for x in profile.split(",") if x.strip()]
         try:
+            targets = tuple(int(x) for x in (bucket_targets or "").split(",") if x.strip())
+            if any(t < 1 for t in targets):
+                raise ValueError(f"--bucket-targets must be prompt lengths >= 1 token, got {bucket_targets!r}")
+        except ValueError as e:
+            fail(ValueError(f"--bucket-targets: a comma list of token counts, got {bucket_targets!r} ({e})"))
+        try:
             res = bench_module("split").run_handoff_bench(
-                profiles, per_bucket, out or "bench/results/split-handoff.json", seed=seed,
-                max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command)
+                profiles, per_bucket, out or ("bench/results/split-handoff-links.json" if links else
+                                              "bench/results/split-handoff.json"), seed=seed,
+                max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command,
+                links=links or None, **({"bucket_targets": targets} if targets else {}))
         except ValueError as e:
             fail(e)
         print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",

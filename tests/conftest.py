@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -62,3 +64,23 @@ def data():
     from relayinfer.cloud.relay.data import load_ml100k
 
     return load_ml100k()
+
+
+class BackgroundSlow:
+    """The device engine, at least `ms_per_token` a prefill token on the background (low-priority)
+    thread the plan holds it on, at its own speed on the foreground one. The device re-plans with
+    the prefill rate it measures on its background chunks: one slower than any display interval
+    keeps it held (at its own speed it would measure a hand-off as feasible and go)."""
+
+    def __init__(self, engine, ms_per_token: float):
+        self.engine, self.ms_per_token = engine, ms_per_token
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill(self, ids, kv=None, positions=None):
+        t0 = time.perf_counter()
+        out = self.engine.prefill(ids, kv) if positions is None else self.engine.prefill(ids, kv, positions=positions)
+        if threading.current_thread().name.startswith("device-background"):
+            time.sleep(max(0.0, len(ids) * self.ms_per_token / 1e3 - (time.perf_counter() - t0)))
+        return out

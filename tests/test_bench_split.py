@@ -44,3 +44,14 @@ def test_bucket_summary_counts_handoffs_fallbacks_and_ratios():
     assert ge512["ttft_ms_p50"] == 3000.0 and ge512["device_only_ttft_ms_p50"] == 15000.0
     assert ge512["ttft_p50_over_device_only"] == pytest.approx(0.2) and ge512["tpot_ms_max"] == 100.0
     assert ge1024["requests"] == 1 and short["handed_off_fraction"] == 1.0 and "phone 256-511" not in b
+    assert ge512["ended_early"] == 0 and ge512["link"] is None
+    # per link: keys and goals carry the link's name; an answer that ended (EOS) inside the planned
+    # cloud budget counts as not handed off, and as ended early
+    eos = {**row("split", 800, "cloud-only", 2000.0, shown=(0.0, 90.0)), "finish_reason": "eos", "cloud_budget": 150}
+    lte = [{**r, "link": "lte"} for r in rows + [eos]]
+    bl = _split.bucket_summary(lte, 50.0)
+    assert set(bl) == {f"lte {k}" for k in b} and bl["lte phone >=512"]["ended_early"] == 1
+    assert bl["lte phone >=512"]["handed_off_fraction"] == 0.25
+    goals = _split._goals(bl, None, 50.0, ["lte"])
+    assert goals["lte handoff_fraction_ge512"] == {"value": 0.25, "goal": ">= 0.8", "met": False}
+    assert goals["lte tpot_max_ge512_ms"]["met"] and goals["lte stalls_ge512"]["met"]

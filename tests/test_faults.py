@@ -24,6 +24,8 @@ from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode
 from relayinfer.protocol.messages import Done, Error, Generate, Stop, Token
 
+from conftest import BackgroundSlow
+
 MAX_NEW = 12
 SENT = 3  # tokens the fake cloud streams before its fault (phases after the first token)
 FAULTS = ("close", "error", "stall", "kill", "done-early", "overloaded")
@@ -133,6 +135,7 @@ def session(engine, tokenizer, url, phase: str, mode: str, cloud: CloudEstimate 
     timing = None
     if phase == "device-idle":  # prefill costs more per token than the display interval: cloud to the end
         timing, opt["cloud_budget"] = (0.0, 500.0, 20.0), "auto"
+        engine = BackgroundSlow(engine, 60.0)  # and its background chunks measure so too (it stays held)
     elif phase in ("device-catching-up", "before-first-token"):  # still prefilling when the fault comes
         engine = PacedEngine(engine, DeviceProfile("slow-prefill", prefill_ms_base=300.0, decode_ms_per_token=1.0))
         opt["cloud_budget"] = None
@@ -289,7 +292,9 @@ def test_progress_timeout_is_derived_from_the_cloud_estimates():
 def test_stalled_cloud_with_derived_timeout(onnx_engine, tokenizer, prompt, device_answer):
     """No progress_timeout_s given: the derived one (3 s + 5 x TPOT estimate) ends the stall."""
     with FakeCloud(onnx_engine.fingerprint, device_answer, "stall", SENT) as fc:
-        s = SplitSession(onnx_engine, tokenizer, fc.url, onnx_engine.fingerprint,
+        # held by the plan, and its background prefill (120 ms a token) still short of the prompt when the
+        # derived timeout (~3.2 s) ends the stall (a held device that caught up would take over by itself)
+        s = SplitSession(BackgroundSlow(onnx_engine, 120.0), tokenizer, fc.url, onnx_engine.fingerprint,
                          options=SplitOptions(target_tpot_ms=10.0, cloud_budget="auto"), device_timing=(0.0, 500.0, 20.0))
         t0 = time.perf_counter()
         res = asyncio.run(asyncio.wait_for(s.run(prompt, SamplingParams(max_new_tokens=MAX_NEW)), 60))

@@ -318,16 +318,41 @@ def test_http_side_health_metrics_and_device_model(cloud, onnx_engine, chat_prom
 
 
 def test_demo_cli_json():
+    """The default demo (no prompt, no --max-new-tokens) chooses its conversation and answer length
+    from the plan, and the answer is handed off: mode split at an index > 0 on the real model."""
     exe = shutil.which("relayinfer") or f"{sys.prefix}/bin/relayinfer"
-    out = subprocess.run([exe, "demo", "--json", "--temperature", "0", "--max-new-tokens", "32",
-                          "Tell me three facts about the moon."], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([exe, "demo", "--json"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     for key in ("text", "token_ids", "mode", "ttft_ms", "tpot_ms_p50", "tpot_ms_max", "stalls", "cloud_tokens",
-                "device_tokens", "handoff_index", "prompt_ids", "device_only_ttft_ms"):
+                "device_tokens", "handoff_index", "prompt_ids", "device_only_ttft_ms", "demo", "outcome"):
         assert key in res
-    assert res["mode"] == "split" and res["cloud_tokens"] > 0 and res["device_tokens"] > 0
-    assert len(res["token_ids"]) == 32 or res["token_ids"][-1] == 2
+    demo = res["demo"]
+    assert demo["chosen_by_plan"] and demo["split"] and demo["label"].startswith("chitchat conversation")
+    assert 0 < demo["planned_handoff"] <= demo["budget"] < demo["max_new_tokens"]
+    assert res["sampling"] == {"max_new_tokens": demo["max_new_tokens"], "temperature": 0.2, "top_p": 0.9, "seed": 0}
     assert res["plan"] == "split" and res["fault"] is None and "the device takes over" in res["plan_reason"]
-    assert res["sampling"] == {"max_new_tokens": 32, "temperature": 0.0, "top_p": 0.9, "seed": 0}
+    assert res["mode"] == "split" and res["handoff_index"] > 0, (res["outcome"], res["plan_reason"])
+    assert res["cloud_tokens"] == res["handoff_index"] and res["device_tokens"] == len(res["token_ids"]) - res["handoff_index"]
+    assert res["outcome"].startswith(f"split: the cloud streamed tokens 0-{res['handoff_index'] - 1}, the device took "
+                                     f"over at token {res['handoff_index']}")
     assert out.stderr == "", out.stderr  # --json: nothing but the JSON object
+
+
+def test_demo_choice_follows_the_plan():
+    """`choose_demo` takes the first candidate and the shortest answer whose plan hands off in its
+    first 60 %: a phone that prefills a 114-token prompt in 1.9 s needs more than 64 tokens at a
+    60 ms display; a 2000-token prompt fits at no length, and then the choice says why."""
+    from relayinfer.device.settings import Timing
+    from relayinfer.sdk.cli import DEMO_LENGTHS, choose_demo
+
+    def timing(n):
+        return Timing(0.0, 16.67, 52.6, 300.0 + n, 40.0)
+
+    pick = choose_demo([("short", [1] * 114)], DEMO_LENGTHS, timing, 60.0, 108.0)
+    assert pick["split"] and pick["label"] == "short" and pick["max_new_tokens"] == 96
+    assert 0 < pick["planned_handoff"] <= 0.6 * 96 and pick["budget"] < 96
+    pick = choose_demo([("long", [1] * 2000), ("short", [1] * 114)], DEMO_LENGTHS, timing, 60.0, 108.0)
+    assert pick["label"] == "short"  # the long prompt fits at no length: the next candidate
+    none = choose_demo([("long", [1] * 2000)], DEMO_LENGTHS, timing, 60.0, 108.0)
+    assert not none["split"] and none["max_new_tokens"] == 256 and "cannot catch up" in none["plan_reason"]

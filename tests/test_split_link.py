@@ -13,6 +13,8 @@ from relayinfer.device.profiles import DeviceProfile
 from relayinfer.sdk import Client
 from relayinfer.sdk.linkem import PROFILES, LinkProxyThread
 
+from conftest import BackgroundSlow
+
 MAX_NEW = 24
 LTE = PROFILES["lte"]
 # slower at prefill than the cloud, so the cloud's first tokens come before the device is ready
@@ -156,9 +158,12 @@ class PlannedIdleClient(Client):
 
 def test_blackhole_while_device_idle_ends_bounded(cloud, onnx_engine, chat_prompt_ids, device_only):
     """The settings planned the cloud to the end (device idle); the network goes silent after the
-    first token: a progress timeout must notice, the device prefills and completes the answer."""
+    first token: a progress timeout must notice, the device prefills and completes the answer.
+    (Its background prefill, 150 ms a token, is still short of the prompt then: a held device that
+    caught up would take over by itself.)"""
     with LinkProxyThread(cloud.url, LTE, seed=4) as link:
-        c = PlannedIdleClient(cloud_url=link.url, engine=onnx_engine, target_tpot_ms=30.0, cloud_budget="auto")
+        c = PlannedIdleClient(cloud_url=link.url, engine=BackgroundSlow(onnx_engine, 150.0), target_tpot_ms=30.0,
+                              cloud_budget="auto")
         hook = _blackhole_after_first_token(link)
         box = generate_bounded(c, chat_prompt_ids[1], 45.0, on_event=hook)
     r = box["result"]

@@ -7,9 +7,9 @@ import pytest
 
 from relayinfer.device.policy import (
     HOLD, IGNORED, MODE_OF, TRANSITIONS, Event, HandOff, Phase, PhaseError, Phases, PlanInput, Prefill, Progress,
-    catch_up_step, on_done, plan, replan, replan_held, stall_is_fault)
+    Replan, catch_up_step, moved, on_done, plan, replan, replan_held, stall_is_fault)
 from relayinfer.device.profiles import load_profile
-from relayinfer.device.settings import CatchUp, CloudEstimate, Timing, catch_up
+from relayinfer.device.settings import CatchUp, CloudEstimate, Timing, catch_up, simulate
 from relayinfer.device.virtual import profile_timing
 
 E, P = Event, Phase
@@ -110,42 +110,131 @@ def test_replan_extends_the_budget_when_the_device_falls_behind_its_plan():
     40 ms). Re-planned with two measured arrivals and the whole prompt still to prefill: at 0.4 s
     (an earlier first token, 300 ms, moves the display slots earlier) a few more tokens; at 2 s
     (the device started late) many more; a 120 ms/token cloud slows the display enough that the
-    budget stands."""
+    budget stands (the re-plan then only sets the display to the cloud's pace)."""
     t = _timing("phone", 256)
     p = plan(PlanInput(t, 256, 256, 50.0))
     assert p.budget == 130
 
-    def at(now_ms: float, tpot_ms: float) -> int | None:
-        return replan(t, Progress(now_ms, (300.0, 300.0 + tpot_ms), 256), p.budget, 256, 50.0)
+    def at(now_ms: float, tpot_ms: float) -> Replan | None:
+        return replan(t, Progress(now_ms, (300.0, 300.0 + tpot_ms), 256), p.budget, 256, 50.0, p.interval_ms)
 
-    assert at(400.0, 40.0) == 135 and at(2000.0, 40.0) == 184
-    assert at(400.0, 120.0) is None and at(2000.0, 120.0) is None
+    assert at(400.0, 40.0) == Replan(135, 52.6) and at(2000.0, 40.0) == Replan(184, 52.6)
+    # a 120 ms/token cloud: the budget stands, the display follows the cloud's pace
+    assert at(400.0, 120.0) == at(2000.0, 120.0) == Replan(130, 120.0)
+    assert replan(t, Progress(400.0, (300.0, 340.0), 256), 140, 256, 50.0, 52.6) is None  # nothing to change
 
 
 def test_a_held_device_is_released_when_the_measured_cloud_is_slower():
     """A 1000-token prompt on a phone-like fit: against the estimated cloud (TPOT 40 ms) the device
-    cannot catch up within 256 tokens and holds (cloud to the end); when the measured TPOT is 200 ms,
-    the re-plan after cloud token 2 finds a hand-off (the display then follows the cloud's pace);
-    at the estimated 40 ms it keeps holding."""
+    cannot catch up within 256 tokens and holds (cloud to the end). The device re-plans when a
+    measured figure moved (`moved`): the first token (TTFT 1 s, not the planned 1.15 s) and the
+    second (TPOT measured); at 200 ms a token the re-plan after cloud token 2 finds a hand-off (the
+    display then follows the cloud's pace); at the estimated 40 ms nothing moves after token 1 and
+    it keeps holding."""
     c = CloudEstimate(ttft_base_ms=150.0, prefill_ms_per_token=1.0, tpot_ms=40.0)
     t = Timing(24.0, 16.57, 79.1, c.ttft_ms(1000), c.tpot_ms)
     p = plan(PlanInput(t, 1000, 256, 50.0))
     assert p.held and p.budget is None
 
     def released_at(tpot_ms: float):
-        for k in range(1, 17):  # cloud token k measured at 1 s + k x TPOT, re-planned when it arrives
-            arr = tuple(1000.0 + i * tpot_ms for i in range(k))
-            interval = replan_held(t, Progress(arr[-1], arr, 1000), p.device_prompt_tokens, 256, 50.0)
+        planned, replans = t, []
+        for k in range(1, 17):  # cloud token k measured at 1 s + k x TPOT; re-planned when a figure moved
+            progress = Progress(1000.0 + (k - 1) * tpot_ms, tuple(1000.0 + i * tpot_ms for i in range(k)), 1000)
+            if not moved(planned, progress.measured(t)):
+                continue
+            planned = progress.measured(t)
+            replans.append(k)
+            interval = replan_held(t, progress, p.device_prompt_tokens, 256, 50.0)
             if interval is not None:
-                return k, interval
-        return None
+                return k, interval, replans
+        return None, None, replans
 
-    assert released_at(200.0) == (2, 200.0)
-    assert released_at(40.0) is None
-    # between powers of two it does not re-plan, unless forced (the background prompt prefill is done)
-    arr = tuple(1000.0 + i * 200.0 for i in range(3))
-    assert replan_held(t, Progress(arr[-1], arr, 1000), 1000, 256, 50.0) is None
-    assert replan_held(t, Progress(arr[-1], arr, 1000), 1000, 256, 50.0, force=True) == 200.0
+    assert released_at(200.0) == (2, 200.0, [1, 2])
+    assert released_at(40.0) == (None, None, [1])  # nothing moved after the first token: no re-plan
+
+
+def test_moved_is_a_relative_change_of_a_figure_the_plan_rests_on():
+    t = Timing(0.0, 16.67, 52.6, cloud_ttft_ms=1000.0, cloud_tpot_ms=40.0)
+    assert not moved(t, t) and not moved(t, Timing(0.0, 16.67, 52.6, 1090.0, 43.0, device_start_ms=500.0))
+    assert moved(t, Timing(0.0, 16.67, 52.6, 1200.0, 40.0))  # TTFT +20 %
+    assert moved(t, Timing(0.0, 16.67, 52.6, 1000.0, 94.0))  # the cloud is slower under load
+    assert moved(t, Timing(0.0, 8.0, 52.6, 1000.0, 40.0))  # the device prefills faster than its fit
+
+
+# -- the display interval as a decision; the per-call base charged per call --------------------------
+
+def test_a_long_phone_prompt_hands_off_at_a_slowed_display_within_the_tpot_bound():
+    """The phone prefills 60 tokens/s (16.67 ms/token): a 709-token prompt takes 11.8 s on it, and
+    at the 52.6 ms display interval (its decode pace) 256 tokens are shown in 13.5 s, too little for
+    prompt + catch-up, so at that pace the plan is cloud-to-the-end. Allowed a display up to 90 ms
+    (1.8 x the 50 ms target), the plan slows the display to the least interval for which a hand-off
+    fits with the device answering at least a fifth of the answer; the simulated timeline has no
+    late token and no gap above 90 ms."""
+    t = _timing("phone", 709)
+    assert plan(PlanInput(t, 709, 256, 50.0)).held
+    p = plan(PlanInput(t, 709, 256, 50.0, max_interval_ms=90.0))
+    assert not p.held and p.budget < 256 and 52.6 < p.interval_ms <= 90.0
+    assert "slowed from 53 ms" in p.reason, p.reason
+    sim = simulate(t, 709, 256, p.budget, p.interval_ms, 50.0)
+    assert sim["late"] == 0 and sim["stalls"] == 0 and sim["tpot_max_ms"] <= p.interval_ms + 1e-6
+    # the budget leaves the device the margin's share of the answer (20 %), and a slower display than
+    # that needs is not chosen: 1 ms faster and the budget would leave less (or none fits)
+    assert p.budget <= 256 / 1.2
+    less = plan(PlanInput(t, 709, 256, 50.0, max_interval_ms=p.interval_ms - 1.0))
+    assert less.held or less.budget > 256 / 1.2
+    # a short prompt keeps the normal pace
+    assert plan(PlanInput(_timing("phone", 256), 256, 256, 50.0, max_interval_ms=90.0)).interval_ms == 52.6
+
+
+def test_a_per_call_base_is_charged_per_call_not_per_token():
+    """The LTE run's device fit had a 130 ms per-call base (a), 16.67 ms/token (b) and a 79 ms decode
+    step (d); its cloud TTFT was 2.5 s and TPOT 89 ms. a + b = 147 ms exceeds the display interval,
+    yet the device catches up: each catch-up call prefills every token received (a paid once per
+    call), so the hand-off is planned. Charged per token (a + b a token) the same device could not."""
+    t = Timing(129.6, 16.67, 79.1, cloud_ttft_ms=2500.0, cloud_tpot_ms=89.0)
+    p = plan(PlanInput(t, 512, 256, 50.0, max_interval_ms=90.0))
+    assert t.prefill_ms_base + t.prefill_ms_per_token > p.interval_ms and not p.held
+    now, rule, calls = t.prefill_ms(512), CatchUp(), []  # the catch-up on the model's clock, call by call
+    while isinstance(step := catch_up_step(rule, t.arrived(now, p.budget), held=False), Prefill):
+        calls.append(step.end - step.start)
+        now += t.prefill_ms(step.end - step.start)
+        rule.prefilled(step.end)
+    assert (step.index, now) == catch_up(t, 512, p.budget) and sum(calls) == step.index
+    assert len(calls) < step.index / 4  # batches of many tokens: a is paid len(calls) times, not h times
+    assert simulate(t, 512, 256, p.budget, p.interval_ms, 50.0)["late"] == 0
+    per_token = Timing(0.0, t.prefill_ms_base + t.prefill_ms_per_token, 79.1, 2500.0, 89.0)
+    assert plan(PlanInput(per_token, 512, 256, 50.0, max_interval_ms=90.0)).held
+
+
+def test_a_held_device_is_released_by_its_measured_prefill_before_any_cloud_token():
+    """Not only tokens move the plan: the device's own prefill rate, measured on its first prompt
+    chunks, does. Planned with the phone's 16.67 ms/token, a 1140-token prompt holds; the first
+    chunks measure 8 ms/token (with 2 s of the prompt done), and the re-plan releases the device
+    before the cloud's first token (a late first token moves the TTFT the same way)."""
+    t = _timing("phone", 1140)
+    p = plan(PlanInput(t, 1140, 256, 50.0, max_interval_ms=90.0))
+    assert p.held
+    slow = Progress(600.0, (), 1140 - 32, device_ms_per_token=16.67)  # as planned: keep holding
+    assert replan_held(t, slow, 1140, 256, 50.0, 90.0) is None
+    fast = Progress(600.0, (), 1140 - 32, device_ms_per_token=8.0)
+    assert moved(t, fast.measured(t)) and replan_held(t, fast, 1140, 256, 50.0, 90.0) is not None
+    # a device held by the plan that covered every token received can go at once
+    caught = Progress(9000.0, tuple(1200.0 + 40.0 * i for i in range(100)), 0, 16.67, behind=0)
+    assert replan_held(t, caught, 1140, 256, 50.0, 90.0) == 52.6
+
+
+def test_replan_slows_the_display_when_the_device_falls_far_behind():
+    """Planned at 52.6 ms with a budget, the device measures 30 ms/token instead of 16.67 on a
+    512-token prompt: more cloud tokens alone no longer fit in 256, so the re-plan also slows the
+    display (at most to 90 ms) and asks for a larger budget; without the slower bound it asks for
+    the whole answer (the cloud streams to the end)."""
+    t = _timing("phone", 300)
+    p = plan(PlanInput(t, 300, 256, 50.0, max_interval_ms=90.0))
+    assert not p.held and p.interval_ms == 52.6
+    behind = Progress(1000.0, (450.0, 490.0), 300 - 64, device_ms_per_token=30.0)
+    r = replan(t, behind, p.budget, 256, 50.0, p.interval_ms, 90.0)
+    assert r is not None and 52.6 < r.interval_ms <= 90.0 and p.budget < r.budget < 256
+    assert replan(t, behind, p.budget, 256, 50.0, p.interval_ms) == Replan(256, 52.6)
 
 
 # -- catching up ---------------------------------------------------------------------------------------
