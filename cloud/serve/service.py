@@ -293,7 +293,8 @@ class HttpSide:
 
             path = Path(svc.engine.model_path)  # the GGUF's own name is an alias of the model id
             openai_routes(app, svc.llm, Tokenizer.from_gguf(path), svc.model_name, aliases=(path.name, path.stem),
-                          budget=svc.budget, retry_after_s=svc.admission.retry_after_ms / 1e3)
+                          budget=svc.budget, retry_after_s=svc.admission.retry_after_ms / 1e3,
+                          body_timeout_s=svc.gate.limits.idle_timeout_s)
         return app
 
     async def _healthz(self, request):
