@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 import urllib.error
 import urllib.request
 
@@ -34,8 +33,7 @@ def test_cloud_serve_stops_on_signal_after_requests(sig):
         proc.kill()
         raise
     assert counts["http_ok"] == 40 and counts["ws_ok"] + counts["ws_err"] == 40 and counts["ws_ok"] > 0, counts
-    assert code == 0, (code, "".join(lines[-20:]))
-    assert exit_s < 30, exit_s  # drain 5 s + stop slack 10 s, with margin for a loaded machine
+    assert code == 0, (code, exit_s, "".join(lines[-20:]))  # None: still running 60 s after the signal, killed
 
 
 def test_cloud_serve_exits_3_when_its_engine_fails():
@@ -89,5 +87,4 @@ def test_relay_and_patho_serve_stop_on_sigterm_with_connections_open(server):
     except BaseException:
         proc.kill()
         raise
-    assert code == 0, (code, "".join(lines[-20:]))
-    assert exit_s < 30, exit_s  # drain 5 s + stop slack 10 s, with margin for a loaded machine
+    assert code == 0, (code, exit_s, "".join(lines[-20:]))  # None: still running 60 s after the signal, killed
