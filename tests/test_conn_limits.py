@@ -255,8 +255,16 @@ def test_tls_handshakes_are_counted_at_accept_and_bounded():
             ch = await proto_ws.open_channel(svc.url, FP, ssl=client)
             assert svc.num_sessions == 1
             await ch.close()
+            r, w = await asyncio.open_connection("127.0.0.1", svc.ws_port)  # a handshake under way at the stop
+            for _ in range(200):
+                if svc.gate.handshakes:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(svc.gate.handshakes) == 1
         finally:
             await svc.stop()
+        assert await closed_within(r, 10) == b"" and not svc.gate.handshakes and svc.gate.open == 0
+        w.close()
     run(main())
 
 

@@ -221,6 +221,7 @@ async def amain(args) -> None:
             await asyncio.wait([stop], timeout=0.5)
     finally:  # bounded: open connections get the close handshake, queued rankings the drain, then cancelled
         server.close()
+        gate.close()
         try:
             await asyncio.wait_for(server.wait_closed(), DRAIN_S + STOP_SLACK_S)
         except asyncio.TimeoutError:

@@ -417,8 +417,6 @@ class CloudService:
 
     drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
 
-    drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
-
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
                  max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
@@ -765,6 +763,7 @@ class CloudService:
         get `drain_s` s before they are cancelled, websocket sessions `drain_s` + 10 s (the close
         handshake) to end."""
         net = self._net
+        self.gate.close()  # TLS handshakes under way: their connections belong to no listener's close
         if net.ws_server is not None:
             net.ws_server.close()
             try:

@@ -149,6 +149,12 @@ class ConnectionGate:
         else:
             self.per_client.pop(ip, None)
 
+    def close(self) -> None:
+        """Cut the TLS handshakes under way (a server that stops: the listeners are closed, and
+        nothing else holds these connections)."""
+        for task in list(self.handshakes):
+            task.cancel()
+
     def http_factory(self, inner: Callable[[], asyncio.Protocol], ssl: Any = None) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for ``loop.create_server`` (called without ``ssl``) around `inner`
         (aiohttp's ``web.Server``): caps at accept, the TLS handshake (with `ssl`) and the
