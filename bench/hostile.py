@@ -1419,7 +1419,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inputs", type=int, default=10_000, help="inputs in all, shared by the servers (default 10000)")
     p.add_argument("--max-wall-s", type=float, default=900.0,
                    help="seconds of sending in all, shared by the servers (default 900; server start-up not counted)")
-    p.add_argument("--quick", action="store_true", help="~300 inputs, 120 s of sending (the test)")
+    p.add_argument("--quick", action="store_true", help="at most 300 inputs and 600 s of sending (the test: bounded by its input count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=100, help="inputs between health checks")
     p.add_argument("--concurrency", type=int, default=2, help="inputs in flight per server")
@@ -1431,7 +1431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.start = 0
     if args.quick:
-        args.inputs, args.max_wall_s, args.batch = min(args.inputs, 300), min(args.max_wall_s, 120.0), 50
+        args.inputs, args.max_wall_s, args.batch = min(args.inputs, 300), min(args.max_wall_s, 600.0), 50
     if args.replay is not None:
         args.start, args.inputs, args.batch = args.replay, len(args.servers), 1
     shares = {k: SHARE[k] for k in args.servers}

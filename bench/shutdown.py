@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,26 +23,20 @@ from pathlib import Path
 BIN = os.path.join(os.path.dirname(sys.executable), "relayinfer")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(args: list[str], ready: str = "cloud service:", timeout_s: float = 180.0, env: dict | None = None
           ) -> tuple[subprocess.Popen, str, list[str]]:
-    """Start `relayinfer ARGS` and wait (at most `timeout_s` s) for the stderr line containing
-    `ready`; returns (process, that line, stderr lines so far). A thread keeps draining stderr
-    into the list (so the server never blocks on a full pipe)."""
+    """Start `relayinfer ARGS` and wait (at most `timeout_s` s) for the output line (stderr or
+    stdout) containing `ready`; returns (process, that line, output lines so far). A thread keeps
+    draining the output into the list (so the server never blocks on a full pipe)."""
     import threading
 
-    proc = subprocess.Popen([BIN, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    proc = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     lines: list[str] = []
     found = threading.Event()
 
     def drain():
-        for line in proc.stderr:
+        for line in proc.stdout:
             lines.append(line)
             if ready in line:
                 found.set()
@@ -58,10 +51,45 @@ def serve(args: list[str], ready: str = "cloud service:", timeout_s: float = 180
 
 
 def cloud_serve(extra: list[str] = (), env: dict | None = None):
-    """`relayinfer cloud serve` on free ports; (process, ws URL, http URL, stderr lines)."""
-    ws, http = free_port(), free_port()
-    proc, _, lines = serve(["cloud", "serve", "--port", str(ws), "--http-port", str(http), *extra], env=env)
+    """`relayinfer cloud serve` on free ports (port 0: the server picks them, so no other process
+    can take them between a check and the bind); (process, ws URL, http URL, stderr lines)."""
+    proc, line, lines = serve(["cloud", "serve", "--port", "0", "--http-port", "0", *extra], env=env)
+    ws, http = ports_of(line)
     return proc, f"ws://127.0.0.1:{ws}", f"http://127.0.0.1:{http}", lines
+
+
+def ports_of(line: str) -> list[int]:
+    """The ports a server's start-up line names (`ws://127.0.0.1:PORT  http://127.0.0.1:PORT`)."""
+    import re
+
+    return [int(p) for p in re.findall(r"://[^\s/]+:(\d+)", line)]
+
+
+async def hold_idle(ws_port: int, http_port: int | None = None, n: int = 4) -> list:
+    """Connections that stay open doing nothing, of every kind a server must not wait for at
+    shutdown: `n` raw TCP connections per port that never send a byte, `n` websockets that
+    upgraded and never said Hello, `n` that sent the first 3 bytes of a 4,096-byte frame and
+    stopped, and on the HTTP port a keep-alive connection idling after one request and one with
+    half a request head. Returns them (streams and websockets) for the caller to close."""
+    from websockets.asyncio.client import connect
+
+    held: list = []
+    for port in [ws_port] + ([http_port] if http_port else []):
+        held += [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
+    held += [await connect(f"ws://127.0.0.1:{ws_port}", open_timeout=60) for _ in range(n)]
+    for _ in range(n):
+        c = await connect(f"ws://127.0.0.1:{ws_port}", open_timeout=60)
+        c.transport.write(b"\x82\xfe\x10\x00" + b"\x00" * 4 + b"abc")  # masked binary, 4096 bytes: 3 sent
+        held.append(c)
+    if http_port:
+        r, w = await asyncio.open_connection("127.0.0.1", http_port)
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 60)
+        held.append((r, w))
+        r, w = await asyncio.open_connection("127.0.0.1", http_port)
+        w.write(b"GET /heal")
+        held.append((r, w))
+    return held
 
 
 async def load(http_url: str, ws_url: str | None, n_http: int, n_ws: int, concurrency: int = 8,

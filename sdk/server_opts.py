@@ -13,7 +13,8 @@ OPT_MAX_CONNECTIONS = typer.Option(512, min=1, help="Open connections at most, a
 OPT_MAX_PER_CLIENT = typer.Option(128, min=1, help="Open connections per client IP address at most; more get 503 + Retry-After.")
 OPT_HEADER_TIMEOUT = typer.Option(10.0, min=0.001, help="Seconds for an HTTP request head, a websocket opening "
                                   "handshake, the protocol Hello and a TLS handshake, each.")
-OPT_IDLE_TIMEOUT = typer.Option(60.0, min=0.001, help="Seconds an HTTP keep-alive connection may idle between requests.")
+OPT_IDLE_TIMEOUT = typer.Option(60.0, min=0.001, help="Seconds an HTTP keep-alive connection may idle between requests, "
+                                  "and the most a request body may take to arrive (408 beyond).")
 
 
 def server_policy(host: str, token: str | None, insecure_no_auth: bool, certfile: str | None = None,

@@ -203,3 +203,119 @@ def test_limits_validated_and_loopback():
     assert ConnectionGate().limits == ConnectionLimits()
     assert [is_loopback(h) for h in ("127.0.0.1", "127.0.0.5", "::1", "localhost", "0.0.0.0", "::", "", "10.0.0.1",
                                      "example.com")] == [True, True, True, True, False, False, False, False, False]
+
+
+def test_tls_handshakes_are_counted_at_accept_and_bounded():
+    """A TLS handshake that never finishes holds a gate slot from the accept on (the cap refuses
+    the ones beyond it) and is closed after the header timeout; real TLS clients are then served on
+    both ports."""
+    import ssl
+
+    trustme = pytest.importorskip("trustme")
+    from relayinfer.protocol.transport.security import server_context
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+
+    async def main():
+        from relayinfer.cloud.serve.service import CloudService
+
+        svc = CloudService(fake_engine(), FP, limits=ConnectionLimits(max_connections_per_client=3,
+                                                                      header_timeout_s=2.0))
+        with leaf.cert_chain_pems[0].tempfile() as cert, leaf.private_key_pem.tempfile() as key:
+            await svc.start("127.0.0.1", 0, 0, ssl=server_context(cert, key))
+        try:
+            for port in (svc.http_port, svc.ws_port):
+                silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]  # no ClientHello
+                for _ in range(200):
+                    if svc.gate.open == 3:
+                        break
+                    await asyncio.sleep(0.02)
+                assert svc.gate.open == 3 and svc.gate.per_client == {"127.0.0.1": 3}
+                r, w = await asyncio.open_connection("127.0.0.1", port)  # the 4th: closed at accept
+                assert await closed_within(r, 10) == b""
+                w.close()
+                got = await asyncio.gather(*(closed_within(r, 20) for r, _ in silent))
+                assert all(g == b"" for g in got), "an unfinished TLS handshake was still open"
+                for _, w in silent:
+                    w.close()
+                for _ in range(200):
+                    if svc.gate.open == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                assert svc.gate.open == 0 and not svc.gate.handshakes
+            assert svc.gate.refused == 2 and svc.gate.tls_failed == 6
+            r, w = await asyncio.open_connection("127.0.0.1", svc.http_port, ssl=client)
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = await asyncio.wait_for(r.read(), 20)
+            assert reply.startswith(b"HTTP/1.1 200") and b'"ok"' in reply
+            w.close()
+            ch = await proto_ws.open_channel(svc.url, FP, ssl=client)
+            assert svc.num_sessions == 1
+            await ch.close()
+            r, w = await asyncio.open_connection("127.0.0.1", svc.ws_port)  # a handshake under way at the stop
+            for _ in range(200):
+                if svc.gate.handshakes:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(svc.gate.handshakes) == 1
+        finally:
+            await svc.stop()
+        assert await closed_within(r, 10) == b"" and not svc.gate.handshakes and svc.gate.open == 0
+        w.close()
+    run(main())
+
+
+def test_keepalive_connection_idling_between_requests_is_closed():
+    async def main():
+        svc = await started(limits=ConnectionLimits(idle_timeout_s=1.0, header_timeout_s=30))
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", svc.http_port)
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive (HTTP/1.1's default)
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 20)
+            assert head.startswith(b"HTTP/1.1 200")
+            n = int(next(h for h in head.decode().split("\r\n") if h.lower().startswith("content-length")).split(":")[1])
+            await asyncio.wait_for(r.readexactly(n), 20)
+            w.write(b"GET /heal")  # half a second head, then nothing: the idle bound closes it too
+            assert await closed_within(r, 20) == b""
+            w.close()
+            for _ in range(200):
+                if svc.gate.open == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert svc.gate.open == 0
+        finally:
+            await svc.stop()
+    run(main())
+
+
+def test_stalled_request_body_gets_408_and_the_connection_closes(torch_engine):
+    """A POST whose head arrived but whose body stops half-way is answered 408 once the body bound
+    (idle_timeout_s) passed, and its connection is closed; the slot is free again."""
+    from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+    from relayinfer.cloud.serve.service import CloudService
+
+    async def main():
+        llm = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=8 << 20))
+        svc = CloudService(torch_engine, torch_engine.fingerprint, llm=llm,
+                           limits=ConnectionLimits(idle_timeout_s=1.5, header_timeout_s=30))
+        await svc.start("127.0.0.1", 0, 0)
+        try:
+            body = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}'
+            r, w = await asyncio.open_connection("127.0.0.1", svc.http_port)
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body) + 100, body))  # 100 bytes never come
+            reply = await closed_within(r, 30)
+            assert reply is not None and reply.startswith(b"HTTP/1.1 408"), reply
+            assert b"did not arrive within 1.5 s" in reply
+            w.close()
+            for _ in range(200):
+                if svc.gate.open == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert svc.gate.open == 0
+        finally:
+            await svc.stop()
+    run(main(), timeout=180)

@@ -3,7 +3,6 @@ shared websocket protocol (token, fingerprint, limits) -> cloud encoder + ABMIL 
 heatmap and report. The cloud encoder here is a 2-block random-init ViT (same code path as ViT-L/16)."""
 import asyncio
 import json
-import time
 
 import numpy as np
 import pytest
@@ -102,10 +101,9 @@ def _empty():
 def test_a_slide_refused_mid_way_ends_the_screen_at_once(coarse):
     svc = PathoService(SlideScreener(ViTEncoder(cfg=VIT_TINY_TEST)), max_tiles_per_slide=3)
     with PathoServiceThread(svc) as small:
-        t0 = time.monotonic()
         with pytest.raises(RemoteError, match="max_tiles_per_slide 3") as e:
             screen_slide(bundled_svs(), small.url, coarse, batch_tiles=1, payload="features", timeout_s=120)
-        assert e.value.code.value == "bad_request" and time.monotonic() - t0 < 60
+        assert e.value.code.value == "bad_request"
         assert svc.stats["tiles"] == 3                                   # nothing after the refusal was encoded
 
 

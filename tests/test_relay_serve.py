@@ -32,6 +32,16 @@ def cluster(tmp_path_factory):
         p.stop()
 
 
+async def until_stats(proc, key: str, at_least: int, bound_s: float = 120.0) -> None:
+    """Wait (polling GET /stats, at most `bound_s` s) until the instance's counter `key` reaches
+    `at_least`: the state the next step depends on, instead of a guess at how long it takes."""
+    loop = asyncio.get_running_loop()
+    t_end = loop.time() + bound_s
+    while (await asyncio.to_thread(proc.stats)).get(key, 0) < at_least:
+        assert loop.time() < t_end, f"{proc.name}: {key} stayed below {at_least} for {bound_s} s"
+        await asyncio.sleep(0.05)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
 
@@ -47,15 +57,19 @@ def test_affinity_then_fallback_when_instance_removed(cluster):
         cands = np.arange(1, 51)
         ref = {u: model.score(torch.from_numpy(hist[u][0])[None], torch.from_numpy(hist[u][1])[None],
                               torch.tensor([300]), torch.from_numpy(cands)[None]).detach().numpy()[0] for u in users}
+        done = {p.name: p.stats().get("preinfer_done", 0) for p in procs}
         placed = {u: await client.pre_infer(u, *hist[u]) for u in users[:4]}
-        await asyncio.sleep(1.5)                                   # retrieval + pre-processing delay
+        for p in procs:                                            # retrieval + pre-processing: the prefixes are ready
+            await until_stats(p, "preinfer_done", done[p.name] + sum(v == p.name for v in placed.values()))
         for u in users[:4]:
             s, src, inst = await client.rank(u, *hist[u], cands)
             assert inst == placed[u] and src == "hbm"
             np.testing.assert_allclose(s, ref[u], rtol=1e-4, atol=1e-4)
         # pre-infer two more users, then kill the instance holding the first one's prefix
+        done = {p.name: p.stats().get("preinfer_done", 0) for p in procs}
         placed = {u: await client.pre_infer(u, *hist[u]) for u in users[4:]}
-        await asyncio.sleep(1.0)
+        for p in procs:
+            await until_stats(p, "preinfer_done", done[p.name] + sum(v == p.name for v in placed.values()))
         victim = next(p for p in procs if p.name == placed[users[4]])
         survivor = next(p for p in procs if p is not victim)
         before = survivor.stats().get("rank_recompute", 0)
@@ -88,8 +102,9 @@ def test_rank_during_running_pre_inference_waits_for_it(cluster):
         u = data.users[20]
         it, ts = extend_history(data, u, 2500, np.random.default_rng(3))
         cands = np.arange(100, 140)
+        started = p.stats().get("preinfer_started", 0)
         await client.pre_infer(u, it, ts)
-        await asyncio.sleep(0.1)
+        await until_stats(p, "preinfer_started", started + 1)  # running (a queued one would be cancelled)
         s, src, _ = await client.rank(u, it, ts, cands, request_ts=int(ts[-1]) + 7 * 86_400)
         await client.close()
         return u, it, ts, cands, s, src

@@ -27,14 +27,31 @@ SERVERS = [["cloud", "serve", "--port", "0", "--http-port", "0"], ["pd", "serve"
 
 @pytest.mark.parametrize("cmd", SERVERS, ids=lambda c: c[0])
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7"])
-def test_non_loopback_without_token_exits_2_before_binding(cmd, host, monkeypatch):
-    monkeypatch.delenv("RELAYINFER_TOKEN", raising=False)
-    t0 = time.monotonic()
+def test_non_loopback_without_token_exits_2_before_binding(cmd, host, monkeypatch, nothing_loads):
     res = CliRunner().invoke(app, cmd + ["--host", host])
     assert res.exit_code == 2, res.output
     out = res.output + (res.stderr if res.stderr_bytes is not None else "")
     assert f"--host {host} listens beyond this machine" in out and "--token" in out and "--insecure-no-auth" in out
-    assert time.monotonic() - t0 < 30  # refused before any model, Ray or port
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """No token in the environment; loading a model or encoder, starting Ray or looking at a port
+    fails the test: the policy under test comes before all of them."""
+    import relayinfer.cloud.patho.encoder as patho_encoder
+    import relayinfer.cloud.pd.ray_pool as ray_pool
+    import relayinfer.cloud.relay.server as relay_server
+    import relayinfer.sdk.checks as checks
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+
+    def loaded(what):
+        return lambda *a, **k: pytest.fail(f"{what} before the exposure check")
+    monkeypatch.delenv("RELAYINFER_TOKEN", raising=False)
+    monkeypatch.setattr(TorchEngine, "__init__", loaded("a model was loaded"))  # refused before any model,
+    monkeypatch.setattr(patho_encoder, "ViTEncoder", loaded("patho serve loaded its encoder"))
+    monkeypatch.setattr(relay_server, "main", loaded("relay serve loaded its model"))
+    monkeypatch.setattr(ray_pool, "start_ray", loaded("Ray was started"))  # Ray
+    monkeypatch.setattr(checks, "check_ports_free", loaded("a port was looked at"))  # or port
 
 
 def test_exposure_rule():
@@ -42,9 +59,20 @@ def test_exposure_rule():
     check_exposure("::1", None)
     check_exposure("0.0.0.0", "t")
     check_exposure("0.0.0.0", None, insecure_no_auth=True)
-    for host in ("0.0.0.0", "", "10.1.2.3", "example.com"):
+    for host in ("0.0.0.0", "", "10.1.2.3", "example.com", "127.1", "::ffff:10.0.0.1"):
         with pytest.raises(ValueError, match="--insecure-no-auth"):
             check_exposure(host, None)
+    for token in ("", " ", "\t\n"):  # a token nobody can present over HTTP: refused on every host
+        for host in ("127.0.0.1", "0.0.0.0"):
+            with pytest.raises(ValueError, match="--token .* is empty"):
+                check_exposure(host, token)
+
+
+@pytest.mark.parametrize("cmd", SERVERS, ids=lambda c: c[0])
+def test_blank_token_exits_2_on_every_server(cmd, nothing_loads):
+    res = CliRunner().invoke(app, cmd + ["--token", " "])
+    assert res.exit_code == 2, res.output
+    assert "is empty" in res.output + (res.stderr if res.stderr_bytes is not None else "")
 
 
 def test_pd_serve_checks_its_tls_files_first(tmp_path):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -30,12 +29,10 @@ def short_prompts(tokenizer):
 
 
 def test_virtual_devices_complete_and_split_streams_fewer_cloud_tokens(cloud, torch_engine, short_prompts):
-    t = time.perf_counter()
     kw = dict(rate_rps=2.0, duration_s=3.0, max_requests=3, profile=FAST, max_new_tokens=MAX_NEW, seed=1,
               timeout_s=30.0)
     co = asyncio.run(run_load(cloud.url, torch_engine.fingerprint, short_prompts, mode="cloud-only", **kw))
     sp = asyncio.run(run_load(cloud.url, torch_engine.fingerprint, short_prompts, mode="split", **kw))
-    assert time.perf_counter() - t < 60
     for run in (co, sp):
         assert 1 <= run["requests"] <= 3 and run["ok"] == run["requests"]
         # a device that is ready before the cloud's first token stops it then (hand-off at 0): the

@@ -155,6 +155,7 @@ class PathoService:
         """Close the listener and every connection; stop the compute thread."""
         if self._server is not None:
             self._server.close()
+            self.gate.close()
             await self._server.wait_closed()
             self._server = None
         self.worker.shutdown(wait=False, cancel_futures=True)

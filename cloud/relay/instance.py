@@ -72,6 +72,7 @@ class PreInferJob:
             if self.state != "queued":
                 return
             self.state = "running"
+            inst.counts["preinfer_started"] += 1
         try:
             kv = yield from inst.model.prefix_forward_steps(self.items[None], self.ts[None], torch.tensor([len(self.items)]))
             inst.pool.put(Entry(self.key, kv, self.reserved, inst.clock() + inst.cfg.ttl_s), self.reserved)

@@ -15,7 +15,9 @@ environment variable) is required in the Hello and as `Authorization: Bearer` on
 otherwise); `--certfile`/`--keyfile` serve wss:// and https://; a non-loopback `--host` without a
 token exits 2 unless `--insecure-no-auth`. Connections are capped at accept (`protocol.transport.limits`).
 One compute thread runs the model; ranking requests go before queued pre-inferences.
-The process stops by itself when its parent dies, after --lifetime-s, or on SIGTERM/SIGINT.
+The process stops by itself when its parent dies, after --lifetime-s, or on SIGTERM/SIGINT; the stop is
+bounded (`protocol.transport.lifecycle`: open connections and queued rankings get 15 s, then are cancelled;
+a second signal cancels at once).
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ import json
 import logging
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -38,6 +39,7 @@ import torch
 
 from relayinfer.protocol.errors import ErrorCode, ProtocolError
 from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores, Tensor
+from relayinfer.protocol.transport.lifecycle import DRAIN_S, STOP_SLACK_S, close_loop, stop_signals
 from relayinfer.protocol.transport.limits import ConnectionGate, ConnectionLimits
 from relayinfer.protocol.model.model_file import file_sha256
 from relayinfer.protocol.transport.security import (TOKEN_ENV, bearer_token, check_exposure, server_context,
@@ -193,14 +195,23 @@ async def amain(args) -> None:
                                                           "cpus": sorted(os.sched_getaffinity(0))}) + "\n")
         return None
 
-    stop = asyncio.get_running_loop().create_future()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+    main = asyncio.current_task()
+
+    def on_stop(name: str) -> None:
+        if stop.done():  # a second signal: stop waiting for the open connections
+            main.cancel()
+        else:
+            stop.set_result(name)
+
+    installed = stop_signals(loop, on_stop)
     gate = ConnectionGate(ConnectionLimits(args.max_connections, args.max_connections_per_client,
                                            args.header_timeout_s))
-    async with serve(make_handler(inst, worker), args.host, args.port, expected_fingerprint=fp,
-                     auth_token=args.token or None, gate=gate, process_request=process_request,
-                     server="relay-instance", **({"ssl": args.ssl} if args.ssl is not None else {})) as server:
+    server = await serve(make_handler(inst, worker), args.host, args.port, expected_fingerprint=fp,
+                         auth_token=args.token or None, gate=gate, process_request=process_request,
+                         server="relay-instance", **({"ssl": args.ssl} if args.ssl is not None else {}))
+    try:
         port = server.sockets[0].getsockname()[1]
         print(f"READY {port} {fp}", flush=True)
         t_end = time.monotonic() + args.lifetime_s
@@ -208,6 +219,17 @@ async def amain(args) -> None:
             if args.parent_pid and os.getppid() != args.parent_pid:
                 break  # parent died: we were re-parented
             await asyncio.wait([stop], timeout=0.5)
+    finally:  # bounded: open connections get the close handshake, queued rankings the drain, then cancelled
+        server.close()
+        gate.close()
+        try:
+            await asyncio.wait_for(server.wait_closed(), DRAIN_S + STOP_SLACK_S)
+        except asyncio.TimeoutError:
+            log.warning("connections did not end within %.0f s of the stop; cancelled", DRAIN_S + STOP_SLACK_S)
+        except asyncio.CancelledError:
+            pass
+        for sig in installed:
+            loop.remove_signal_handler(sig)
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -273,7 +295,13 @@ def main(argv=None) -> None:
             os.sched_setaffinity(0, args.cpus)
         except OSError as e:
             p.error(f"--cpus {args.cpus}: cannot pin to them ({e})")
-    asyncio.run(amain(args))
+    loop = asyncio.new_event_loop()
+    try:  # not asyncio.run: it would wait for leftover tasks and executor threads without a bound
+        loop.run_until_complete(amain(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # a second signal
+        pass
+    finally:
+        close_loop(loop)
 
 
 if __name__ == "__main__":

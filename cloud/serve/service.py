@@ -296,7 +296,8 @@ class HttpSide:
 
             path = Path(svc.engine.model_path)  # the GGUF's own name is an alias of the model id
             openai_routes(app, svc.llm, Tokenizer.from_gguf(path), svc.model_name, aliases=(path.name, path.stem),
-                          budget=svc.budget, retry_after_s=svc.admission.retry_after_ms / 1e3)
+                          budget=svc.budget, retry_after_s=svc.admission.retry_after_ms / 1e3,
+                          body_timeout_s=svc.gate.limits.idle_timeout_s)
         return app
 
     async def _healthz(self, request):
@@ -416,8 +417,6 @@ class CloudService:
     for an authorized caller. TLS: `start(..., ssl=...)` or `certfile`/`keyfile` serve both ports
     over TLS (`wss://`, `https://`).
     """
-
-    drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
 
     drain_s = 5.0  # on stop(): seconds open HTTP requests get before they are cancelled
 
@@ -786,6 +785,7 @@ class CloudService:
         get `drain_s` s before they are cancelled, websocket sessions `drain_s` + 10 s (the close
         handshake) to end."""
         net = self._net
+        self.gate.close()  # TLS handshakes under way: their connections belong to no listener's close
         if net.ws_server is not None:
             net.ws_server.close()
             try:

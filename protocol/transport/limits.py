@@ -12,10 +12,12 @@ One `ConnectionGate` per server process holds the limits of all its ports (`Conn
   arrive within ``header_timeout_s`` of the connection opening, else the connection is closed; between
   requests a keep-alive connection idles at most ``idle_timeout_s`` (aiohttp's ``keepalive_timeout``,
   which also closes a connection whose next head does not arrive in that time: see `runner_kwargs`);
-- on a websocket port (`gated_connection`, a ``websockets`` connection class) the opening handshake
+- on a websocket port (`gated_connection`, a ``websockets`` connection factory) the opening handshake
   is bounded by websockets' ``open_timeout`` and the protocol Hello by the handshake timeout of
   ``protocol.transport.ws.serve``, both ``header_timeout_s``;
-- a TLS handshake is bounded by ``header_timeout_s`` too (``ssl_handshake_timeout``).
+- TLS is done by the gate after the connection was counted (the listening socket is plain and
+  ``loop.start_tls`` runs the handshake), so a TLS handshake that never finishes holds a slot like
+  any other connection and is bounded by ``header_timeout_s``.
 
 `MemoryBudget` is the one byte budget of a server's requests (see its docstring).
 
@@ -64,7 +66,8 @@ class ConnectionLimits:
         max_connections_per_client: open connections at most from one client IP address (>= 1).
         header_timeout_s: seconds for an HTTP request head, a websocket opening handshake, the
             protocol Hello and a TLS handshake, each (> 0).
-        idle_timeout_s: seconds an HTTP keep-alive connection may idle between requests (> 0).
+        idle_timeout_s: seconds an HTTP keep-alive connection may idle between requests, and
+            the most an OpenAI request body may take to arrive in full (408 beyond) (> 0).
         retry_after_s: the `Retry-After` of a refused connection (seconds, whole, >= 0).
     """
 
@@ -96,7 +99,9 @@ def _peer_ip(transport: asyncio.BaseTransport) -> str:
 class ConnectionGate:
     """Counts the open connections of one server (all its ports) and refuses those beyond
     `limits` (see the module docstring). `open` / `per_client`: the current counts; `refused`:
-    connections refused so far; `timed_out`: HTTP connections closed for a late request head."""
+    connections refused so far; `timed_out`: HTTP connections closed for a late request head;
+    `tls_failed`: TLS handshakes that failed, timed out or were cut; `handshakes`: the tasks of the
+    TLS handshakes under way."""
 
     def __init__(self, limits: ConnectionLimits | None = None) -> None:
         self.limits = limits or ConnectionLimits()
@@ -104,10 +109,13 @@ class ConnectionGate:
         self.per_client: dict[str, int] = {}
         self.refused = 0
         self.timed_out = 0
+        self.tls_failed = 0
+        self.handshakes: set[asyncio.Task] = set()  # TLS handshakes under way
 
-    def enter(self, transport: asyncio.BaseTransport) -> str | None:
+    def enter(self, transport: asyncio.BaseTransport, plain: bool = True) -> str | None:
         """Count a new connection and return its client address, or refuse it: answer 503 with
-        `Retry-After`, close it and return None."""
+        `Retry-After` (`plain`: the connection is not TLS; a TLS one is closed without a word, as
+        no handshake was made to say it in), close it and return None."""
         ip = _peer_ip(transport)
         lim = self.limits
         why = (f"the server holds its limit of {lim.max_connections} open connections"
@@ -117,6 +125,9 @@ class ConnectionGate:
         if why is not None:
             self.refused += 1
             body = f"{why}; retry after {lim.retry_after_s:.0f} s\n".encode()
+            if not plain:
+                transport.abort()
+                return None
             try:
                 transport.write(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %d\r\nContent-Type: text/plain; "
                                 b"charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
@@ -138,14 +149,23 @@ class ConnectionGate:
         else:
             self.per_client.pop(ip, None)
 
-    def http_factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        """A protocol factory for ``loop.create_server`` around `inner` (aiohttp's ``web.Server``):
-        caps at accept and the request-head timeout."""
-        return lambda: _GatedHTTP(inner(), self)
+    def close(self) -> None:
+        """Cut the TLS handshakes under way (a server that stops: the listeners are closed, and
+        nothing else holds these connections)."""
+        for task in list(self.handshakes):
+            task.cancel()
 
-    def server_kwargs(self, ssl: Any) -> dict:
-        """Extra ``loop.create_server`` arguments: the TLS handshake bound (with `ssl`)."""
-        return {"ssl_handshake_timeout": self.limits.header_timeout_s} if ssl is not None else {}
+    def http_factory(self, inner: Callable[[], asyncio.Protocol], ssl: Any = None) -> Callable[[], asyncio.Protocol]:
+        """A protocol factory for ``loop.create_server`` (called without ``ssl``) around `inner`
+        (aiohttp's ``web.Server``): caps at accept, the TLS handshake (with `ssl`) and the
+        request-head timeout."""
+        return lambda: _GatedConn(inner(), self, ssl, head_timeout=True)
+
+    def protocol(self, inner: asyncio.Protocol, ssl: Any = None) -> asyncio.Protocol:
+        """The protocol to hand to asyncio for one accepted connection whose application protocol
+        is `inner`: counted at accept, refused beyond the caps, TLS (with `ssl`, a server
+        ``ssl.SSLContext``) done here, bounded by ``header_timeout_s``."""
+        return _GatedConn(inner, self, ssl, head_timeout=False)
 
 
 def runner_kwargs(limits: ConnectionLimits) -> dict:
@@ -153,24 +173,67 @@ def runner_kwargs(limits: ConnectionLimits) -> dict:
     return {"keepalive_timeout": limits.idle_timeout_s}
 
 
-class _GatedHTTP(asyncio.Protocol):
-    """Delegates to aiohttp's request handler once the gate admitted the connection; closes it when
-    no complete request head (``\\r\\n\\r\\n``) arrived within ``header_timeout_s`` of its opening."""
+class _GatedConn(asyncio.Protocol):
+    """One accepted connection: counted by the gate the moment the kernel hands it over (before any
+    TLS handshake: a handshake that never finishes holds a slot, and is closed after
+    ``header_timeout_s``), then handed to `inner` (the application protocol: aiohttp's request
+    handler or a websockets connection), over TLS when `ssl` is given (``loop.start_tls``: the
+    listening socket itself is plain). With `head_timeout` (HTTP ports) the connection is closed
+    when no complete request head (``\\r\\n\\r\\n``) arrived within ``header_timeout_s`` of its opening."""
 
-    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate) -> None:
-        self.inner, self.gate = inner, gate
+    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate, ssl: Any = None, head_timeout: bool = False
+                 ) -> None:
+        self.inner, self.gate, self.ssl = inner, gate, ssl
         self.ip: str | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tail = b""
         self._transport: asyncio.BaseTransport | None = None
+        self._head_timeout = head_timeout
+        self._made = False  # inner.connection_made was called
+        self._early: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.ip = self.gate.enter(transport)
+        self.ip = self.gate.enter(transport, plain=self.ssl is None)
         if self.ip is None:
             return
+        loop = asyncio.get_running_loop()
+        if self._head_timeout:  # from the opening: the TLS handshake counts into the head's time
+            self._timer = loop.call_later(self.gate.limits.header_timeout_s, self._late_head)
         self._transport = transport
-        self._timer = asyncio.get_running_loop().call_later(self.gate.limits.header_timeout_s, self._late_head)
+        if self.ssl is None:
+            self._app_made(transport)
+            return
+        transport.pause_reading()  # start_tls takes the bytes from here on (the ClientHello included)
+        task = loop.create_task(self._start_tls(transport))
+        self.gate.handshakes.add(task)
+        task.add_done_callback(self.gate.handshakes.discard)
+
+    async def _start_tls(self, raw: asyncio.BaseTransport) -> None:
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                raw, self, self.ssl, server_side=True, ssl_handshake_timeout=self.gate.limits.header_timeout_s)
+        except BaseException as e:  # a failed, timed-out or cancelled handshake: free the slot
+            self.gate.tls_failed += 1
+            raw.abort()
+            self._lost()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        if tls is None or self.ip is None:  # closed meanwhile (the request-head timeout of an HTTP port)
+            self.gate.tls_failed += 1
+            raw.abort()
+            self._lost()
+            return
+        self._transport = tls
+        self._app_made(tls)
+
+    def _app_made(self, transport: asyncio.BaseTransport) -> None:
+        self._made = True
         self.inner.connection_made(transport)
+        early, self._early = self._early, []
+        for data in early:  # decrypted bytes that came with the end of the handshake
+            if self._made:
+                self.data_received(data)
 
     def _late_head(self) -> None:
         self._timer = None
@@ -179,7 +242,9 @@ class _GatedHTTP(asyncio.Protocol):
             self._transport.abort()  # the request head did not arrive in time: nothing to answer
 
     def data_received(self, data: bytes) -> None:
-        if self.ip is None:
+        if not self._made:
+            if self.ip is not None:  # TLS: start_tls delivers data before it returns the transport
+                self._early.append(data)
             return
         if self._timer is not None:
             seen = self._tail + data
@@ -191,25 +256,31 @@ class _GatedHTTP(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self):
-        return None if self.ip is None else self.inner.eof_received()
+        return self.inner.eof_received() if self._made else None
 
     def pause_writing(self) -> None:
-        if self.ip is not None:
+        if self._made:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.ip is not None:
+        if self._made:
             self.inner.resume_writing()
 
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self.ip is None:
-            return
+    def _lost(self) -> None:
+        """Give the gate slot back (once)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._transport = None
-        self.gate.leave(self.ip)
-        self.inner.connection_lost(exc)
+        if self.ip is not None:
+            ip, self.ip = self.ip, None
+            self.gate.leave(ip)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lost()
+        if self._made:
+            self._made = False
+            self.inner.connection_lost(exc)
 
 
 def _gated_site_class():
@@ -235,9 +306,8 @@ def _gated_site_class():
         async def start(self) -> None:
             await super().start()
             loop = asyncio.get_running_loop()
-            self._server = await loop.create_server(self._gate.http_factory(self._runner.server), self._host,
-                                                    self._port, ssl=self._ssl_context, backlog=self._backlog,
-                                                    **self._gate.server_kwargs(self._ssl_context))
+            self._server = await loop.create_server(self._gate.http_factory(self._runner.server, self._ssl_context),
+                                                    self._host, self._port, backlog=self._backlog)
 
     return GatedSite
 
@@ -248,35 +318,17 @@ def __getattr__(name: str):  # GatedSite needs aiohttp, which the device install
     raise AttributeError(name)
 
 
-def gated_connection(gate: ConnectionGate):
-    """A ``websockets.asyncio.server.ServerConnection`` subclass (for ``serve(create_connection=...)``)
-    whose connections pass `gate` at accept: beyond a cap the client gets 503 + Retry-After and no
-    handler runs."""
+def gated_connection(gate: ConnectionGate, ssl: Any = None):
+    """A ``create_connection`` for ``websockets.asyncio.server.serve`` (called without ``ssl``):
+    each connection passes `gate` at accept (beyond a cap the client gets 503 + Retry-After, or a
+    plain close on a TLS port, and no handler runs) and, with `ssl`, its TLS handshake is made by
+    the gate (bounded by ``header_timeout_s``) after it was counted."""
     from websockets.asyncio.server import ServerConnection
 
-    class GatedConnection(ServerConnection):
-        _gate_ip: str | None = None
+    def create_connection(*args: Any, **kwargs: Any) -> asyncio.Protocol:
+        return gate.protocol(ServerConnection(*args, **kwargs), ssl)
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self._gate_ip = gate.enter(transport)
-            if self._gate_ip is not None:
-                super().connection_made(transport)
-
-        def data_received(self, data: bytes) -> None:
-            if self._gate_ip is not None:
-                super().data_received(data)
-
-        def eof_received(self):
-            return super().eof_received() if self._gate_ip is not None else None
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._gate_ip is None:
-                return
-            gate.leave(self._gate_ip)
-            self._gate_ip = None
-            super().connection_lost(exc)
-
-    return GatedConnection
+    return create_connection
 
 
 _ACCEPT_MESSAGES = ("socket.accept() out of system resource", "Error on reading from the event loop self pipe",

@@ -114,11 +114,15 @@ def check_exposure(host: str | None, token: str | None, insecure_no_auth: bool =
     localhost) needs a token, unless `insecure_no_auth` says serving anyone who can connect is meant.
 
     Raises:
-        ValueError: `host` is not loopback, `token` is empty and `insecure_no_auth` is False (the
-            message names --host, --token and --insecure-no-auth).
+        ValueError: `host` is not loopback, there is no token and `insecure_no_auth` is False (the
+            message names --host, --token and --insecure-no-auth); or a token is given but empty or
+            blank (no HTTP client could present it, while a Hello with an empty token would match).
     """
     from relayinfer.protocol.transport.limits import is_loopback
 
+    if token is not None and not token.strip():
+        raise ValueError(f"--token (or {TOKEN_ENV}) is empty: give a secret, or leave it unset to serve "
+                         "without auth on loopback")
     if token or insecure_no_auth or is_loopback(host):
         return
     raise ValueError(f"--host {host or '(all interfaces)'} listens beyond this machine and no token is set: give "

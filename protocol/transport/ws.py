@@ -324,14 +324,14 @@ def serve(
     gate = gate or ConnectionGate()
     hello_timeout = gate.limits.header_timeout_s if handshake_timeout is None else handshake_timeout
     serve_kwargs.setdefault("open_timeout", gate.limits.header_timeout_s)
-    if serve_kwargs.get("ssl") is not None:
-        serve_kwargs.setdefault("ssl_handshake_timeout", gate.limits.header_timeout_s)
+    ssl = serve_kwargs.pop("ssl", None)  # the gate makes the TLS handshake, after counting the connection
+    serve_kwargs.pop("ssl_handshake_timeout", None)  # the gate's header_timeout_s bounds it
     try:
         quiet_accept_errors()
     except RuntimeError:  # no running loop yet: the caller's loop keeps its own handler
         pass
     return _ws_serve(_handler, host, port, max_size=ws_max_size(max_frame_bytes),
-                     create_connection=gated_connection(gate), **serve_kwargs)
+                     create_connection=gated_connection(gate, ssl), **serve_kwargs)
 
 
 async def open_channel(

@@ -30,12 +30,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error_response(e: APIError) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers=e.headers or None)
+    r = web.json_response(e.body(), status=e.status, headers=e.headers or None)
+    if e.headers.get("Connection") == "close":
+        r.force_close()  # the request's body was not read to its end: the connection cannot go on
+    return r
 
 
-async def read_json(request: web.Request):
-    """The request body as JSON; raises APIError(400) when it is not valid JSON."""
-    raw = await request.read()
+async def read_json(request: web.Request, timeout_s: float = 60.0):
+    """The request body as JSON; raises APIError(400) when it is not valid JSON, APIError(408)
+    (the connection then closes) when the whole body did not arrive within `timeout_s` seconds of
+    the handler's start (a client that sends its head, then trickles or stalls the body)."""
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
@@ -103,7 +112,8 @@ async def http_errors_as_json(request: web.Request, handler: Handler) -> web.Str
 
 
 def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model_name: str,
-                  aliases: Collection[str] = (), budget=None, retry_after_s: float = 5.0) -> None:
+                  aliases: Collection[str] = (), budget=None, retry_after_s: float = 5.0,
+                  body_timeout_s: float = 60.0) -> None:
     """Add `/v1/chat/completions`, `/v1/completions`, `/v1/models` and `/openapi.json` to `app`,
     and a middleware that answers 404/405 (and any other HTTP error) in OpenAI's JSON error shape.
 
@@ -116,6 +126,8 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
             `logprobs` runs one full forward per prompt outside the batch, charged its float32
             logits and hidden states while it runs, and answered 503 with `Retry-After`
             (`retry_after_s`, seconds) when they do not fit.
+        body_timeout_s: seconds a request body may take to arrive in full (408 beyond, see
+            `read_json`); `cloud serve` passes its `--idle-timeout-s`.
     """
     models = OpenAIServingModels(engine, model_name, aliases)
     chat = OpenAIServingChat(engine, tokenizer, models)
@@ -128,11 +140,11 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
         return web.json_response(openapi_spec(models.model_name))
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
-        req = ChatCompletionRequest.from_json(await read_json(request), models.served)
+        req = ChatCompletionRequest.from_json(await read_json(request, body_timeout_s), models.served)
         return await respond(request, await chat.create_chat_completion(req))
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        req = CompletionRequest.from_json(await read_json(request), models.served)
+        req = CompletionRequest.from_json(await read_json(request, body_timeout_s), models.served)
         return await respond(request, await completion.create_completion(req))
 
     app.middlewares.append(http_errors_as_json)
