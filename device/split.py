@@ -730,9 +730,8 @@ class _Run:
                                   retry_after_ms=wait_ms)
             c.own_link = s.link is None
             c.link = s.link or CloudLink(s.cloud_url, s.fingerprint, s.token, s.ssl, s.opt.connect_timeout_s)
-            c.channel = await c.link.request(self.request_id)
             g = self.generate_msg()
-            await c.channel.send(g)
+            c.channel = await c.link.request(self.request_id, first=g)  # sent again on a new connection if needed
             c.refine = g.refine is not None
         except Exception as e:  # unreachable (OSError, TimeoutError), refused (RemoteError), ...
             await self.connect_failed(e, wait_ms)
