@@ -495,8 +495,8 @@ class Conversation:
     (turn k's prompt and answer) and the new prompt, and the settings algorithm plans with those
     uncached tokens only; the cloud reuses its own cache the same way (the session's last KV on the
     per-request path, the prefix cache of the batched engine). Greedy answers equal the answers
-    without reuse (tested). All turns use one websocket (`link`); without `reuse` each turn opens
-    its own websocket and prefills everything, as `Client.generate` does.
+    without reuse (tested). All turns use one websocket (`link`, the conversation's own, not the
+    client's); without `reuse` each turn opens its own websocket and prefills everything.
 
     Attributes: messages ({role, content} dicts), results (one `GenerationResult` per turn), link
     (the `device.link.CloudLink`, None without a cloud or without reuse).
