@@ -16,8 +16,10 @@ the device's own Stop/Cancel/ExtendBudget that crossed the cloud's Done on the w
 
 A connection-level failure (connection lost, connection-level Error) reaches every open request
 as the exception its `recv` raises, and the next request opens a new connection. A request that
-ends with a fault (stalled cloud, ...) releases the link as broken, which closes the connection
-(the other requests on it then end as lost connections: each device finishes its answer alone).
+ends with a connection fault (connection lost, stalled cloud, a per-request rule broken) releases
+the link as broken, which closes the connection (the other requests on it then end as lost
+connections: each device finishes its answer alone); one the cloud refused or failed with a
+request-level Error leaves the connection to the others.
 
 Reconnecting: once a link has been open, opening it again (the connection was lost or dropped)
 is tried `reconnect_attempts` more times after a transport failure (refused, reset, timed out),
