@@ -652,9 +652,12 @@ class CloudService:
     def _batched(self, msg: Generate) -> bool:
         """Whether a request joins the batching engine: not with refinement (the batched runner
         computes no attention scores); with a KV hand-off when the engine exports KV from its paged
-        cache (`exports_kv`: `AsyncLLMEngine` does, the P/D gateway does not)."""
-        return (self.llm is not None and msg.refine is None
-                and (msg.kv_from is None or getattr(self.llm, "exports_kv", False) is True))
+        cache (`exports_kv`: `AsyncLLMEngine` does, the P/D gateway does not) and the request fits
+        its KV capacity (a longer one takes the per-request path, whose cache grows to the context)."""
+        if self.llm is None or msg.refine is not None:
+            return False
+        return msg.kv_from is None or (getattr(self.llm, "exports_kv", False) is True and
+                                       len(msg.prompt_ids) + msg.max_new_tokens <= self.llm.limits.max_request_tokens)
 
     # --- the token loop ---------------------------------------------------------------------------
 
