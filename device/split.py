@@ -405,6 +405,7 @@ class _Cloud:
     refine: bool = False
     kept: list[int] | None = None
     got_refined: asyncio.Event = field(default_factory=asyncio.Event)
+    violated: bool = False  # the cloud broke the per-request rules (the connection is dropped)
 
 
 @dataclass
@@ -745,7 +746,9 @@ class _Run:
 
     async def close_channel(self) -> None:
         """Release the request's channel; a link opened for this request alone is closed (bounded)."""
-        broken = self.fault.kind is not None and self.fault.kind != "device-error"
+        # a connection that failed, went silent or broke the rules is dropped; one that answered
+        # this request with an Error (e.g. OVERLOADED) goes on serving the others on it
+        broken = self.fault.kind in ("connection-lost", "cloud-stalled") or self.cloud.violated
         self.cloud.link.release(self.request_id, broken=broken)
         if self.cloud.own_link:
             await self.cloud.link.aclose()
@@ -780,9 +783,8 @@ class _Run:
                                   retry_after_ms=wait_ms)
             c.own_link = s.link is None
             c.link = s.link or CloudLink(s.cloud_url, s.fingerprint, s.token, s.ssl, s.opt.connect_timeout_s)
-            c.channel = await c.link.request(self.request_id)
             g = self.generate_msg()
-            await c.channel.send(g)
+            c.channel = await c.link.request(self.request_id, first=g)  # sent again on a new connection if needed
             c.refine = g.refine is not None
         except Exception as e:  # unreachable (OSError, TimeoutError), refused (RemoteError), ...
             await self.connect_failed(e, wait_ms)
@@ -852,6 +854,7 @@ class _Run:
             await self.send_quietly(Cancel(self.request_id))
             return False
         if isinstance(ev, RequestViolation):  # the cloud broke the per-request rules
+            self.cloud.violated = True
             self.cloud_fault("cloud-error", f"protocol violation: {ev}")
             await self.send_quietly(Cancel(self.request_id))
             return False

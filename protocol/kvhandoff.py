@@ -7,8 +7,9 @@
 * `kv_part_messages` / `kv_parts`: the one `KVTransfer` codec: KV [layers, 2, kv_heads, tokens,
   head_dim] cut by tokens into consecutive parts, one message each, and back (checked complete and
   contiguous). The P/D hand-off (`cloud.pd.kv`) sends its payload with it, one part per block.
-* `kv_messages` / `kv_layers`: the prompt's KV as `KVTransfer` messages (float16, split by tokens
-  into frames of at most `max_bytes`) and back into per-layer (key, value) arrays [1, kv_heads,
+* `kv_messages` / `kv_pieces` / `kv_layers`: the prompt's KV as `KVTransfer` messages (float16,
+  split by tokens into frames of at most `max_bytes`; `kv_pieces` builds them one at a time, as a
+  sender interleaving them with other frames wants them) and back into per-layer (key, value) arrays [1, kv_heads,
   tokens, head_dim], the device engine's past-KV layout.
 
 The hand-off follows the prefill -> decode KV transfer of disaggregated serving (DistServe,
@@ -129,24 +130,56 @@ def kv_parts(msgs: Sequence[KVTransfer]) -> tuple[int, list[np.ndarray]]:
     return parts[0].token_start, arrays
 
 
-def kv_messages(request_id: str, kv: np.ndarray, token_start: int,
-                max_bytes: int = MAX_FRAME_BYTES) -> list[KVTransfer]:
-    """`kv` float16 [layers, 2, kv_heads, tokens, head_dim] as `KVTransfer` messages of at most
-    `max_bytes` each (split by tokens: message i holds `block_index` i of `num_blocks`, its
-    `token_start` absolute). One message, block_index -1, when it fits.
+def kv_piece_tokens(kv: np.ndarray, max_bytes: int) -> int:
+    """Tokens of `kv` ([layers, 2, kv_heads, tokens, head_dim], counted in float16) one
+    `KVTransfer` of at most `max_bytes` holds: (max_bytes - FRAME_MARGIN) // bytes per token.
 
     Raises:
         ValueError: `kv` is not 5-d, or one token does not fit in `max_bytes`.
     """
     if kv.ndim != 5 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got shape {kv.shape}")
-    kv = kv.astype(WIRE_DTYPE, copy=False)
-    n = kv.shape[3]
-    per_token = kv[:, :, :, :1].nbytes
-    step = (max_bytes - FRAME_MARGIN) // per_token if per_token else n
+    per_token = kv.shape[0] * 2 * kv.shape[2] * kv.shape[4] * np.dtype(WIRE_DTYPE).itemsize
+    step = (max_bytes - FRAME_MARGIN) // per_token if per_token else max(kv.shape[3], 1)
     if step < 1:
         raise ValueError(f"one token of KV is {per_token} bytes, more than the frame limit of {max_bytes}")
-    return kv_part_messages(request_id, [kv[:, :, :, i:i + step] for i in range(0, n, step)] or [kv], token_start)
+    return step
+
+
+def kv_pieces(request_id: str, kv: np.ndarray, token_start: int, max_bytes: int = MAX_FRAME_BYTES):
+    """`kv_messages`, one message at a time: a generator that builds piece i (its float16 copy
+    and `Tensor`) only when asked for it, so a sender that stops early (the device's Stop or
+    Cancel) never builds the rest, and at most one piece is encoded at a time. Same messages,
+    same order (token order, `block_index` 0, 1, ...; one message with block_index -1 when it fits).
+
+    Raises (on creation):
+        ValueError: `kv` is not 5-d, or one token does not fit in `max_bytes`.
+    """
+    step = kv_piece_tokens(kv, max_bytes)
+    n = kv.shape[3]
+    total = max(-(-n // step), 1)
+
+    def gen():
+        if total == 1:
+            yield from kv_part_messages(request_id, [kv.astype(WIRE_DTYPE, copy=False)], token_start)
+            return
+        for i in range(total):
+            part = kv[:, :, :, i * step:(i + 1) * step].astype(WIRE_DTYPE, copy=False)
+            yield KVTransfer(request_id, 0, Tensor.from_numpy(part), part.shape[3], i, total,
+                             token_start=token_start + i * step)
+    return gen()
+
+
+def kv_messages(request_id: str, kv: np.ndarray, token_start: int,
+                max_bytes: int = MAX_FRAME_BYTES) -> list[KVTransfer]:
+    """`kv` float16 [layers, 2, kv_heads, tokens, head_dim] as `KVTransfer` messages of at most
+    `max_bytes` each (split by tokens: message i holds `block_index` i of `num_blocks`, its
+    `token_start` absolute). One message, block_index -1, when it fits. (`kv_pieces` as a list.)
+
+    Raises:
+        ValueError: `kv` is not 5-d, or one token does not fit in `max_bytes`.
+    """
+    return list(kv_pieces(request_id, kv, token_start, max_bytes))
 
 
 def kv_layers(msgs: Sequence[KVTransfer]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:

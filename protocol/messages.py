@@ -174,7 +174,7 @@ class Generate(_Msg, tag="generate"):
     ``logit_bias`` ([token id, bias] pairs, bias in [-100, 100]): as in
     ``protocol.model.decoding.SamplingParams`` (defaults: off), so both sides sample the same answer.
     ``kv_from``: None, or ask for the KV hand-off: right after the first ``Token`` the cloud sends
-    one ``KVTransfer`` with the KV of prompt tokens [kv_from, len(prompt_ids) - 1) (fp16; the
+    ``KVTransfer`` pieces with the KV of prompt tokens [kv_from, len(prompt_ids) - 1) (fp16; the
     device already holds the first ``kv_from``, e.g. from the previous turn of a conversation, and
     prefills the last prompt token itself for its logits). Not combined with ``refine``.
     """
@@ -292,8 +292,10 @@ class KVTransfer(_Msg, tag="kv_transfer"):
 
     P/D hand-off (``relayinfer.cloud.pd.kv``): the dtype of the prefill's cache, token_start 0;
     block-fixed mode sends one part per KV block. Cloud -> device KV hand-off (answer to
-    ``Generate.kv_from``): float16, parts cut to fit a frame; keys after RoPE: layer i's K and V are
-    the ONNX past-KV inputs [1, kv_heads, tokens, head_dim].
+    ``Generate.kv_from``): float16, cut by tokens into pieces of at most the cloud's piece size
+    (1 MiB by default), in token order, interleaved with other frames; none after the device's
+    Stop or Cancel (docs/PROTOCOL.md); keys after RoPE: layer i's K and V are the ONNX past-KV
+    inputs [1, kv_heads, tokens, head_dim].
     """
 
     request_id: str

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -80,16 +81,30 @@ class Stream:
 
 
 class AsyncStream:
-    """Async iterator of `TokenEvent`s; `result` once exhausted."""
+    """Async iterator of `TokenEvent`s; `result` once exhausted. With `loop` (the client's event
+    loop, where its websocket lives) the generation runs there and its events cross to the caller's
+    loop in order; cancelling the iteration's task cancels the generation."""
 
-    def __init__(self, run):
+    def __init__(self, run, loop: asyncio.AbstractEventLoop | None = None):
         self._q: asyncio.Queue = asyncio.Queue()
         self.result: GenerationResult | None = None
-        self._task = asyncio.get_running_loop().create_task(self._go(run))
+        here = asyncio.get_running_loop()
+        if loop is None or loop is here:
+            self._task = here.create_task(self._go(run))
+        else:
+            self._task = here.create_task(self._go_on(run, loop, here))
 
     async def _go(self, run):
         try:
             self.result = await run(self._q.put_nowait)
+            self._q.put_nowait(_END)
+        except BaseException as e:
+            self._q.put_nowait(e)
+
+    async def _go_on(self, run, loop, here):
+        put = lambda ev: here.call_soon_threadsafe(self._q.put_nowait, ev)  # noqa: E731  FIFO: before the end
+        try:
+            self.result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(put), loop))
             self._q.put_nowait(_END)
         except BaseException as e:
             self._q.put_nowait(e)
@@ -179,6 +194,23 @@ class Client:
             or False (`SplitOptions.kv_handoff`).
         link_bytes_per_s: the link's bandwidth (bytes/s) for that choice; None = unknown (no KV
             hand-off under 'auto') until `measure_link()` measures it.
+        reconnect_attempts, reconnect_backoff_s: how the client's websocket is opened again after
+            it was lost (`device.link.CloudLink`): more tries after a transport failure, the first
+            wait (s, doubling).
+
+    One session per client: every `generate` / `agenerate` / `complete` of a Client uses one
+    websocket (`link`, a `device.link.CloudLink`), opened by the first request that needs the cloud
+    and kept across calls, so only the first request pays the TCP handshake, the websocket upgrade
+    and the Hello/Welcome (three round trips) before its Generate leaves. All of them run on the
+    client's own event loop (a daemon thread). Calls may overlap, from any threads or event loops:
+    they are multiplexed over that one websocket by request id (the cloud runs them side by side,
+    up to its per-session limit, `CloudService.max_requests_per_session`, OVERLOADED beyond it), and
+    their device engine calls take turns on the client's one device thread. A request in flight
+    when the connection is lost ends as before (the device finishes alone, `fault`
+    'connection-lost'); the next request opens a new connection (retried as above). `close()` (or
+    leaving `with Client(...) as c:`) closes the websocket and stops the loop; a Client that is
+    garbage-collected closes them too. Each `Conversation` keeps a websocket of its own (the cloud
+    keeps a conversation's KV per session).
 
     A wss:// cloud whose certificate does not verify is treated like an unreachable one: the
     answer comes from the device (`fault` 'cloud-unreachable', `error` naming the certificate
@@ -202,7 +234,8 @@ class Client:
                  quantize: str | None = None, cloud_budget: int | None | str = "auto", connect_timeout_s: float = 5.0,
                  profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True,
                  cloud_http_url: str | None = None, progress=None, kv_handoff: bool | str = "auto",
-                 link_bytes_per_s: float | None = None):
+                 link_bytes_per_s: float | None = None, reconnect_attempts: int = 2,
+                 reconnect_backoff_s: float = 0.1):
         from relayinfer.protocol.transport.security import context_for_url
 
         if cloud_url is not None:
@@ -214,7 +247,12 @@ class Client:
                                     connect_timeout_s=connect_timeout_s, kv_handoff=kv_handoff,
                                     link_bytes_per_s=link_bytes_per_s)
         self.cloud_http_url, self._ca, self._verify = cloud_http_url, ca, verify
-        self._loop: asyncio.AbstractEventLoop | None = None  # conversations' event loop (`_conversation_loop`)
+        self._rt = _Runtime()  # the client's event loop and websocket (`_client_loop`, `link`)
+        self._reconnect = (reconnect_attempts, reconnect_backoff_s)
+        if reconnect_attempts < 0 or not reconnect_backoff_s >= 0:
+            raise ValueError(f"reconnect_attempts must be >= 0 and reconnect_backoff_s >= 0 (s), got "
+                             f"{reconnect_attempts}, {reconnect_backoff_s}")
+        weakref.finalize(self, self._rt.close, 1.0)
         if cloud_http_url is not None and not cloud_http_url.startswith(("http://", "https://")):
             raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
         if engine is None:
@@ -379,13 +417,27 @@ class Client:
         self.options.link_bytes_per_s = bw
         return bw
 
-    def _conversation_loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop (a daemon thread) on which conversations run, so a conversation's
-        websocket outlives each turn."""
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="relayinfer-conversations", daemon=True).start()
-        return self._loop
+    def _client_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop (a daemon thread) on which every request of this client runs, so that
+        its websocket outlives each request; started on first use (thread-safe)."""
+        return self._rt.loop_()
+
+    _conversation_loop = _client_loop
+
+    @property
+    def link(self):
+        """The client's `device.link.CloudLink` (one websocket for all its `generate` calls), None
+        without a cloud URL. Its `connections` counts the websockets opened so far."""
+        if self.cloud_url is None:
+            return None
+        with self._rt.lock:
+            if self._rt.link is None:
+                n, backoff = self._reconnect
+                from relayinfer.device.link import CloudLink
+
+                self._rt.link = CloudLink(self.cloud_url, self.fingerprint, self.token, self.ssl,
+                                          self.options.connect_timeout_s, n, backoff)
+            return self._rt.link
 
     def conversation(self, system: str | None = None, reuse: bool = True, **sampling) -> "Conversation":
         """A multi-turn chat (`Conversation`): one websocket for all its turns, and with `reuse`
@@ -393,11 +445,16 @@ class Client:
         an optional system message; `sampling`: defaults for every turn (as for `generate`)."""
         return Conversation(self, system, reuse, sampling)
 
-    def close(self) -> None:
-        """Stop the conversations' event loop (open conversations stop working)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close the client's websocket (bounded by `timeout_s`, s) and stop its event loop (open
+        conversations and streams stop working). A later `generate` starts them again."""
+        self._rt.close(timeout_s)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> Stream:
         """Start generating; returns a `Stream` of `TokenEvent`s (its `.result` once exhausted).
@@ -413,12 +470,16 @@ class Client:
                 shared rules of `protocol.validate` (its message gives the allowed range), a prompt
                 token id outside the vocabulary, or an unknown keyword.
             PromptTooLongError: the prompt and `max_new_tokens` do not fit the model's context.
+
+        The request uses the client's websocket (see the class docstring: one per client, calls
+        multiplexed over it).
         """
-        return Stream(self._runner(prompt, dict(sampling)))
+        return Stream(self._runner(prompt, dict(sampling), link=self.link), loop=self._client_loop())
 
     def agenerate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> AsyncStream:
-        """`generate` for asyncio code: an async iterator of `TokenEvent`s (call inside a running loop)."""
-        return AsyncStream(self._runner(prompt, dict(sampling)))
+        """`generate` for asyncio code: an async iterator of `TokenEvent`s (call inside a running
+        loop). The request runs on the client's loop, over its websocket."""
+        return AsyncStream(self._runner(prompt, dict(sampling), link=self.link), loop=self._client_loop())
 
     def complete(self, prompt, **sampling) -> GenerationResult:
         """Generate to the end and return the `GenerationResult`."""
@@ -434,8 +495,8 @@ class Conversation:
     (turn k's prompt and answer) and the new prompt, and the settings algorithm plans with those
     uncached tokens only; the cloud reuses its own cache the same way (the session's last KV on the
     per-request path, the prefix cache of the batched engine). Greedy answers equal the answers
-    without reuse (tested). All turns use one websocket (`link`); without `reuse` each turn opens
-    its own websocket and prefills everything, as `Client.generate` does.
+    without reuse (tested). All turns use one websocket (`link`, the conversation's own, not the
+    client's); without `reuse` each turn opens its own websocket and prefills everything.
 
     Attributes: messages ({role, content} dicts), results (one `GenerationResult` per turn), link
     (the `device.link.CloudLink`, None without a cloud or without reuse).
@@ -477,14 +538,49 @@ class Conversation:
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the conversation's websocket and drop its device cache."""
         self.cache = None
-        if self.link is not None and self.client._loop is not None:
-            asyncio.run_coroutine_threadsafe(self.link.aclose(), self.client._loop).result(timeout_s)
+        loop = self.client._rt.loop
+        if self.link is not None and loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.link.aclose(), loop).result(timeout_s)
 
     def __enter__(self) -> "Conversation":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Runtime:
+    """A client's event loop thread and its websocket (`CloudLink`), apart from the `Client` so
+    that a finalizer can close them without keeping the client alive."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.link = None
+
+    def loop_(self) -> asyncio.AbstractEventLoop:
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, name="relayinfer-client", daemon=True).start()
+            return self.loop
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close the websocket (bounded by `timeout_s`, s; from the loop's own thread it is left to
+        the loop's end) and stop the loop."""
+        with self.lock:
+            loop, self.loop = self.loop, None
+            link, self.link = self.link, None
+        if loop is None:
+            return
+        if link is not None and loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(link.aclose(), loop)
+            if threading.current_thread().name != "relayinfer-client":
+                try:
+                    fut.result(timeout_s)
+                except Exception as e:  # a close that fails or hangs: the loop stops anyway
+                    log.debug("closing the client's websocket: %s: %s", type(e).__name__, e)
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def cloud_problem(e: BaseException) -> str:

@@ -8,13 +8,16 @@ OpenAI routes read engines through these members only.
 Per request an engine yields `StepOutput`s (one per generated token, `finish_reason` set on the
 token that ends the answer or spends the cloud budget); the per-request engine also yields the
 extra outputs `RefinedIndices` (right after token 0 of a request with refinement) and `KVParts`
-(right after token 0 of a request with a KV hand-off).
+(right after token 0 of a request with a KV hand-off: `generate(..., kv_from=k)` on the
+per-request engine and on `AsyncLLMEngine`, which copies it out of its paged cache; an engine
+whose `exports_kv` attribute is not True, such as `PDEngine`, takes no `kv_from`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Protocol, Sequence, Union, runtime_checkable
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from relayinfer.protocol.model.decoding import SamplingParams
@@ -56,11 +59,21 @@ class RefinedIndices:
 
 @dataclass(frozen=True)
 class KVParts:
-    """The KV hand-off of a request's prompt as `KVTransfer` frames (each at most MAX_FRAME_BYTES),
-    yielded right after token 0."""
+    """The KV hand-off of a request's prompt, yielded right after token 0: `kv` float16 numpy
+    [layers, 2, kv_heads, tokens, head_dim] (the device's ONNX past-KV layout per layer, keys after
+    RoPE) of prompt positions [token_start, token_start + tokens). The service sends it as
+    `KVTransfer` pieces of at most `CloudService.kv_piece_bytes` each (`protocol.kvhandoff.kv_pieces`)."""
 
     request_id: str
-    messages: list[KVTransfer]
+    kv: np.ndarray
+    token_start: int
+
+    @property
+    def messages(self) -> list[KVTransfer]:
+        """The whole hand-off as `KVTransfer` messages of at most MAX_FRAME_BYTES (tests, benches)."""
+        from relayinfer.protocol.kvhandoff import kv_messages
+
+        return kv_messages(self.request_id, self.kv, self.token_start)
 
 
 EngineOutput = Union["StepOutput", RefinedIndices, KVParts]

@@ -27,7 +27,7 @@ from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.model.errors import PromptTooLongError
 
 from .block_manager import BlockManager
-from .interface import EngineLimits
+from .interface import EngineLimits, KVParts
 from .metrics import EngineMetrics, Finished, StepStats
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample_batch
@@ -80,6 +80,7 @@ class StepOutput(NamedTuple):
     index: int
     finish_reason: str | None
     logprobs: tuple[float, list[tuple[int, float]]] | None = None
+    kv: np.ndarray | None = None  # token 0 of a request with `kv_export`: its exported float16 KV
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class LLMEngine:
     # --- thread-safe request API ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                     cloud_budget: int | None = None, ignore_eos: bool = False, *, hold_kv: bool = False,
-                    output_ids: Seq[int] = ()) -> None:
+                    output_ids: Seq[int] = (), kv_from: int | None = None) -> None:
         """Queue a request. `cloud_budget` caps the tokens generated here (finish reason 'budget'
         when it, not max_new_tokens, ends the request). `ignore_eos` generates past EOS (fixed
         output lengths for benchmarks, vLLM's `SamplingParams.ignore_eos`).
@@ -202,15 +203,25 @@ class LLMEngine:
         were generated elsewhere (they are prefilled with the prompt and answer positions continue
         after them, so seeded sampling draws the same tokens).
 
+        KV hand-off: `kv_from` copies the K/V of prompt positions [kv_from, n - 1) (all but the
+        last prompt token, which the device prefills itself) out of the paged cache, float16, in
+        the step that samples token 0; that token's `StepOutput.kv` carries it
+        (`ModelRunner.export_kv`). The copy runs on the engine thread, between the step's forward
+        and its postprocess (the blocks are still the sequence's).
+
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed `max_model_len` (the context window
                 or the whole KV cache, whichever is smaller; the message names the limit).
             ValueError: empty prompt or duplicate live request_id.
         """
         self.check_fits(len(prompt_ids), params.max_new_tokens)
+        if kv_from is not None and not 0 <= kv_from < len(prompt_ids) - 1:
+            raise ValueError(f"kv_from={kv_from}: the hand-off carries prompt positions [kv_from, "
+                             f"{len(prompt_ids) - 1}), at least one")
         max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, max_tokens, ignore_eos=ignore_eos,
-                       num_prompt_tokens=len(prompt_ids), hold_kv=hold_kv)
+                       num_prompt_tokens=len(prompt_ids), hold_kv=hold_kv,
+                       kv_export=None if kv_from is None else (kv_from, len(prompt_ids) - 1))
         self._enqueue(request_id, seq)
 
     def _enqueue(self, request_id: str, item) -> None:
@@ -319,12 +330,25 @@ class LLMEngine:
                 self._fail(s.seq, e)
             return None
         self._forward_failures = 0
+        self._export_kv(batch)
         tokens = self._sample(logits_t, [s.seq for s in batch if s.sample])
         n_pre = sum(s.n for s in batch if s.n > 1 or s.start < s.seq.num_prompt_tokens)
         if n_pre >= 16:  # a step that prefilled: its tokens/s (EWMA) estimates prefill speed
             rate = n_pre / max(time.perf_counter() - t0, 1e-6)
             self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.8 * self.prefill_tok_s + 0.2 * rate
         return tokens, logits
+
+    def _export_kv(self, batch: list[ScheduledSeq]) -> None:
+        """The KV hand-off of the sequences that sample their token 0 in this step: their prompt
+        K/V is complete in the cache now, before postprocess may free their blocks. A failed copy
+        fails that request alone."""
+        for s in batch:
+            seq = s.seq
+            if s.sample and seq.kv_export is not None and seq.num_output_tokens == 0:
+                try:
+                    seq.exported_kv = self.runner.export_kv(seq.block_table, *seq.kv_export)
+                except Exception as e:
+                    self._fail(seq, e)
 
     def _sample(self, logits_t, seqs: list[Sequence]) -> list:
         """`sample_batch` of the step; when it raises, each row alone, so that the row (request)
@@ -347,8 +371,9 @@ class LLMEngine:
             self._fail(seq, e)
         outputs = []
         for seq, lp in done.sampled:
+            kv, seq.exported_kv = seq.exported_kv, None
             outputs.append(StepOutput(seq.request_id, seq.token_ids[-1], seq.num_output_tokens - 1,
-                                      seq.finish_reason, lp))
+                                      seq.finish_reason, lp, kv))
             if seq.finish_reason is not None:
                 self._retire(seq)
         st, bm, sch = self.last_stats, self.block_manager, self.scheduler
@@ -622,12 +647,22 @@ class AsyncLLMEngine:
         self.engine.set_budget(request_id, cloud_budget)
         self._wake.set()
 
+    exports_kv = True  # `generate(..., kv_from=k)`: the KV hand-off from the batch (`cloud.engine.interface`)
+
     async def generate(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                        cloud_budget: int | None = None, **kw) -> AsyncIterator[StepOutput]:
+        """The request's `StepOutput`s (see the class docstring); `kw`: `LLMEngine.add_request`'s
+        keywords. With `kv_from` a `KVParts` (float16 KV of prompt positions [kv_from, n - 1),
+        copied out of the paged cache in the step of token 0) follows token 0, as on the
+        per-request engine; the request stays in the batch."""
         q = self.add_request(request_id, prompt_ids, params, cloud_budget, **kw)  # raises before the try:
         gen = self._stream(request_id, q)                                       # a rejected id owns nothing
         try:
             async for o in gen:
+                if o.kv is not None:
+                    yield o._replace(kv=None)
+                    yield KVParts(request_id, o.kv, kw["kv_from"])
+                    continue
                 yield o
         finally:  # an early exit aborts the request now (closing gen), not when it is collected
             await gen.aclose()

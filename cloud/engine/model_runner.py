@@ -135,6 +135,21 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
+    def export_kv(self, block_table: list[int], start: int, end: int, dtype: torch.dtype = torch.float16):
+        """The KV hand-off to a device: K/V of token positions [start, end) of a sequence with
+        `block_table` as a numpy array [n_layers, 2, kv_heads, end - start, head_dim] in `dtype`
+        (default float16: the device's ONNX past-KV layout per layer, keys after RoPE), one
+        `index_select` per layer converted into the buffer."""
+        cfg = self.cfg
+        out = torch.empty((cfg.n_layers, 2, cfg.n_kv_heads, end - start, cfg.head_dim), dtype=dtype)
+        slots = self.slots(block_table, start, end)
+        if dtype == self.dtype:
+            return self.gather_kv(slots, out).numpy()
+        for li in range(cfg.n_layers):
+            out[li].copy_(self.kv[li].index_select(2, slots))
+        return out.numpy()
+
+    @torch.inference_mode()
     def scatter_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """P/D import: write `kv` [n_layers, 2, kv_heads, len(slots), head_dim] into `slots`."""
         for li in range(self.cfg.n_layers):

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, sample
-from relayinfer.protocol.kvhandoff import common_prefix, kv_messages
+from relayinfer.protocol.kvhandoff import common_prefix
 from relayinfer.protocol.transport.limits import Charge, MemoryBudget
-from relayinfer.protocol.messages import MAX_FRAME_BYTES, KVTransfer
 from relayinfer.cloud.refine import WINDOW, select
 from relayinfer.protocol.model.refine import TemplateMarkers
 
@@ -237,8 +236,8 @@ class PerRequestEngine:
                 if i == 0 and kept is not None:
                     yield RefinedIndices(request_id, kept)
                 if i == 0 and kv_from is not None:
-                    yield KVParts(request_id, await loop.run_in_executor(self.worker, _kv_transfer, request_id,
-                                                                         kv, kv_from, len(ids) - 1))
+                    yield await loop.run_in_executor(self.worker, _kv_transfer, request_id, kv, kv_from,
+                                                     len(ids) - 1)
                 if end:
                     break
                 if self.step_delay_ms:
@@ -276,13 +275,12 @@ class PerRequestEngine:
         return logits, kv, None, 0
 
 
-def _kv_transfer(request_id: str, kv, start: int, end: int) -> list[KVTransfer]:
+def _kv_transfer(request_id: str, kv, start: int, end: int) -> KVParts:
     """The KV hand-off to the device: prompt tokens [start, end) as float16 [layers, 2, kv_heads,
-    tokens, head_dim] (the ONNX past-KV layout per layer, keys after RoPE) in `KVTransfer` messages
-    of at most MAX_FRAME_BYTES each, the limit every device accepts."""
+    tokens, head_dim] (the ONNX past-KV layout per layer, keys after RoPE)."""
     import torch
 
     with torch.inference_mode():
         t = torch.stack([kv.k[:, 0, :, start:end], kv.v[:, 0, :, start:end]], dim=1)
         arr = t.to(torch.float16).cpu().numpy()
-    return kv_messages(request_id, arr, start, MAX_FRAME_BYTES)
+    return KVParts(request_id, arr, start)

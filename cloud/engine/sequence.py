@@ -55,6 +55,9 @@ class Sequence:
         finish_reason: None while live; 'eos' / 'stop' / 'length' / 'budget' / 'abort' / 'error'.
         ignore_eos: keep generating past EOS (benchmarks with fixed output lengths, as vLLM's).
         hold_kv: P/D prefill: keep the KV blocks after the answer ends until `LLMEngine.release`.
+        kv_export: the KV hand-off: (start, end) prompt positions whose K/V are copied out of the
+            cache (float16) in the step that samples token 0; `exported_kv` holds the copy until
+            that token's `StepOutput` takes it.
         times: its `SeqTimes`.
     """
 
@@ -72,6 +75,8 @@ class Sequence:
     finish_reason: str | None = None
     ignore_eos: bool = False
     hold_kv: bool = False
+    kv_export: tuple[int, int] | None = None
+    exported_kv: object = None
     times: SeqTimes = field(default_factory=SeqTimes)
 
     def __post_init__(self):

@@ -7,7 +7,9 @@ or the answer ends; then it sends `Done` and frees the request's KV cache.
 Every request runs on an `EngineClient` (`cloud.engine.interface`): the batching engine (`llm`:
 `AsyncLLMEngine`, or the P/D gateway's `PDEngine`) for plain requests, the per-request engine
 (`PerRequestEngine` over the `TorchEngine`, its model steps on one worker thread) for prompt
-refinement, the KV hand-off and every request of a service without `llm`. One token loop
+refinement, the KV hand-off when the batching engine cannot export KV (`exports_kv`), and every
+request of a service without `llm`. A KV hand-off goes out in pieces (`kv_piece_bytes`) that
+interleave with the connection's other frames. One token loop
 (`CloudService._run`) turns the engine's outputs into messages; each session's
 `RequestTable(Role.CLOUD)` decides what a device message means for its request (Stop, Cancel,
 ExtendBudget, their crossings with Done, id reuse). Admission (`Admission`), the HTTP port
@@ -30,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -41,8 +42,9 @@ from relayinfer.protocol.model.decoding import params_of
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
     quiet_accept_errors, runner_kwargs)
-from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, Pong, RefinedPrompt, Stop,
-                                          Token, encode)
+from relayinfer.protocol.kvhandoff import FRAME_MARGIN, kv_pieces
+from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, Pong,
+                                          RefinedPrompt, Stop, Token, encode)
 from relayinfer.protocol.model.model_file import file_sha256
 from relayinfer.protocol.model.refine import TemplateMarkers
 from relayinfer.protocol.requests import RequestState, RequestTable, RequestViolation, Role, Transition
@@ -54,6 +56,7 @@ log = logging.getLogger("relayinfer.cloud")
 MAX_REQUEST_ID = 64  # characters
 KEEPALIVE_S = 10.0  # websocket ping interval and timeout: a black-holed device is dropped within ~20 s
 REQUEST_MEMORY_MB = 512  # default share of the memory budget beyond the batching engine's KV pool (MiB)
+KV_PIECE_BYTES = 1 << 20  # default largest KVTransfer frame of a KV hand-off (bytes): 1 MiB
 
 
 def per_request_bytes(cfg, n_prompt: int, max_new_tokens: int, refine: bool = False,
@@ -86,6 +89,17 @@ def per_request_bytes(cfg, n_prompt: int, max_new_tokens: int, refine: bool = Fa
     return total
 
 
+def kv_handoff_bytes(cfg, n_prompt: int, kv_from: int, piece_bytes: int = KV_PIECE_BYTES) -> int:
+    """Bytes a KV hand-off from the batching engine holds beyond its paged KV pool (which the
+    budget holds already), an upper estimate charged to the memory budget while it is sent: the
+    float16 copy of the n - 1 - kv_from handed-off tokens (`ModelRunner.export_kv`), one layer of
+    the cache's float32 gather while it is converted, and two pieces (`piece_bytes`: the one being
+    encoded and the one in the socket's write buffer)."""
+    tokens = max(n_prompt - 1 - kv_from, 0)
+    f32 = cfg.kv_bytes_per_token
+    return tokens * f32 // 2 + -(-tokens * f32 // cfg.n_layers) + 2 * piece_bytes
+
+
 def split_frame_limit(context_length: int, vocab_size: int) -> int:
     """The largest frame a device sends to the split service (bytes), rounded up to KiB: a Generate
     with a whole context of the largest token ids, the longest request_id and all stop_ids."""
@@ -107,6 +121,10 @@ class Metrics:
         self.prefill = Histogram("relayinfer_prefill_seconds", "Cloud prefill time, Generate to the first "
                                  "token (s)", registry=r, buckets=LATENCY_BUCKETS)
         self.active_sessions = Gauge("relayinfer_active_sessions", "Open device sessions", registry=r)
+        self.sessions = Counter("relayinfer_sessions", "Device sessions handshaken (Hello answered with a "
+                                "Welcome; a client that keeps its websocket across requests counts once)", registry=r)
+        self.kv_pieces = Counter("relayinfer_kv_pieces", "KVTransfer pieces sent by outcome (sent; dropped: "
+                                 "not sent after the device's Stop or Cancel)", ["outcome"], registry=r)
         self.active_requests = Gauge("relayinfer_active_requests", "Requests holding a KV cache", registry=r)
         self.errors = Counter("relayinfer_protocol_errors", "Errors sent to clients by code", ["code"], registry=r)
         self.memory_limit = Gauge("relayinfer_memory_budget_bytes", "Memory budget of all request paths (bytes)",
@@ -121,9 +139,9 @@ class Metrics:
 class _Request:
     """One admitted Generate of a session: `key` names it in its engine (unique over sessions),
     `pending` its prompt tokens still waiting for a first token, `charge` its bytes in the memory
-    budget (per-request path), `refused` the request-level Error it ends with when a control
-    message for it broke a rule (its engine request is aborted; the Error goes after the tokens
-    already produced)."""
+    budget (per-request path), `kv_charge` those of a KV hand-off from the batch while it is sent,
+    `refused` the request-level Error it ends with when a control message for it broke a rule (its
+    engine request is aborted; the Error goes after the tokens already produced)."""
 
     msg: Generate
     key: str
@@ -131,6 +149,7 @@ class _Request:
     budget: int | None
     pending: int = 0
     charge: Charge | None = None
+    kv_charge: Charge | None = None
     refused: Error | None = None
     t0: float = field(default_factory=time.perf_counter)
 
@@ -217,11 +236,13 @@ class Admission:
                                     f"{self.max_queue_wait_ms:.0f} ms)", rid)
         return None
 
-    def charge(self, msg: Generate, cfg) -> Charge | Error:
-        """Charge a per-request-path Generate to the memory budget (`per_request_bytes` of the model
-        config `cfg`), or the OVERLOADED Error."""
+    def charge(self, msg: Generate, cfg, batched: bool = False, piece_bytes: int = KV_PIECE_BYTES) -> Charge | Error:
+        """Charge a Generate to the memory budget, or the OVERLOADED Error: on the per-request path
+        `per_request_bytes` of the model config `cfg`; a KV hand-off from the batching engine
+        (`batched`) `kv_handoff_bytes` (its KV lives in the pool, already charged)."""
         path = "refine" if msg.refine is not None else "kv_handoff" if msg.kv_from is not None else "per_request"
-        need = per_request_bytes(cfg, len(msg.prompt_ids), msg.max_new_tokens, msg.refine is not None, msg.kv_from)
+        need = (kv_handoff_bytes(cfg, len(msg.prompt_ids), msg.kv_from, piece_bytes) if batched else
+                per_request_bytes(cfg, len(msg.prompt_ids), msg.max_new_tokens, msg.refine is not None, msg.kv_from))
         charge = self.budget.try_charge(path, need)
         if charge is not None:
             return charge
@@ -374,8 +395,9 @@ class CloudService:
             refused with OVERLOADED and `retry_after_ms` (it runs device-only meanwhile).
         memory_bytes: the memory budget of every request path (bytes; `protocol.transport.limits.MemoryBudget`).
             The batching engine's KV pool is charged from the start (its size, for good); each
-            request on the per-request path (refinement, KV hand-off `kv_from`, every request
-            without `llm`) is charged `per_request_bytes` while it runs, a kept multi-turn KV cache
+            request on the per-request path (refinement, KV hand-off `kv_from` without `llm`, every
+            request without `llm`) is charged `per_request_bytes` while it runs, a KV hand-off from
+            the batching engine `kv_handoff_bytes` while it is sent, a kept multi-turn KV cache
             its size while kept, and OpenAI `echo` prompt logprobs their logits while computed.
             A request that does not fit gets OVERLOADED with `retry_after_ms` (websocket) or 503
             with `Retry-After` (HTTP). Default: the KV pool + `REQUEST_MEMORY_MB` (512 MiB). Its
@@ -403,9 +425,15 @@ class CloudService:
             CONTROL tokens of the engine's model file).
         llm: a batching `EngineClient` (`AsyncLLMEngine`: continuous batching over a paged KV cache;
             `PDEngine`: the P/D pools). When given, requests
-            without refinement join its batch and the HTTP side also serves the OpenAI-compatible
+            without refinement join its batch (a KV hand-off too, when it `exports_kv`: the KV is
+            copied out of the paged cache) and the HTTP side also serves the OpenAI-compatible
             API; requests with refinement take the per-request path (the batched runner does not
             compute attention scores).
+        kv_piece_bytes: largest `KVTransfer` frame of a KV hand-off (bytes, default 1 MiB): the
+            hand-off goes out in pieces of at most this size, interleaved with the connection's
+            other frames (Pongs, other requests' Tokens, websocket pings); after the device's Stop
+            or Cancel no further piece is sent (docs/PROTOCOL.md, "KV hand-off"). Raises ValueError
+            below one token's KV plus `protocol.kvhandoff.FRAME_MARGIN`, or above MAX_FRAME_BYTES.
         model_name: the model id of the OpenAI-compatible API.
         metrics_public: serve `/metrics` without the token (for a scraper on a private network).
 
@@ -427,11 +455,16 @@ class CloudService:
                  metrics_public: bool = False, max_sessions: int = 256, max_requests_per_session: int = 4,
                  retry_after_ms: float = 5000.0, max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
                  history: int = 1000, max_kept_tokens: int = 8192, limits: ConnectionLimits | None = None,
-                 memory_bytes: int | None = None):
+                 memory_bytes: int | None = None, kv_piece_bytes: int = KV_PIECE_BYTES):
         self.engine, self.fingerprint, self.llm, self.model_name = engine, fingerprint, llm, model_name
         self._markers = _MarkersOf(engine, special_ids)
         self.per_request = PerRequestEngine(engine, self._markers.get, step_delay_ms)
         self.max_frame_bytes = max_frame_bytes or split_frame_limit(engine.context_length, engine.cfg.vocab_size)
+        least = FRAME_MARGIN + engine.cfg.kv_bytes_per_token // 2  # one float16 token and the message's fields
+        if not least <= kv_piece_bytes <= MAX_FRAME_BYTES:
+            raise ValueError(f"kv_piece_bytes={kv_piece_bytes}: a KVTransfer piece holds at least one token "
+                             f"({least} bytes with its fields) and at most MAX_FRAME_BYTES ({MAX_FRAME_BYTES})")
+        self.kv_piece_bytes = kv_piece_bytes
         self.gate = ConnectionGate(limits)  # open connections of both ports
         self.metrics = Metrics()
         pool = llm.limits.kv_pool_bytes if llm is not None else 0  # the batching engine's KV cache, for good
@@ -531,6 +564,7 @@ class CloudService:
         if not channel.hello.model_fingerprint:  # a device without the model asked where it is (Welcome): done
             return
         sess = _Session(channel.session_id, RequestTable(Role.CLOUD), self.kept.slot())
+        self.metrics.sessions.inc()
         try:
             async for msg in channel:
                 if not await self._dispatch(channel, sess, msg):
@@ -604,17 +638,22 @@ class CloudService:
             return
         client = self.llm if self._batched(msg) else self.per_request
         err = self.admission.check(msg, len(sess.requests), self.health(), client.limits, client.prefill_tok_s)
-        charge = None if err is not None or client is not self.per_request else self.admission.charge(
-            msg, self.engine.cfg)
-        if isinstance(charge, Error):
-            err = charge
+        charge = kv_charge = None
+        if err is None and client is self.per_request:
+            charge = self.admission.charge(msg, self.engine.cfg)
+        elif err is None and msg.kv_from is not None:  # the hand-off's copy, while it is sent
+            kv_charge = self.admission.charge(msg, self.engine.cfg, batched=True, piece_bytes=self.kv_piece_bytes)
+        for c in (charge, kv_charge):
+            if isinstance(c, Error):
+                err = c
         if err is not None:
             if err.code != ErrorCode.OVERLOADED.value:  # OVERLOADED ones are counted where decided
                 self.metrics.errors.labels(err.code).inc()
             sess.table.send(err)
             await channel.send(err)
             return
-        req = sess.requests[rid] = _Request(msg, f"{sess.session_id}/{rid}", client, msg.cloud_budget, charge=charge)
+        req = sess.requests[rid] = _Request(msg, f"{sess.session_id}/{rid}", client, msg.cloud_budget, charge=charge,
+                                            kv_charge=kv_charge)
         self.admission.enqueue(req)
         task = asyncio.create_task(self._run(channel, req, sess))
         sess.tasks.add(task)
@@ -632,8 +671,13 @@ class CloudService:
 
     def _batched(self, msg: Generate) -> bool:
         """Whether a request joins the batching engine: not with refinement (the batched runner
-        computes no attention scores) nor with a KV hand-off (its KV lives in paged blocks)."""
-        return self.llm is not None and msg.refine is None and msg.kv_from is None
+        computes no attention scores); with a KV hand-off when the engine exports KV from its paged
+        cache (`exports_kv`: `AsyncLLMEngine` does, the P/D gateway does not) and the request fits
+        its KV capacity (a longer one takes the per-request path, whose cache grows to the context)."""
+        if self.llm is None or msg.refine is not None:
+            return False
+        return msg.kv_from is None or (getattr(self.llm, "exports_kv", False) is True and
+                                       len(msg.prompt_ids) + msg.max_new_tokens <= self.llm.limits.max_request_tokens)
 
     # --- the token loop ---------------------------------------------------------------------------
 
@@ -674,8 +718,10 @@ class CloudService:
         """The request's stream is over: free its engine state, budget charge and queue share."""
         self.admission.dequeue(req)
         req.client.abort(req.key)  # no-op when finished; frees the KV otherwise
-        if req.charge is not None:
-            req.charge.release()
+        for c in (req.charge, req.kv_charge):
+            if c is not None:
+                c.release()
+        req.kv_charge = None
         if sess.requests.get(req.msg.request_id) is req:
             del sess.requests[req.msg.request_id]
 
@@ -689,6 +735,8 @@ class CloudService:
         if req.client is self.per_request:
             return self.per_request.generate(req.key, msg.prompt_ids, params, req.budget, refine=msg.refine,
                                              kv_from=msg.kv_from, session=sess.slot)
+        if msg.kv_from is not None:
+            return req.client.generate(req.key, msg.prompt_ids, params, req.budget, kv_from=msg.kv_from)
         return req.client.generate(req.key, msg.prompt_ids, params, req.budget)
 
     async def _stream(self, channel, req: _Request, sess: _Session) -> Done:
@@ -707,10 +755,7 @@ class CloudService:
                 await send(RefinedPrompt(rid, out.kept))
                 continue
             if isinstance(out, KVParts):
-                parts = [msgspec.structs.replace(m, request_id=rid) for m in out.messages]
-                for m in parts:
-                    table.send(m)
-                await channel.send_large(parts)
+                await self._send_kv(channel, req, sess, out)
                 continue
             ms = (time.perf_counter() - req.t0) * 1e3
             if sent == 0:
@@ -731,6 +776,37 @@ class CloudService:
         reason = last or {RequestState.STOPPING: "stop", RequestState.CANCELLING: "cancel"}.get(state) or (
             "budget" if req.budget is not None and sent >= req.budget else "length")
         return Done(rid, reason, sent, prefill_ms, cached)
+
+    async def _send_kv(self, channel, req: _Request, sess: _Session, out: KVParts) -> None:
+        """Send a KV hand-off as `KVTransfer` pieces of at most `kv_piece_bytes` each, in token
+        order, each built only when it is its turn (`protocol.kvhandoff.kv_pieces`). Between two
+        pieces the loop yields, so the session's reader acts on what the device sent (Stop, Cancel,
+        Ping: its Pong goes out before the next piece) and the other requests' frames interleave;
+        a piece is sent only while the request is neither stopping nor cancelling (checked with no
+        await before its write): after the device's Stop or Cancel no piece follows, and the Done
+        comes with fewer pieces than `num_blocks` (the device then prefills). The hand-off's memory
+        charge is released once it is sent or dropped."""
+        rid, table = req.msg.request_id, sess.table
+        pieces = kv_pieces(rid, out.kv, out.token_start, self.kv_piece_bytes)
+        del out
+        sent = total = 0
+        try:
+            for m in pieces:
+                total = m.num_blocks if m.block_index >= 0 else 1
+                if table.state(rid) in (RequestState.STOPPING, RequestState.CANCELLING):
+                    break
+                table.send(m)
+                await channel.send_large([m])
+                sent += 1
+                await asyncio.sleep(0)  # let the reader run: a Stop/Cancel is acted on before the next piece
+        finally:
+            del pieces
+            self.metrics.kv_pieces.labels("sent").inc(sent)
+            if total > sent:
+                self.metrics.kv_pieces.labels("dropped").inc(total - sent)
+            if req.kv_charge is not None:
+                req.kv_charge.release()
+                req.kv_charge = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
