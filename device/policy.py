@@ -44,6 +44,7 @@ from typing import Union
 from .settings import CatchUp, Timing, choose_settings
 from .speed import tpot_from_arrivals
 
+SLOWEST_PACE = 1.8  # default slowest display interval, x the target TPOT: TPOT max stays under 2x the target
 BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan keeps the device idle
 
 __all__ = [

@@ -81,12 +81,11 @@ from relayinfer.protocol.validate import FieldError, check
 
 from . import policy
 from .link import CloudLink
-from .policy import HOLD, Event, HandOff, Phase, Phases, PlanInput, Progress, catch_up_step
+from .policy import SLOWEST_PACE, HOLD, Event, HandOff, Phase, Phases, PlanInput, Progress, catch_up_step
 from .settings import CatchUp, CloudEstimate, Timing
 from .speed import SpeedController, tpot_from_arrivals
 
 MODES = ("split", "device-only", "cloud-only")
-SLOWEST_PACE = 1.8  # default slowest display interval, x the target TPOT: TPOT max stays under 2x the target
                     # (the stall bound) with room for the jitter of the arrivals and the event loop
 SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send (s)
 

@@ -58,7 +58,7 @@ from relayinfer.protocol.model.decoding import SamplingParams, generate_message
 from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
 from . import policy
-from .policy import BACKGROUND_CHUNK, HOLD, HandOff, Plan, PlanInput, Progress, catch_up_step, plan
+from .policy import BACKGROUND_CHUNK, HOLD, SLOWEST_PACE, HandOff, Plan, PlanInput, Progress, catch_up_step, plan
 from .profiles import DeviceProfile, load_profile
 from .settings import CatchUp, CloudEstimate, Timing
 from .speed import display_ms, tpot_from_arrivals, tpot_p90_ms
@@ -117,7 +117,8 @@ def plan_for(device: DeviceProfile | Timing | str, prompt_tokens: int, max_new_t
     c = cloud or CloudEstimate()
     d = _device_timing(device)
     t = Timing(d.prefill_ms_base, d.prefill_ms_per_token, d.decode_ms_per_token, c.ttft_ms(prompt_tokens), c.tpot_ms)
-    return t, plan(PlanInput(t, prompt_tokens, max_new_tokens, target_tpot_ms, refine))
+    return t, plan(PlanInput(t, prompt_tokens, max_new_tokens, target_tpot_ms, refine,
+                             max_interval_ms=SLOWEST_PACE * target_tpot_ms))
 
 
 def auto_budget(profile: DeviceProfile, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
@@ -171,7 +172,7 @@ class VirtualDevice:
         if not self.held or not arrivals:
             return
         iv = policy.replan_held(self.t, Progress(now_ms, tuple(arrivals), self.prompt_left), self.prompt_est,
-                                self.max_new, self.target, force)
+                                self.max_new, self.target, SLOWEST_PACE * self.target)
         if iv is not None:
             self.interval_ms, self.held = max(self.interval_ms, iv), False
 
@@ -207,10 +208,14 @@ class VirtualDevice:
         """`_Run.replan(0)`: with the cloud measured so far, ask for more tokens if the hand-off needs them."""
         if self.budget is None or not io.arrivals or io.cloud_done():
             return
-        want = policy.replan(self.t, Progress(io.now(), tuple(io.arrivals), 0), self.budget, self.max_new, self.target)
-        if want is not None:
-            self.budget, self.extensions = want, self.extensions + 1
-            await io.extend(want)
+        r = policy.replan(self.t, Progress(io.now(), tuple(io.arrivals), 0), self.budget, self.max_new, self.target,
+                          self.interval_ms, SLOWEST_PACE * self.target)
+        if r is None:
+            return
+        self.interval_ms = max(self.interval_ms, r.interval_ms)
+        if r.budget > self.budget:
+            self.budget, self.extensions = r.budget, self.extensions + 1
+            await io.extend(r.budget)
 
     def answer(self, arrivals: Sequence[float], answer_len: int) -> tuple[list[float], list[float]]:
         """(ready_ms, shown_ms) of the answer: the cloud tokens before the hand-off, then device

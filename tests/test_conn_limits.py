@@ -21,7 +21,8 @@ FP = "f" * 64
 
 def fake_engine():
     """What CloudService reads of an engine without serving a Generate (connection tests only)."""
-    return types.SimpleNamespace(context_length=2048, cfg=types.SimpleNamespace(vocab_size=49152), warmup=lambda: None)
+    return types.SimpleNamespace(context_length=2048, cfg=types.SimpleNamespace(vocab_size=49152, kv_bytes_per_token=46080),
+                                 warmup=lambda: None)
 
 
 def run(coro, timeout=90):

@@ -46,7 +46,8 @@ def _common(model_name: str) -> dict:
         "top_k": _range(_INT, -1), "n": _range(_INT, 1, 16),
         "max_tokens": _range(_INT, 1), "seed": _range(_INT, -(1 << 63), (1 << 63) - 1),
         "stop": stop, "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"oneOf": [{"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "stream_options": {"oneOf": [{"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                                      "additionalProperties": False},
                                      {"type": "null"}]},
         "presence_penalty": _range(_NUM, -2, 2), "frequency_penalty": _range(_NUM, -2, 2),
         "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 2},
@@ -112,7 +113,10 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
     chat_req = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
         **_common(model_name), "messages": {"type": "array", "items": message, "minItems": 1},
         "max_completion_tokens": _range(_INT, 1), "logprobs": {"type": ["boolean", "null"]},
-        "top_logprobs": _range(_INT, 0, 20)}}
+        "top_logprobs": _range(_INT, 0, 20)},
+        # top_logprobs (a number) needs logprobs true, as in OpenAI's API and vLLM
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 49151}, "minItems": 1}
     comp_req = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         **_common(model_name),
