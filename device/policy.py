@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Union
+from typing import Sequence, Union
+
+import numpy as np
 
 from .settings import CatchUp, Timing, choose_settings
 from .speed import tpot_from_arrivals
@@ -343,6 +345,19 @@ def catch_up_step(rule: CatchUp, received: int, held: bool, chunk: int = BACKGRO
         return HOLD if held else HandOff(rule.covered)
     lo, hi = batch
     return Prefill(lo, min(hi, lo + chunk) if held else hi)
+
+
+PACE_STEPS = 3  # device decode steps measured before the display follows them instead of the calibration
+
+
+def device_pace(target_tpot_ms: float, calibrated_ms: float, steps_ms: Sequence[float]) -> float:
+    """The display interval after the hand-off (ms) when the settings are automatic: the device's
+    own decode pace, never faster than `target_tpot_ms`. Until PACE_STEPS decode steps are measured
+    (`steps_ms`, wall ms of each device call) it is the calibrated decode step `calibrated_ms`; then
+    the median of the last PACE_STEPS steps, so that a calibration taken under another load (or a
+    profile the device runs slower than) sets the pace for a few tokens only, not the whole answer."""
+    pace = float(np.median(steps_ms[-PACE_STEPS:])) if len(steps_ms) >= PACE_STEPS else calibrated_ms
+    return max(target_tpot_ms, pace)
 
 
 # -- the cloud's signals ------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ from relayinfer.protocol.validate import FieldError, check
 
 from . import policy
 from .link import CloudLink
-from .policy import SLOWEST_PACE, HOLD, Event, HandOff, Phase, Phases, PlanInput, Progress, catch_up_step
+from .policy import (SLOWEST_PACE, HOLD, Event, HandOff, Phase, Phases, PlanInput, Progress, catch_up_step,
+                     device_pace)
 from .settings import CatchUp, CloudEstimate, Timing
 from .speed import SpeedController, tpot_from_arrivals
 
@@ -1009,8 +1010,9 @@ class _Run:
     async def decode(self, eng, logits, kv, h: int, before: Phase, base: int | None) -> None:
         """After the hand-off at `h`: Stop{h} to a cloud still streaming, then decode tokens h, h+1,
         ... on the device until the finish rule (`decoding.finish_reason`) ends the answer."""
+        steps: list[float] = []  # wall ms of each device decode call (policy.device_pace)
         if self.plan.auto:  # from now on only the device's pace matters
-            self.speed.interval_ms = max(self.s.opt.target_tpot_ms, self.s.device_timing[2])
+            self.speed.interval_ms = device_pace(self.s.opt.target_tpot_ms, self.s.device_timing[2], steps)
         if self.cloud.channel is not None and before is not Phase.FAULT:
             await self.send_quietly(Stop(self.request_id, h))  # ignored by the table after the cloud's Done
         eos = self.s.engine.eos_id
@@ -1019,10 +1021,14 @@ class _Run:
             self.append(tok, "device", finish_reason(tok, i + 1, self.params, eos))
             if self.phases.done:
                 return
+            t0 = time.perf_counter()
             if base is None:
                 logits, kv = await self.call(eng.decode, tok, kv)
             else:
                 logits, kv = await self.call(prefill_at, eng, [tok], kv, [base + i])
+            steps.append((time.perf_counter() - t0) * 1e3)
+            if self.plan.auto:
+                self.speed.interval_ms = device_pace(self.s.opt.target_tpot_ms, self.s.device_timing[2], steps)
         if not self.phases.done:  # h == max_new_tokens: the cloud streamed every token but named no end
             self.end("length")
 

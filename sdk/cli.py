@@ -261,6 +261,9 @@ def cloud_serve(
     memory_mb: Optional[int] = typer.Option(None, min=1, help="Memory budget of every request path (MiB): the "
                                             "--kv-cache-mb pool plus refinement, KV hand-off and per-request "
                                             "caches; more get OVERLOADED / 503. Default: --kv-cache-mb + 512."),
+    kv_piece_kib: int = typer.Option(1024, min=1, help="Largest KVTransfer frame of a KV hand-off (KiB): the KV "
+                                     "goes out in pieces of at most this size, so pings, Stop and Cancel are not "
+                                     "held behind it (docs/PROTOCOL.md)."),
     insecure_no_auth: bool = OPT_INSECURE_NO_AUTH,
     max_connections: int = OPT_MAX_CONNECTIONS,
     max_connections_per_client: int = OPT_MAX_PER_CLIENT,
@@ -290,9 +293,10 @@ def cloud_serve(
                              metrics_public=metrics_public, max_sessions=max_sessions,
                              max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms,
                              max_queued_tokens=max_queued_tokens, max_queue_wait_ms=max_queue_wait_ms,
-                             limits=limits, memory_bytes=None if memory_mb is None else memory_mb << 20)
+                             limits=limits, memory_bytes=None if memory_mb is None else memory_mb << 20,
+                             kv_piece_bytes=kv_piece_kib << 10)
     except (RelayInferError, ValueError) as e:
-        fail(e)
+        fail(ValueError(f"--kv-piece-kib {kv_piece_kib}: {e}") if str(e).startswith("kv_piece_bytes") else e)
 
     async def up():
         try:

@@ -310,3 +310,13 @@ def test_http_empty_input_follows_the_same_rule(http_cloud):
     for path, body, words in cases:
         status, res = post(base, path, body)
         assert status == 400 and words in res["error"]["message"], (body, res)
+
+
+def test_kv_piece_size_below_one_token_is_named_by_its_flag():
+    # one float16 token of SmolLM2's KV is 23,040 bytes: a 1 KiB piece cannot hold it (checked once the
+    # model's shape is known, before any port is bound)
+    res = run_cli("cloud", "serve", "--port", "0", "--http-port", "0", "--kv-piece-kib", "1")
+    assert res.exit_code == 2, (res.exit_code, res.stderr)
+    last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith("error: --kv-piece-kib 1: kv_piece_bytes=1024") and "at least one token" in last, last
+    assert "Traceback" not in res.output

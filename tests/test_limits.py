@@ -32,8 +32,10 @@ def small_llm(torch_engine):
 
 @pytest.fixture(scope="module")
 def svc(torch_engine):
+    # the queue-wait rule (its own test below) set out of the way: on a loaded machine the measured
+    # prefill rate would refuse a request before the per-session limit these tests check is reached
     s = CloudService(torch_engine, torch_engine.fingerprint, llm=small_llm(torch_engine), max_sessions=3,
-                     max_requests_per_session=2, retry_after_ms=1234.0, history=2)
+                     max_requests_per_session=2, retry_after_ms=1234.0, history=2, max_queue_wait_ms=1e9)
     with ServiceThread(s) as running:
         yield running
 
@@ -131,6 +133,7 @@ def test_requests_per_session_bounded(svc, torch_engine):
 
     err = run(scenario())
     assert err.request_id == "g2" and err.code == ErrorCode.OVERLOADED.value and err.retry_after_ms == 1234.0
+    assert "the limit per session" in err.message
 
 
 def test_history_is_bounded(svc, torch_engine):

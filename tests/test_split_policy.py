@@ -277,3 +277,17 @@ def test_a_silent_cloud_is_a_fault_unless_the_device_works_on_alone():
     assert stall_is_fault(device_busy=True, waiting_kv=True, held=False)  # it waits for the cloud's KV
     assert stall_is_fault(device_busy=True, waiting_kv=False, held=True)  # the plan holds it for the cloud
     assert stall_is_fault(device_busy=False, waiting_kv=False, held=False)
+
+
+def test_device_pace_follows_the_measured_decode_steps_once_there_are_enough():
+    from relayinfer.device.policy import PACE_STEPS, device_pace
+
+    # a calibration taken under load (127 ms) sets the pace only until PACE_STEPS steps are measured
+    assert device_pace(50.0, 127.0, []) == 127.0
+    assert device_pace(50.0, 127.0, [53.0] * (PACE_STEPS - 1)) == 127.0
+    assert device_pace(50.0, 127.0, [53.0] * PACE_STEPS) == 53.0
+    # the median of the last steps: one slow call (a page fault, a busy core) does not move it
+    assert device_pace(50.0, 127.0, [200.0, 300.0, 54.0, 400.0, 55.0, 56.0]) == 56.0
+    # a device slower than its calibration is shown at its real pace, never faster than the target
+    assert device_pace(50.0, 40.0, [90.0, 95.0, 92.0]) == 92.0
+    assert device_pace(50.0, 40.0, [20.0, 21.0, 22.0]) == 50.0
