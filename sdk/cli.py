@@ -537,7 +537,10 @@ def chat(
     cloud: str = typer.Option("ws://127.0.0.1:8765", help="ws:// or wss:// URL of a running `relayinfer cloud serve` "
                               "(its --port; the default is `cloud serve`'s own default)."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN"),
-    model: Optional[str] = typer.Option(None), profile: Optional[str] = typer.Option(None),
+    model: Optional[str] = typer.Option(None),
+    profile: Optional[str] = typer.Option(None, help="Device profile pacing the device engine: phone, local, or a "
+                                          "JSON path; default: this machine's own speed (often ready before the "
+                                          "cloud's first token, so the answer is device-only)."),
     target_tpot_ms: float = typer.Option(50.0, min=1.0),
     max_new_tokens: int = typer.Option(256),
     temperature: float = typer.Option(DEMO_SAMPLING["temperature"], help="0 = greedy."),
