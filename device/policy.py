@@ -52,7 +52,7 @@ BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan kee
 __all__ = [
     "Phase", "Event", "IGNORED", "TRANSITIONS", "MODE_OF", "PhaseError", "Phases", "PlanInput", "Plan", "Progress",
     "plan", "replan", "Replan", "replan_held", "moved", "MOVED_TOL", "Prefill", "HandOff", "HOLD", "catch_up_step", "on_done", "stall_is_fault",
-    "BACKGROUND_CHUNK", "refined_tokens",
+    "BACKGROUND_CHUNK", "SLOWEST_PACE", "PACE_STEPS", "device_pace", "refined_tokens",
 ]
 
 

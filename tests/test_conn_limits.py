@@ -48,6 +48,14 @@ async def http_get(port: int, path: str = "/healthz") -> tuple[int, dict, bytes]
     return int(lines[0].split()[1]), headers, body
 
 
+async def gate_drained(gate, polls: int = 200) -> None:
+    """Wait (bounded: `polls` x 20 ms) until the gate counts no open connection."""
+    for _ in range(polls):
+        if gate.open == 0:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes | None:
     """The bytes the server sent before closing, or None if still open after `seconds`."""
     try:
@@ -119,10 +127,7 @@ def test_connection_caps_total_and_per_client_answer_503_with_retry_after():
                 w.close()
             for _, o in others:
                 o.close()
-            for _ in range(200):
-                if svc.gate.open == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await gate_drained(svc.gate)
             assert svc.gate.open == 0 and svc.gate.per_client == {} and svc.gate.refused == 3
             status, _, _ = await http_get(svc.http_port)
             assert status == 200
@@ -242,10 +247,7 @@ def test_tls_handshakes_are_counted_at_accept_and_bounded():
                 assert all(g == b"" for g in got), "an unfinished TLS handshake was still open"
                 for _, w in silent:
                     w.close()
-                for _ in range(200):
-                    if svc.gate.open == 0:
-                        break
-                    await asyncio.sleep(0.02)
+                await gate_drained(svc.gate)
                 assert svc.gate.open == 0 and not svc.gate.handshakes
             assert svc.gate.refused == 2 and svc.gate.tls_failed == 6
             r, w = await asyncio.open_connection("127.0.0.1", svc.http_port, ssl=client)
@@ -282,10 +284,7 @@ def test_keepalive_connection_idling_between_requests_is_closed():
             w.write(b"GET /heal")  # half a second head, then nothing: the idle bound closes it too
             assert await closed_within(r, 20) == b""
             w.close()
-            for _ in range(200):
-                if svc.gate.open == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await gate_drained(svc.gate)
             assert svc.gate.open == 0
         finally:
             await svc.stop()
@@ -312,10 +311,7 @@ def test_stalled_request_body_gets_408_and_the_connection_closes(torch_engine):
             assert reply is not None and reply.startswith(b"HTTP/1.1 408"), reply
             assert b"did not arrive within 1.5 s" in reply
             w.close()
-            for _ in range(200):
-                if svc.gate.open == 0:
-                    break
-                await asyncio.sleep(0.02)
+            await gate_drained(svc.gate)
             assert svc.gate.open == 0
         finally:
             await svc.stop()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from relayinfer.protocol.validate import MAX_TOKENS, MAX_TOP_K
+
 _NUM = {"type": ["number", "null"]}
 _INT = {"type": ["integer", "null"]}
 
@@ -43,15 +45,15 @@ def _common(model_name: str) -> dict:
     return {
         "model": {"type": "string", "enum": [model_name]},
         "temperature": _range(_NUM, 0, 2), "top_p": _range(_NUM, 0, 1),
-        "top_k": _range(_INT, -1), "n": _range(_INT, 1, 16),
-        "max_tokens": _range(_INT, 1), "seed": _range(_INT, -(1 << 63), (1 << 63) - 1),
+        "top_k": _range(_INT, -1, MAX_TOP_K), "n": _range(_INT, 1, 16),
+        "max_tokens": _range(_INT, 1, MAX_TOKENS), "seed": _range(_INT, -(1 << 63), (1 << 63) - 1),
         "stop": stop, "stream": {"type": ["boolean", "null"]},
         "stream_options": {"oneOf": [{"type": "object", "properties": {"include_usage": {"type": "boolean"}},
                                       "additionalProperties": False},
                                      {"type": "null"}]},
         "presence_penalty": _range(_NUM, -2, 2), "frequency_penalty": _range(_NUM, -2, 2),
         "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 2},
-        "min_tokens": _range(_INT, 0),
+        "min_tokens": _range(_INT, 0, MAX_TOKENS),
         "stop_token_ids": {"oneOf": [{"type": "array", "maxItems": 64, "items": {"type": "integer", "minimum": 0,
                                                                                        "maximum": 49151}},
                                      {"type": "null"}]},
@@ -112,7 +114,7 @@ def openapi_spec(model_name: str) -> dict[str, Any]:
         "name": {"type": "string"}}}
     chat_req = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
         **_common(model_name), "messages": {"type": "array", "items": message, "minItems": 1},
-        "max_completion_tokens": _range(_INT, 1), "logprobs": {"type": ["boolean", "null"]},
+        "max_completion_tokens": _range(_INT, 1, MAX_TOKENS), "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": _range(_INT, 0, 20)},
         # top_logprobs (a number) needs logprobs true, as in OpenAI's API and vLLM
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
