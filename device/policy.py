@@ -47,6 +47,7 @@ from .settings import CatchUp, Timing, choose_settings
 from .speed import tpot_from_arrivals
 
 SLOWEST_PACE = 1.8  # default slowest display interval, x the target TPOT: TPOT max stays under 2x the target
+                    # (the stall bound) with room for the jitter of the arrivals and the event loop
 BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan keeps the device idle
 
 __all__ = [

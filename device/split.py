@@ -87,7 +87,6 @@ from .settings import CatchUp, CloudEstimate, Timing
 from .speed import SpeedController, tpot_from_arrivals
 
 MODES = ("split", "device-only", "cloud-only")
-                    # (the stall bound) with room for the jitter of the arrivals and the event loop
 SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send (s)
 
 BACKGROUND_NICE = 10  # niceness added to the background prefill thread (Linux: per thread)

@@ -39,7 +39,7 @@ import torch
 
 from relayinfer.protocol.errors import ErrorCode, ProtocolError
 from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores, Tensor
-from relayinfer.protocol.transport.lifecycle import DRAIN_S, STOP_SLACK_S, close_loop, stop_signals
+from relayinfer.protocol.transport.lifecycle import DRAIN_S, STOP_SLACK_S, close_loop, stop_signals, wait_bounded
 from relayinfer.protocol.transport.limits import ConnectionGate, ConnectionLimits
 from relayinfer.protocol.model.model_file import file_sha256
 from relayinfer.protocol.transport.security import (TOKEN_ENV, bearer_token, check_exposure, server_context,
@@ -222,12 +222,7 @@ async def amain(args) -> None:
     finally:  # bounded: open connections get the close handshake, queued rankings the drain, then cancelled
         server.close()
         gate.close()
-        try:
-            await asyncio.wait_for(server.wait_closed(), DRAIN_S + STOP_SLACK_S)
-        except asyncio.TimeoutError:
-            log.warning("connections did not end within %.0f s of the stop; cancelled", DRAIN_S + STOP_SLACK_S)
-        except asyncio.CancelledError:
-            pass
+        await wait_bounded(server.wait_closed(), DRAIN_S + STOP_SLACK_S, "connections did not end")
         for sig in installed:
             loop.remove_signal_handler(sig)
 

@@ -40,6 +40,20 @@ def stop_signals(loop: asyncio.AbstractEventLoop, on_stop) -> list[int]:
     return done
 
 
+async def wait_bounded(aw, seconds: float, what: str) -> bool:
+    """Await `aw` for at most `seconds` (the bounded end of a stop). On the bound, log one warning
+    naming `what` ("<what> within N s of the stop; cancelled") and return False; a cancellation
+    (a second signal) also ends the wait. True when `aw` finished in time."""
+    try:
+        await asyncio.wait_for(aw, seconds)
+        return True
+    except asyncio.TimeoutError:
+        log.warning("%s within %.0f s of the stop; cancelled", what, seconds)
+    except asyncio.CancelledError:
+        pass
+    return False
+
+
 def close_loop(loop: asyncio.AbstractEventLoop, wait_s: float = CANCEL_WAIT_S) -> None:
     """Cancel every task left on `loop`, wait for them at most `wait_s` s, close async generators
     (bounded too) and the loop, without waiting for its default executor's threads."""
@@ -100,12 +114,7 @@ async def _serve(svc, up, duration_s: float | None, drain_s: float, poll_s: floa
                 code = EXIT_FAILED
                 break
     finally:
-        try:
-            await asyncio.wait_for(svc.stop(), drain_s + STOP_SLACK_S)
-        except asyncio.TimeoutError:
-            log.warning("the server did not stop within %.0f s; cancelled", drain_s + STOP_SLACK_S)
-        except asyncio.CancelledError:
-            pass
+        await wait_bounded(svc.stop(), drain_s + STOP_SLACK_S, "the server did not stop")
         for sig in installed:
             loop.remove_signal_handler(sig)
     return code
