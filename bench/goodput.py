@@ -346,7 +346,8 @@ def _replay_twin(real, profile_timing, max_new_tokens: int, target_tpot_ms: floa
                cloud=est, cost=cost)
     after = max(target_tpot_ms, profile_timing.decode_ms_per_token)
     hms = real.ready_ms[h] if h is not None and h < len(real.ready_ms) else None
-    r["display_tpot_ms"] = tpot_p90_ms(display_ms(real.ready_ms, r["interval_ms"], after if hms is not None else None, hms))
+    r["display_tpot_ms"] = tpot_p90_ms(display_ms(real.ready_ms, r["interval_ms"], after if hms is not None else None, hms,
+                                                   follow_source=True))
     return r
 
 

@@ -12,6 +12,12 @@ A *stall* is a gap between two shown tokens longer than `stall_factor` x the pac
 later token was shown (the target TPOT, or the interval when the settings algorithm had to choose a
 slower one; the interval may change during a request, e.g. drop to the device's pace after the
 hand-off, so each gap is judged against the interval in force for it).
+
+While cloud tokens are the source, the display also never runs faster than the pace the cloud has
+sustained lately (`source_pace`, the *floor*): a cloud slower than the chosen interval would
+otherwise drain the buffer and show its own jitter as gaps of 2x the interval; at the cloud's pace
+the buffer absorbs that jitter. The floor is a fact about the source, not a choice: it is lifted
+(0) when the device takes over, and the gaps it causes are reported as TPOT like any other.
 """
 from __future__ import annotations
 
@@ -26,19 +32,35 @@ def release_time(ready_ms: float, prev_shown_ms: float | None, interval_ms: floa
     return ready_ms if prev_shown_ms is None else max(ready_ms, prev_shown_ms + interval_ms)
 
 
+SOURCE_WINDOW = 3
+"""Gaps of the source's recent arrivals that `source_pace` averages."""
+
+
+def source_pace(ready_ms, window: int = SOURCE_WINDOW) -> float:
+    """The pace the token source has sustained lately: the mean of the last `window` gaps of
+    `ready_ms` (arrival times, ms, ascending), ms/token; 0.0 with fewer than 2 arrivals."""
+    r = list(ready_ms)[-(window + 1):]
+    return (r[-1] - r[0]) / (len(r) - 1) if len(r) > 1 else 0.0
+
+
 def display_ms(ready_ms, interval_ms: float, interval_after_ms: float | None = None,
-               handoff_ms: float | None = None) -> list[float]:
+               handoff_ms: float | None = None, follow_source: bool = False) -> list[float]:
     """Shown times (ms) of tokens ready at `ready_ms` (ms, one per answer token, in order) under the
     speed controller (`release_time`, as `SpeedController` runs it): token 0 when ready, token k at
     max(ready[k], shown[k-1] + I), where I is `interval_ms`, or `interval_after_ms` for a token the
     display turns to at or after `handoff_ms` (the moment the device takes over and the interval
-    drops to its pace; the display turns to token k at max(shown[k-1], ready[k]))."""
+    drops to its pace; the display turns to token k at max(shown[k-1], ready[k])). `follow_source`:
+    before the hand-off (the tokens are the cloud's) I is at least `source_pace(ready[:k + 1])`, as
+    `SpeedController.floor_ms` holds it on the real device."""
     shown: list[float] = []
-    for r in ready_ms:
+    ready_ms = list(ready_ms)
+    for k, r in enumerate(ready_ms):
         prev = shown[-1] if shown else None
         at = r if prev is None else max(prev, r)
-        iv = interval_after_ms if (interval_after_ms is not None and handoff_ms is not None and at >= handoff_ms) \
-            else interval_ms
+        after = interval_after_ms is not None and handoff_ms is not None and at >= handoff_ms
+        iv = interval_after_ms if after else interval_ms
+        if follow_source and not (handoff_ms is not None and at >= handoff_ms):
+            iv = max(iv, source_pace(ready_ms[:k + 1]))
         shown.append(release_time(r, prev, iv))
     return shown
 
@@ -78,6 +100,8 @@ class SpeedController:
         target_tpot_ms: the TPOT the user should see (ms per token).
         interval_ms: the current release interval (defaults to the target; the settings algorithm
             may set it lower or higher during a request).
+        floor_ms: the source's sustained pace (`source_pace`, ms/token) while cloud tokens are
+            shown; tokens are released at max(interval_ms, floor_ms); 0 = no floor.
         stall_factor: a gap above stall_factor x max(target_tpot_ms, interval_ms in force for that
             gap) counts as a stall.
     """
@@ -85,6 +109,7 @@ class SpeedController:
     target_tpot_ms: float = 50.0
     interval_ms: float | None = None
     stall_factor: float = 2.0
+    floor_ms: float = 0.0
     shown_ms: list[float] = field(default_factory=list)
     pace_ms: list[float] = field(default_factory=list)  # interval in force when each token was shown
 
@@ -96,12 +121,17 @@ class SpeedController:
 
     def release_at(self, ready_ms: float) -> float:
         """When to show the next token, ready since `ready_ms` (`release_time`)."""
-        return release_time(ready_ms, self.shown_ms[-1] if self.shown_ms else None, self.interval_ms)
+        return release_time(ready_ms, self.shown_ms[-1] if self.shown_ms else None, self.pace)
+
+    @property
+    def pace(self) -> float:
+        """The release interval in force: max(interval_ms, floor_ms) (ms)."""
+        return max(self.interval_ms, self.floor_ms)
 
     def shown(self, t_ms: float) -> None:
         """Record that the next token was shown at `t_ms`."""
         self.shown_ms.append(t_ms)
-        self.pace_ms.append(self.interval_ms)
+        self.pace_ms.append(self.pace)
 
     def gaps(self) -> np.ndarray:
         """Inter-token gaps as shown (ms), float64 [n_shown - 1]."""

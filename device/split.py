@@ -84,7 +84,7 @@ from .link import CloudLink
 from .policy import (SLOWEST_PACE, HOLD, Event, HandOff, Phase, Phases, PlanInput, Progress, catch_up_step,
                      device_pace)
 from .settings import CatchUp, CloudEstimate, Timing
-from .speed import SpeedController, tpot_from_arrivals
+from .speed import SpeedController, source_pace, tpot_from_arrivals
 
 MODES = ("split", "device-only", "cloud-only")
 SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send (s)
@@ -519,6 +519,8 @@ class _Run:
         a.ids.append(tok)
         a.source.append(source)
         a.ready_ms.append(self.now())
+        if source == "cloud":  # the display never outruns the cloud's sustained pace (speed.source_pace)
+            self.speed.floor_ms = source_pace(a.cloud_arrivals())
         if reason:
             self.end(reason)
         a.changed.set()
@@ -1010,6 +1012,7 @@ class _Run:
         """After the hand-off at `h`: Stop{h} to a cloud still streaming, then decode tokens h, h+1,
         ... on the device until the finish rule (`decoding.finish_reason`) ends the answer."""
         steps: list[float] = []  # wall ms of each device decode call (policy.device_pace)
+        self.speed.floor_ms = 0.0  # the device's tokens: no cloud floor from here on
         if self.plan.auto:  # from now on only the device's pace matters
             self.speed.interval_ms = device_pace(self.s.opt.target_tpot_ms, self.s.device_timing[2], steps)
         if self.cloud.channel is not None and before is not Phase.FAULT:

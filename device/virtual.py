@@ -227,7 +227,7 @@ class VirtualDevice:
             d = self.c.decode_ms_per_token
             ready = list(arrivals[:h]) + [self.handoff_ms + d * j for j in range(max(answer_len - h, 0))]
         after = max(self.target, self.t.decode_ms_per_token) if self.handoff_ms is not None else None
-        return ready, display_ms(ready, self.interval_ms, after, self.handoff_ms)
+        return ready, display_ms(ready, self.interval_ms, after, self.handoff_ms, follow_source=True)
 
 
 def _drive(coro):
@@ -431,7 +431,7 @@ def _finish(res: VirtualResult, io: _Live, answer_len: int | None) -> None:
         ready, shown = dev.answer(io.arrivals, answer_len if answer_len is not None else len(io.arrivals))
     else:
         ready = list(io.arrivals)
-        shown = display_ms(ready, res.interval_ms)
+        shown = display_ms(ready, res.interval_ms, follow_source=True)
     res.ready_ms, res.shown_ms, res.answer_tokens = ready, shown, len(ready)
     res.ok = d is not None and res.error is None and bool(ready)
     if shown:

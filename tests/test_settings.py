@@ -145,3 +145,45 @@ def test_device_fit_is_the_envelope_of_calibration_and_profile():
     t = Timing(a, b, d, cloud_ttft_ms=2500.0, cloud_tpot_ms=89.0)
     new, old = choose_settings(t, 512, 256, 50.0), choose_settings(Timing(129.6, 16.67, 79.1, 2500.0, 89.0), 512, 256, 50.0)
     assert new.cloud_budget is not None and new.handoff_ms < old.handoff_ms  # max(a), max(b) overstated the device
+
+
+def _cloud_stream(n: int, seed: int) -> list[float]:
+    """Arrival times (ms) of a CPU cloud decoding at 110-175 ms a token (the measured range on
+    665-1,177-token contexts beside a busy device core)."""
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.uniform(110.0, 175.0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_display_follows_a_cloud_slower_than_its_interval_without_stalls(seed):
+    from relayinfer.device.speed import count_stalls, display_ms, source_pace
+
+    ready = _cloud_stream(60, seed)
+    plain = display_ms(ready, 53.0)                       # the display outruns the cloud, then waits
+    assert count_stalls(plain, [53.0] * len(plain), 50.0) > 0
+    ctl = SpeedController(target_tpot_ms=50.0, interval_ms=53.0)
+    shown = []
+    for k, r in enumerate(ready):                        # as split._Run.append and .display run it
+        ctl.floor_ms = source_pace(ready[:k + 1])
+        t = ctl.release_at(r)
+        ctl.shown(t)
+        shown.append(t)
+    assert shown == pytest.approx(display_ms(ready, 53.0, follow_source=True))
+    assert count_stalls(ctl.shown_ms, ctl.pace_ms, 50.0) == 0
+    assert all(p >= 53.0 for p in ctl.pace_ms) and max(ctl.pace_ms) <= 175.0
+    # the same average pace as the cloud: nothing is held back for long
+    assert shown[-1] - ready[-1] < 2 * 175.0
+
+
+def test_source_floor_is_lifted_at_the_hand_off():
+    from relayinfer.device.speed import display_ms
+
+    ready = [0.0, 150.0, 300.0, 450.0, 460.0, 470.0, 480.0]     # device tokens from 455 ms on, every 10 ms
+    got = display_ms(ready, 53.0, 53.0, 455.0, follow_source=True)
+    assert got[:4] == pytest.approx([0.0, 150.0, 300.0, 450.0])
+    assert got[4:] == pytest.approx([503.0, 556.0, 609.0])          # the device's pace, no cloud floor
