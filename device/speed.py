@@ -22,6 +22,7 @@ the buffer absorbs that jitter. The floor is a fact about the source, not a choi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -36,11 +37,10 @@ SOURCE_WINDOW = 3
 """Gaps of the source's recent arrivals that `source_pace` averages."""
 
 
-def source_pace(ready_ms, window: int = SOURCE_WINDOW) -> float:
-    """The pace the token source has sustained lately: the mean of the last `window` gaps of
-    `ready_ms` (arrival times, ms, ascending), ms/token; 0.0 with fewer than 2 arrivals."""
-    r = list(ready_ms)[-(window + 1):]
-    return (r[-1] - r[0]) / (len(r) - 1) if len(r) > 1 else 0.0
+def source_pace(ready_ms: Sequence[float], window: int = SOURCE_WINDOW) -> float:
+    """The pace the token source has sustained lately: `tpot_from_arrivals` over the last `window`
+    gaps of `ready_ms` (arrival times, ms, ascending), ms/token; 0.0 with fewer than 2 arrivals."""
+    return tpot_from_arrivals(ready_ms[-(window + 1):]) or 0.0
 
 
 def display_ms(ready_ms, interval_ms: float, interval_after_ms: float | None = None,
@@ -57,10 +57,10 @@ def display_ms(ready_ms, interval_ms: float, interval_after_ms: float | None = N
     for k, r in enumerate(ready_ms):
         prev = shown[-1] if shown else None
         at = r if prev is None else max(prev, r)
-        after = interval_after_ms is not None and handoff_ms is not None and at >= handoff_ms
-        iv = interval_after_ms if after else interval_ms
-        if follow_source and not (handoff_ms is not None and at >= handoff_ms):
-            iv = max(iv, source_pace(ready_ms[:k + 1]))
+        turned = handoff_ms is not None and at >= handoff_ms  # the device's pace from here on
+        iv = interval_after_ms if turned and interval_after_ms is not None else interval_ms
+        if follow_source and not turned:
+            iv = max(iv, source_pace(ready_ms[max(0, k - SOURCE_WINDOW):k + 1]))
         shown.append(release_time(r, prev, iv))
     return shown
 
