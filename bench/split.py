@@ -147,6 +147,7 @@ def _mode_summary(rows: list[dict], target: float) -> dict:
         "tpot_ms_p50": _pct(gaps, 50), "tpot_ms_p99": _pct(gaps, 99),
         "tpot_ms_max": float(gaps.max()) if gaps.size else None, "tpot_max_over_target": (float(gaps.max()) / target) if gaps.size else None,
         "stalls": int(sum(r["stalls"] for r in rows)),
+        "kv_handoffs": sum(1 for r in rows if r.get("kv_imported_tokens")),
         "cloud_tokens_per_request": float(np.mean([r["cloud_streamed"] for r in rows])),
         "cloud_tokens_shown_per_request": float(np.mean([r["cloud_tokens"] for r in rows])),
         "cloud_busy_ms_per_request": float(np.mean([r["cloud_busy_ms"] for r in rows])),
@@ -499,7 +500,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     mp = default_model_path()
     cloud = _CloudProcess(mp, cores[0], kv_cache_mb, life_s=time_limit_s + 1800.0)
     rows, skipped, cap, link_counters = [], 0, {}, {}
-    with cloud as (url, fingerprint), contextlib.ExitStack() as stack:
+    with cloud as (url, http_url, fingerprint), contextlib.ExitStack() as stack:
         os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
         device_engine = load_engine("onnx", mp, threads=1)
         device_engine.warmup()
@@ -517,12 +518,22 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
             by.setdefault(t, []).append((t, ids))
         plist = [x for k in range(per_bucket) for t in bucket_targets for x in by.get(t, [])[k:k + 1]]
         proxies = {name: stack.enter_context(LinkProxyThread(url, lp, seed=seed)) for name, lp in link_profiles.items()}
-        clients = {}
+        # the device-model HTTP side through the same link profile (its own proxy: one more radio bucket),
+        # so that each client measures its link as a real one does (`Client.measure_link`) and can choose
+        # the KV hand-off where the transfer beats its own prefill
+        http_proxies = {name: stack.enter_context(LinkProxyThread(http_url, lp, seed=seed))
+                        for name, lp in link_profiles.items()}
+        clients, link_measured = {}, {}
         for name in link_names:
             for prof in profiles:
-                clients[name, prof] = client = Client(cloud_url=proxies[name].url if name else url,
-                                                      engine=device_engine, profile=prof, target_tpot_ms=target_tpot_ms)
+                clients[name, prof] = client = Client(
+                    cloud_url=proxies[name].url if name else url, engine=device_engine, profile=prof,
+                    target_tpot_ms=target_tpot_ms,
+                    cloud_http_url=http_proxies[name].url.replace("ws://", "http://") if name else http_url)
                 _pin(client._executor, cores[1])
+                link_measured[name, prof] = bw = client.measure_link()
+                print(f"[bench split] link {name or 'direct'}: measured {bw / 1e6:.2f} MB/s (device-model file)",
+                      flush=True)
                 client.complete(plist[0][1], max_new_tokens=8)  # warm-up: first cloud estimates
                 client.complete(plist[-1][1], max_new_tokens=8, mode="cloud-only")  # a second prompt length for the fit
         for pi, (target, ids) in enumerate(plist):
@@ -544,7 +555,8 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                                  **{k: v for k, v in r.to_dict().items() if k not in ("prompt_ids", "text")}})
                     print(f"[bench split] {name or '':8s} {prof:6s} {mode:11s} {len(ids):5d} tok: ttft {r.ttft_ms:7.0f} ms  {r.mode:11s} "
                           f"plan {r.plan:16s} answer {len(r.token_ids):3d} cloud {r.cloud_streamed:3d} handoff "
-                          f"{r.handoff_index} stalls {r.stalls} tpot max {r.tpot_ms_max:4.0f} I {r.interval_ms:3.0f}", flush=True)
+                          f"{r.handoff_index} stalls {r.stalls} tpot max {r.tpot_ms_max:4.0f} I {r.interval_ms:3.0f} "
+                          f"kv {r.kv_imported_tokens}", flush=True)
         if capacity:
             from relayinfer.device.virtual import capacity_sweep
 
@@ -574,7 +586,8 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "max_new_tokens": max_new_tokens,
            "ref_new_tokens": ref_new_tokens, "target_tpot_ms": target_tpot_ms, "skipped_prompts": skipped,
            "buckets": buckets, "capacity": cap, "goals": _goals(buckets, cap, target_tpot_ms, link_names),
-           "links": {name: {"profile": lp.to_dict(), "counters": link_counters.get(name)}
+           "links": {name: {"profile": lp.to_dict(), "counters": link_counters.get(name),
+                            "measured_bytes_per_s": {prof: link_measured.get((name, prof)) for prof in profiles}}
                      for name, lp in link_profiles.items()} or None,
            "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
@@ -645,8 +658,8 @@ def handoff_markdown(res: dict) -> str:
 class _CloudProcess:
     """The bench cloud in a forked child process pinned to `core` (no GIL shared with the device;
     closer to a cloud on its own machine): `CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine,
-    1 thread, kv_cache_mb MiB, no prefix cache)))` on 127.0.0.1. A context manager yielding (ws URL,
-    fingerprint); it stops the child on exit, and the child stops by itself after `life_s` s.
+    1 thread, kv_cache_mb MiB, no prefix cache)))` on 127.0.0.1, its HTTP side serving the device-model
+    files. A context manager yielding (ws URL, HTTP URL, fingerprint); it stops the child on exit, and the child stops by itself after `life_s` s.
     Fork it before this process loads a model or starts a thread.
 
     Raises:
@@ -666,13 +679,16 @@ class _CloudProcess:
         from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
         from relayinfer.cloud.engine.torch_engine import TorchEngine
         from relayinfer.cloud.serve.service import CloudService, ServiceThread
+        from relayinfer.protocol.model.device_model import device_model_dir
 
         engine = TorchEngine(model_path, device="cpu", threads=1)
         # no prefix cache: every request is a new conversation here (a mode run after another on the same
         # prompt would reuse its KV and show a TTFT without the prefill; multi-turn reuse is measured apart)
         llm = AsyncLLMEngine(LLMEngine(engine, kv_cache_bytes=kv_cache_mb << 20, enable_prefix_caching=False))
-        with ServiceThread(CloudService(engine, engine.fingerprint, llm=llm), http_port=None) as running:
-            conn.send((running.url, engine.fingerprint))
+        # the device-model files on its HTTP side (what a device measures its link with)
+        svc = CloudService(engine, engine.fingerprint, llm=llm, device_model_dir=device_model_dir(model_path))
+        with ServiceThread(svc, http_port=0) as running:
+            conn.send((running.url, running.http_url, engine.fingerprint))
             conn.poll(life_s)  # until the parent says stop (or goes away), at most life_s
 
     @property

@@ -13,14 +13,19 @@ later token was shown (the target TPOT, or the interval when the settings algori
 slower one; the interval may change during a request, e.g. drop to the device's pace after the
 hand-off, so each gap is judged against the interval in force for it).
 
-While cloud tokens are the source, the display also never runs faster than the pace the cloud has
-sustained lately (`source_pace`, the *floor*): a cloud slower than the chosen interval would
-otherwise drain the buffer and show its own jitter as gaps of 2x the interval; at the cloud's pace
-the buffer absorbs that jitter. The floor is a fact about the source, not a choice: it is lifted
-(0) when the device takes over, and the gaps it causes are reported as TPOT like any other.
+While cloud tokens are the source and the display has caught up with them (fewer than
+`SOURCE_WINDOW` tokens waiting), it also never runs faster than the pace the cloud has sustained
+lately (`source_floor`, the *floor*): a cloud slower than the chosen interval would otherwise drain
+the buffer and show its own jitter as gaps of 2x the interval; at the cloud's pace the buffer
+absorbs that jitter. Tokens already waiting cannot be outrun, so a backlog is shown at the interval
+(a burst that arrives after a long wait, e.g. tokens queued on the link behind a KV transfer, is not
+slowed to the pace of that wait). The floor is a fact about the source, not a choice: it is lifted
+(0) when the device takes over, and the gaps it causes are reported as TPOT like any other. The
+display re-evaluates a pending release whenever a token arrives (`release_ms`).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -43,6 +48,33 @@ def source_pace(ready_ms: Sequence[float], window: int = SOURCE_WINDOW) -> float
     return tpot_from_arrivals(ready_ms[-(window + 1):]) or 0.0
 
 
+def source_floor(arrivals_ms: Sequence[float], backlog: int, window: int = SOURCE_WINDOW) -> float:
+    """The display's floor (ms/token) while cloud tokens are shown: `source_pace(arrivals_ms)` while
+    fewer than `window` tokens wait to be shown (`backlog`: ready, not yet shown, counting the next
+    one), else 0.0 (a token already here cannot be outrun)."""
+    return source_pace(arrivals_ms, window) if backlog < window else 0.0
+
+
+def release_ms(k: int, ready_ms: Sequence[float], prev_shown_ms: float | None, interval_ms: float,
+               follow_source: bool) -> float:
+    """When token k (ready at `ready_ms[k]`, ms) is shown, the previous one shown at
+    `prev_shown_ms`: `release_time` with interval max(interval_ms, `source_floor`) where the floor
+    (only with `follow_source`) is recomputed at each arrival before the release, from the
+    arrivals known then, as the display loop of `split` does. `ready_ms` holds every arrival known
+    to the caller (ascending); those after the release do not change it."""
+    if prev_shown_ms is None:
+        return ready_ms[k]
+    at = max(prev_shown_ms, ready_ms[k])
+    while True:
+        known = bisect.bisect_right(ready_ms, at, lo=k)
+        fl = source_floor(ready_ms[:known], known - k) if follow_source else 0.0
+        t = release_time(ready_ms[k], prev_shown_ms, max(interval_ms, fl))
+        if known < len(ready_ms) and ready_ms[known] < t:  # an arrival before then: re-evaluate
+            at = ready_ms[known]
+            continue
+        return t
+
+
 def display_ms(ready_ms, interval_ms: float, interval_after_ms: float | None = None,
                handoff_ms: float | None = None, follow_source: bool = False) -> list[float]:
     """Shown times (ms) of tokens ready at `ready_ms` (ms, one per answer token, in order) under the
@@ -50,8 +82,8 @@ def display_ms(ready_ms, interval_ms: float, interval_after_ms: float | None = N
     max(ready[k], shown[k-1] + I), where I is `interval_ms`, or `interval_after_ms` for a token the
     display turns to at or after `handoff_ms` (the moment the device takes over and the interval
     drops to its pace; the display turns to token k at max(shown[k-1], ready[k])). `follow_source`:
-    before the hand-off (the tokens are the cloud's) I is at least `source_pace(ready[:k + 1])`, as
-    `SpeedController.floor_ms` holds it on the real device."""
+    before the hand-off (the tokens are the cloud's) I is at least the `source_floor` (`release_ms`),
+    as `SpeedController.floor_ms` holds it on the real device."""
     shown: list[float] = []
     ready_ms = list(ready_ms)
     for k, r in enumerate(ready_ms):
@@ -59,9 +91,7 @@ def display_ms(ready_ms, interval_ms: float, interval_after_ms: float | None = N
         at = r if prev is None else max(prev, r)
         turned = handoff_ms is not None and at >= handoff_ms  # the device's pace from here on
         iv = interval_after_ms if turned and interval_after_ms is not None else interval_ms
-        if follow_source and not turned:
-            iv = max(iv, source_pace(ready_ms[max(0, k - SOURCE_WINDOW):k + 1]))
-        shown.append(release_time(r, prev, iv))
+        shown.append(release_ms(k, ready_ms, prev, iv, follow_source and not turned))
     return shown
 
 
@@ -100,8 +130,9 @@ class SpeedController:
         target_tpot_ms: the TPOT the user should see (ms per token).
         interval_ms: the current release interval (defaults to the target; the settings algorithm
             may set it lower or higher during a request).
-        floor_ms: the source's sustained pace (`source_pace`, ms/token) while cloud tokens are
-            shown; tokens are released at max(interval_ms, floor_ms); 0 = no floor.
+        floor_ms: the source's sustained pace while cloud tokens are shown and the display has
+            caught up with them (`source_floor`, ms/token); tokens are released at
+            max(interval_ms, floor_ms); 0 = no floor.
         stall_factor: a gap above stall_factor x max(target_tpot_ms, interval_ms in force for that
             gap) counts as a stall.
     """

@@ -72,7 +72,7 @@ import numpy as np
 
 from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, generate_message, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
-from relayinfer.protocol.kvhandoff import common_prefix, kv_bytes_per_token, kv_handoff_pays, kv_layers
+from relayinfer.protocol.kvhandoff import KV_RATE_SHARE, common_prefix, kv_bytes_per_token, kv_handoff_pays, kv_layers
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
                                          Token)
 from relayinfer.protocol.model.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
@@ -84,7 +84,7 @@ from .link import CloudLink
 from .policy import (SLOWEST_PACE, HOLD, Event, HandOff, Phase, Phases, PlanInput, Progress, catch_up_step,
                      device_pace)
 from .settings import CatchUp, CloudEstimate, Timing
-from .speed import SpeedController, source_pace, tpot_from_arrivals
+from .speed import SpeedController, source_floor, tpot_from_arrivals
 
 MODES = ("split", "device-only", "cloud-only")
 SEND_TIMEOUT_S = 1.0  # bound on a best-effort Stop/Cancel/ExtendBudget send (s)
@@ -253,7 +253,9 @@ class SplitOptions:
     (`Generate.kv_from`) instead of the device prefilling it: 'auto' where the link is fast enough
     (`protocol.kvhandoff.kv_handoff_pays`: `link_bytes_per_s`, the measured link bandwidth in
     bytes/s, None = unknown = never; `kv_overhead_ms`, encode + decode + import), True always,
-    False never. max_tpot_ms: the slowest display interval the plan may choose so that the device
+    False never; with a measured link the cloud sends the KV at `kv_rate_share` of it
+    (`Generate.kv_rate`, default `protocol.kvhandoff.KV_RATE_SHARE`), so the answer's tokens are
+    not queued behind it, and the plan counts the transfer at that rate. max_tpot_ms: the slowest display interval the plan may choose so that the device
     catches up within the answer (ms/token, the speed controller slowing down; None:
     `SLOWEST_PACE` x target_tpot_ms; target_tpot_ms: never slower than max(target, cloud TPOT,
     device TPOT))."""
@@ -270,6 +272,7 @@ class SplitOptions:
     kv_handoff: bool | str = "auto"
     link_bytes_per_s: float | None = None
     kv_overhead_ms: float = 20.0
+    kv_rate_share: float = KV_RATE_SHARE
     max_tpot_ms: float | None = None
 
     def __post_init__(self):
@@ -290,8 +293,15 @@ class SplitOptions:
             raise ValueError(f"kv_handoff must be True, False or 'auto', got {self.kv_handoff!r}")
         if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
             raise ValueError(f"link_bytes_per_s must be > 0 (bytes/s), got {self.link_bytes_per_s}")
+        if not 0 < self.kv_rate_share <= 1:
+            raise FieldError("kv_rate_share", "a number in (0, 1]", self.kv_rate_share)
         if self.max_tpot_ms is not None and not self.max_tpot_ms >= self.target_tpot_ms:
             raise FieldError("max_tpot_ms", f"a number >= target_tpot_ms ({self.target_tpot_ms})", self.max_tpot_ms)
+
+    def kv_rate(self) -> float | None:
+        """The rate a KV hand-off is asked to use (bytes/s, `Generate.kv_rate`): `kv_rate_share` x
+        `link_bytes_per_s`; None without a measured link (the cloud then sends as fast as it can)."""
+        return self.kv_rate_share * self.link_bytes_per_s if self.link_bytes_per_s else None
 
     def max_interval_ms(self) -> float:
         """The slowest display interval a plan may choose (ms/token; see `max_tpot_ms`)."""
@@ -416,7 +426,8 @@ class _Device:
     still to prefill; covered: answer tokens prefilled; prompt_tokens: prompt tokens it prefilled
     (fewer with refinement or the KV hand-off); kv_imported: prompt tokens whose KV came from the
     cloud; prompt_ms / prefill_ms: wall ms of its prompt work / up to the hand-off; waiting_kv: it
-    waits for the cloud's KV; wake: set by a cloud token, a fault or a re-plan (wakes a held worker);
+    waits for the cloud's KV; following_cloud: the display still shows cloud tokens (the cloud
+    floor applies, `speed.source_floor`) until the device decodes; wake: set by a cloud token, a fault or a re-plan (wakes a held worker);
     chunk_ms / chunk_tokens / chunk_calls: wall ms, tokens and calls of its prompt prefill chunks of
     more than one token so far (its measured prefill rate)."""
 
@@ -433,6 +444,7 @@ class _Device:
     prompt_ms: float = 0.0
     prefill_ms: float = 0.0
     waiting_kv: bool = False
+    following_cloud: bool = True
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     chunk_ms: float = 0.0
     chunk_tokens: int = 0
@@ -519,8 +531,6 @@ class _Run:
         a.ids.append(tok)
         a.source.append(source)
         a.ready_ms.append(self.now())
-        if source == "cloud":  # the display never outruns the cloud's sustained pace (speed.source_pace)
-            self.speed.floor_ms = source_pace(a.cloud_arrivals())
         if reason:
             self.end(reason)
         a.changed.set()
@@ -642,10 +652,12 @@ class _Run:
         return kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
 
     def kv_transfer_ms(self) -> float:
-        """Expected ms from the cloud's first token to the imported KV: bytes over the measured link
-        (`SplitOptions.link_bytes_per_s`; none known: only the overhead) plus `kv_overhead_ms`."""
+        """Expected ms from the cloud's first token to the imported KV: bytes at the rate the
+        Generate asks for (`SplitOptions.kv_rate`; no measured link: only the overhead) plus
+        `kv_overhead_ms`."""
         opt, n = self.s.opt, len(self.prompt) - 1 - self.dev.reused
-        return (n * self.kv_bpt() / opt.link_bytes_per_s * 1e3 if opt.link_bytes_per_s else 0.0) + opt.kv_overhead_ms
+        rate = opt.kv_rate()
+        return (n * self.kv_bpt() / rate * 1e3 if rate else 0.0) + opt.kv_overhead_ms
 
     def choose_kv(self) -> int | None:
         """`Generate.kv_from` (the first prompt token whose KV the cloud sends) or None (the device
@@ -662,7 +674,7 @@ class _Run:
         if s.device_timing is None:
             return None
         a, b, _ = s.device_timing
-        pays = kv_handoff_pays(n, self.kv_bpt(), opt.link_bytes_per_s, s.cloud.ttft_ms(n + 1), a, b, opt.kv_overhead_ms)
+        pays = kv_handoff_pays(n, self.kv_bpt(), opt.kv_rate(), s.cloud.ttft_ms(n + 1), a, b, opt.kv_overhead_ms)
         return reused if pays else None
 
     def cache(self) -> DeviceCache | None:
@@ -799,7 +811,7 @@ class _Run:
         refine = (choose_refine(len(self.prompt), self.s.opt.refine)
                   if split and not self.dev.reused and self.cloud.kv_from is None else None)
         return generate_message(self.request_id, self.prompt, p, cloud_budget=self.plan.budget if split else None,
-                                refine=refine, kv_from=self.cloud.kv_from)
+                                refine=refine, kv_from=self.cloud.kv_from, kv_rate=self.s.opt.kv_rate())
 
     async def connect_failed(self, e: Exception, wait_ms: float) -> None:
         """The cloud refused or is unreachable: raise in cloud-only mode, else go device-only."""
@@ -1012,7 +1024,7 @@ class _Run:
         """After the hand-off at `h`: Stop{h} to a cloud still streaming, then decode tokens h, h+1,
         ... on the device until the finish rule (`decoding.finish_reason`) ends the answer."""
         steps: list[float] = []  # wall ms of each device decode call (policy.device_pace)
-        self.speed.floor_ms = 0.0  # the device's tokens: no cloud floor from here on
+        self.dev.following_cloud, self.speed.floor_ms = False, 0.0  # the device's tokens: no cloud floor from here on
         if self.plan.auto:  # from now on only the device's pace matters
             self.speed.interval_ms = device_pace(self.s.opt.target_tpot_ms, self.s.device_timing[2], steps)
         if self.cloud.channel is not None and before is not Phase.FAULT:
@@ -1081,9 +1093,16 @@ class _Run:
                     return
                 a.changed.clear()
                 await a.changed.wait()
+            if self.dev.following_cloud:  # the cloud floor, from what has arrived and waits (speed.source_floor)
+                self.speed.floor_ms = source_floor(a.cloud_arrivals(), len(a.ids) - k)
             delay = (self.speed.release_at(a.ready_ms[k]) - self.now()) / 1e3
             if delay > 0:
-                await asyncio.sleep(delay)
+                a.changed.clear()
+                try:  # an arrival meanwhile may lift the floor: re-evaluate (speed.release_ms)
+                    await asyncio.wait_for(a.changed.wait(), delay)
+                    continue
+                except asyncio.TimeoutError:
+                    pass
             t = self.now()
             self.speed.shown(t)
             ev = TokenEvent(self.decoder.push(a.ids[k]), a.ids[k], a.source[k], t, k)

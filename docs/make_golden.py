@@ -66,6 +66,9 @@ def examples() -> dict[str, tuple[str, list, bool]]:
                                                   cloud_budget=None, refine=0.5, stop_ids=[2, 0],
                                                   presence_penalty=0.5, frequency_penalty=0.25,
                                                   repetition_penalty=1.1, min_tokens=4)),
+        "generate_kv_handoff": one("Generate asking for the KV hand-off of every prompt token but the last, paced at "
+                                   "2.7 MB/s (0.75 of a measured 3.6 MB/s link)",
+                                   Generate(RID, PROMPT, 256, cloud_budget=40, kv_from=0, kv_rate=2.7e6)),
         "token": one("cloud -> device: generated token at answer index 0, 41.7 ms after the Generate arrived",
                      Token(RID, 504, 0, 41.66)),
         "refined_prompt": one("cloud -> device, right after the first token: prompt indices the device prefills",

@@ -7,6 +7,11 @@
 * `kv_part_messages` / `kv_parts`: the one `KVTransfer` codec: KV [layers, 2, kv_heads, tokens,
   head_dim] cut by tokens into consecutive parts, one message each, and back (checked complete and
   contiguous). The P/D hand-off (`cloud.pd.kv`) sends its payload with it, one part per block.
+* `KVPacer` / `paced_piece_bytes`: a hand-off sent at the rate the device asked for
+  (`Generate.kv_rate`, a share `KV_RATE_SHARE` of its measured link), in pieces of about
+  `PACED_PIECE_MS` of that rate, so the link's queue stays short and the request's tokens pass
+  between two pieces instead of waiting behind the whole transfer (a shaped link is a FIFO queue:
+  without pacing a 15 MB hand-off at 3.6 MB/s holds every token behind it for 4 s).
 * `kv_messages` / `kv_pieces` / `kv_layers`: the prompt's KV as `KVTransfer` messages (float16,
   split by tokens into frames of at most `max_bytes`; `kv_pieces` builds them one at a time, as a
   sender interleaving them with other frames wants them) and back into per-layer (key, value) arrays [1, kv_heads,
@@ -27,6 +32,38 @@ from .messages import MAX_FRAME_BYTES, KVTransfer, Tensor
 
 WIRE_DTYPE = np.float16
 FRAME_MARGIN = 4096  # bytes left in a frame for the message's other fields
+
+
+KV_RATE_SHARE = 0.75
+"""Share of its measured link bandwidth a device asks a KV hand-off to use (`Generate.kv_rate`);
+the rest is headroom for the request's tokens and control frames and for the estimate's error."""
+PACED_PIECE_MS = 20.0
+"""A paced hand-off's piece holds about this many ms of its rate (a token waits at most that long)."""
+
+
+def paced_piece_bytes(rate_bytes_s: float, max_bytes: int, min_bytes: int) -> int:
+    """Largest frame (bytes) of a hand-off paced at `rate_bytes_s`: `PACED_PIECE_MS` of the rate,
+    at least `min_bytes` (one token and the frame margin) and at most `max_bytes`."""
+    return int(min(max_bytes, max(min_bytes, rate_bytes_s * PACED_PIECE_MS / 1e3)))
+
+
+class KVPacer:
+    """Sends at most `rate_bytes_s` on average: `delay_s(now_s, nbytes)` is how long to wait before
+    writing the next `nbytes` (seconds; 0 when it may go now), a token bucket of depth one piece.
+
+    Raises:
+        ValueError: a rate <= 0.
+    """
+
+    def __init__(self, rate_bytes_s: float):
+        if not rate_bytes_s > 0:
+            raise ValueError(f"kv_rate must be > 0 bytes/s, got {rate_bytes_s}")
+        self.rate, self.next_s = float(rate_bytes_s), None
+
+    def delay_s(self, now_s: float, nbytes: int) -> float:
+        start = now_s if self.next_s is None else max(now_s, self.next_s)
+        self.next_s = start + nbytes / self.rate
+        return start - now_s
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -177,6 +177,9 @@ class Generate(_Msg, tag="generate"):
     ``KVTransfer`` pieces with the KV of prompt tokens [kv_from, len(prompt_ids) - 1) (fp16; the
     device already holds the first ``kv_from``, e.g. from the previous turn of a conversation, and
     prefills the last prompt token itself for its logits). Not combined with ``refine``.
+    ``kv_rate``: None (as fast as the connection takes them), or the average rate (bytes/s) at
+    which the cloud sends those pieces, in pieces of about 20 ms of it, so that the request's tokens
+    are not queued on the link behind the transfer; ignored without ``kv_from``.
     """
 
     request_id: str
@@ -195,6 +198,7 @@ class Generate(_Msg, tag="generate"):
     min_tokens: int = 0
     kv_from: Union[int, None] = None
     logit_bias: list[tuple[int, float]] = []
+    kv_rate: Union[float, None] = None
 
 
 class Token(_Msg, tag="token"):

@@ -115,6 +115,7 @@ RULES: dict[str, Rule] = {
     "cloud_budget": Rule(True, 0, MAX_TOKENS),
     "refine": Rule(False, 0, 1, lo_open=True),
     "kv_from": Rule(True, 0, MAX_TOKENS),
+    "kv_rate": Rule(False, 0, 1e12, lo_open=True),  # bytes/s
     "handoff_index": Rule(True, 0, MAX_TOKENS),  # Stop: the first answer position the device generates
     "token_id": Rule(True, 0, (1 << 31) - 1),  # hi: the vocabulary's last id where it is known
     # relay

@@ -259,3 +259,50 @@ def test_stop_or_cancel_mid_transfer_is_acted_on_before_the_transfer_ends(cloud,
     assert all(isinstance(m, (Token, KVTransfer, Pong, Done)) for m in frames)
     dropped = cloud.metrics.registry.get_sample_value("relayinfer_kv_pieces_total", {"outcome": "dropped"})
     assert dropped - dropped0 == total - len(pieces)
+
+
+def test_paced_kv_handoff_lets_the_tokens_through_a_capped_link(cloud, torch_engine, tokenizer):
+    """A ~3.7 MB hand-off over a link capped at 2 MB/s (a FIFO queue, as a radio link is). Unpaced,
+    the pieces fill the link's queue and the tokens the cloud streams meanwhile arrive behind the
+    last piece; paced at `kv_rate` 1.5 MB/s (pieces of about 20 ms of it), most of them arrive
+    between two pieces, and every piece is within the paced size."""
+    from relayinfer.protocol.kvhandoff import FRAME_MARGIN, paced_piece_bytes
+    from relayinfer.protocol.transport import ws as proto_ws
+    from relayinfer.sdk.linkem import LinkProfile
+
+    ids = chitchat_prompts_by_length(tokenizer, [160], seed=5)[0]
+    rate = 1.5e6
+
+    async def run(link_url: str, kv_rate: float | None, rid: str):
+        ch = await proto_ws.open_channel(link_url, torch_engine.fingerprint)
+        frames = []
+        try:
+            await ch.send(Generate(rid, ids, 400, kv_from=0, kv_rate=kv_rate))
+            while True:
+                m = await asyncio.wait_for(ch.recv(), 60)
+                frames.append(m)
+                if isinstance(m, KVTransfer) and m.block_index in (-1, m.num_blocks - 1):
+                    break
+                assert not isinstance(m, Done), "the answer ended before the hand-off"
+            await ch.send(Cancel(rid))
+            while not isinstance(frames[-1], Done):
+                frames.append(await asyncio.wait_for(ch.recv(), 60))
+        finally:
+            await ch.close()
+        return frames
+
+    profile = LinkProfile("capped", down_bytes_per_s=2e6)
+    with LinkProxyThread(cloud.url, profile) as link:
+        unpaced = asyncio.run(run(link.url, None, "kv-unpaced"))
+        paced = asyncio.run(run(link.url, rate, "kv-paced"))
+
+    def between(frames):  # tokens after token 0 that arrived before the last piece
+        last = max(i for i, m in enumerate(frames) if isinstance(m, KVTransfer))
+        return sum(1 for m in frames[:last] if isinstance(m, Token) and m.index > 0)
+
+    pieces = [m for m in paced if isinstance(m, KVTransfer)]
+    per_token = pieces[0].kv.to_numpy()[:, :, :, :1].nbytes
+    limit = paced_piece_bytes(rate, PIECE, per_token + FRAME_MARGIN)
+    assert len(pieces) == pieces[0].num_blocks and sum(p.num_tokens for p in pieces) == len(ids) - 1
+    assert all(len(p.kv.data) <= limit for p in pieces) and limit < PIECE
+    assert between(paced) >= 5 and between(paced) > 2 * between(unpaced), (between(paced), between(unpaced))

@@ -1,6 +1,7 @@
 """The settings algorithm on simulated timelines (hypothesis) and the speed controller."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -159,20 +160,50 @@ def _cloud_stream(n: int, seed: int) -> list[float]:
     return out
 
 
+def _run_display(ctl: SpeedController, ready: list[float]) -> list[float]:
+    """Shown times of `ready` (ms) as split._Run.display runs the controller: the floor from the
+    arrivals known and the backlog, re-evaluated at each arrival before a pending release."""
+    from relayinfer.device.speed import source_floor
+
+    shown, now = [], 0.0
+    for k, r in enumerate(ready):
+        now = max(now, r)
+        while True:
+            known = sum(1 for x in ready if x <= now)
+            ctl.floor_ms = source_floor(ready[:known], known - k)
+            t = ctl.release_at(r)
+            if known < len(ready) and ready[known] < t:
+                now = ready[known]                       # an arrival wakes the display first
+                continue
+            break
+        ctl.shown(t)
+        shown.append(t)
+        now = t
+    return shown
+
+
+def test_a_burst_after_a_long_wait_is_shown_at_the_interval():
+    """Cloud tokens queued on the link behind a KV transfer arrive together 4 s after token 0:
+    token 1 is shown on arrival, the rest at the interval, not at the pace of the wait."""
+    from relayinfer.device.speed import display_ms
+
+    ready = [0.0] + [4000.0 + 0.1 * i for i in range(32)]
+    ctl = SpeedController(target_tpot_ms=50.0, interval_ms=53.0)
+    shown = _run_display(ctl, ready)
+    assert shown == pytest.approx(display_ms(ready, 53.0, follow_source=True))
+    assert shown[1] == pytest.approx(4000.0)
+    assert np.diff(shown[1:]) == pytest.approx([53.0] * 31)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_display_follows_a_cloud_slower_than_its_interval_without_stalls(seed):
-    from relayinfer.device.speed import count_stalls, display_ms, source_pace
+    from relayinfer.device.speed import count_stalls, display_ms
 
     ready = _cloud_stream(60, seed)
     plain = display_ms(ready, 53.0)                       # the display outruns the cloud, then waits
     assert count_stalls(plain, [53.0] * len(plain), 50.0) > 0
     ctl = SpeedController(target_tpot_ms=50.0, interval_ms=53.0)
-    shown = []
-    for k, r in enumerate(ready):                        # as split._Run.append and .display run it
-        ctl.floor_ms = source_pace(ready[:k + 1])
-        t = ctl.release_at(r)
-        ctl.shown(t)
-        shown.append(t)
+    shown = _run_display(ctl, ready)
     assert shown == pytest.approx(display_ms(ready, 53.0, follow_source=True))
     assert count_stalls(ctl.shown_ms, ctl.pace_ms, 50.0) == 0
     assert all(p >= 53.0 for p in ctl.pace_ms) and max(ctl.pace_ms) <= 175.0

@@ -42,7 +42,7 @@ from relayinfer.protocol.model.decoding import params_of
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
     quiet_accept_errors, runner_kwargs)
-from relayinfer.protocol.kvhandoff import FRAME_MARGIN, kv_pieces
+from relayinfer.protocol.kvhandoff import FRAME_MARGIN, KVPacer, kv_bytes_per_token, kv_pieces, paced_piece_bytes
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, Pong,
                                           RefinedPrompt, Stop, Token, encode)
 from relayinfer.protocol.model.model_file import file_sha256
@@ -141,7 +141,9 @@ class _Request:
     `pending` its prompt tokens still waiting for a first token, `charge` its bytes in the memory
     budget (per-request path), `kv_charge` those of a KV hand-off from the batch while it is sent,
     `refused` the request-level Error it ends with when a control message for it broke a rule (its
-    engine request is aborted; the Error goes after the tokens already produced)."""
+    engine request is aborted; the Error goes after the tokens already produced), `answer_ended`
+    the cloud's answer ended by itself (a KV hand-off still under way is then of no use: no
+    further piece is sent)."""
 
     msg: Generate
     key: str
@@ -151,6 +153,7 @@ class _Request:
     charge: Charge | None = None
     kv_charge: Charge | None = None
     refused: Error | None = None
+    answer_ended: bool = False
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -273,6 +276,7 @@ def _check_fields(msg: Generate, vocab: int) -> None:
     check("kv_from", msg.kv_from, hi=n - 2, optional=True)
     if msg.kv_from is not None and msg.refine is not None:
         raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
+    check("kv_rate", msg.kv_rate, optional=True)
     params = params_of(msg)  # SamplingParams checks the sampling fields
     check_vocab(vocab, params.stop_ids, params.logit_bias)
 
@@ -742,7 +746,10 @@ class CloudService:
     async def _stream(self, channel, req: _Request, sess: _Session) -> Done:
         """Send every output of the request as its message (each recorded in the table first);
         returns its Done. The token that ends the answer carries its finish reason (a budget cut is
-        no end); Done's reason is that, else stop / cancel (the table's state), else budget / length."""
+        no end); Done's reason is that, else stop / cancel (the table's state), else budget / length.
+        A KV hand-off goes out from its own task (`_send_kv`) while the tokens keep streaming; the
+        Done waits for its last piece, or for the pieces sent before a Stop / Cancel or the
+        answer's own end cut it short."""
         msg, table = req.msg, sess.table
         rid, sent, last, prefill_ms, cached = msg.request_id, 0, None, 0.0, 0
 
@@ -750,25 +757,23 @@ class CloudService:
             table.send(m)
             await channel.send(m)
 
-        async for out in self._outputs(req, sess):
-            if isinstance(out, RefinedIndices):
-                await send(RefinedPrompt(rid, out.kept))
-                continue
-            if isinstance(out, KVParts):
-                await self._send_kv(channel, req, sess, out)
-                continue
-            ms = (time.perf_counter() - req.t0) * 1e3
-            if sent == 0:
-                self.admission.dequeue(req)
-                prefill_ms = ms
-                self.metrics.prefill.observe(prefill_ms / 1e3)
-                stats = req.client.request_stats(req.key)
-                cached = stats.prefix_hit_tokens if stats is not None else 0
-            end = out.finish_reason if out.finish_reason != "budget" else None
-            await send(Token(rid, out.token_id, out.index, ms, cached if sent == 0 else 0, end))
-            sent += 1
-            self.metrics.cloud_tokens.inc()
-            last = out.finish_reason
+        kv_task: asyncio.Task | None = None
+        try:
+            async for out in self._outputs(req, sess):
+                if isinstance(out, RefinedIndices):
+                    await send(RefinedPrompt(rid, out.kept))
+                    continue
+                if isinstance(out, KVParts):  # sent beside the tokens: they keep streaming meanwhile
+                    kv_task = asyncio.create_task(self._send_kv(channel, req, sess, out))
+                    continue
+                sent, last, prefill_ms, cached = await self._send_token(req, out, send, sent, last, prefill_ms, cached)
+            if kv_task is not None:  # Done comes after the last piece (or after the pieces a Stop cut short)
+                req.answer_ended = last not in (None, "budget")  # the whole answer is out: no more pieces
+                await kv_task
+        finally:
+            if kv_task is not None and not kv_task.done():
+                kv_task.cancel()
+                await asyncio.gather(kv_task, return_exceptions=True)
         if sent == 0:  # what the prefill reused counts also when no token came (stopped first)
             stats = req.client.request_stats(req.key)
             cached = stats.prefix_hit_tokens if stats is not None else 0
@@ -777,6 +782,21 @@ class CloudService:
             "budget" if req.budget is not None and sent >= req.budget else "length")
         return Done(rid, reason, sent, prefill_ms, cached)
 
+    async def _send_token(self, req: _Request, out, send, sent: int, last, prefill_ms: float, cached: int):
+        """Send one engine output as its `Token` (token 0 also ends the prompt's admission wait and
+        records the prefill); returns the updated (sent, last finish reason, prefill_ms, cached)."""
+        ms = (time.perf_counter() - req.t0) * 1e3
+        if sent == 0:
+            self.admission.dequeue(req)
+            prefill_ms = ms
+            self.metrics.prefill.observe(prefill_ms / 1e3)
+            stats = req.client.request_stats(req.key)
+            cached = stats.prefix_hit_tokens if stats is not None else 0
+        end = out.finish_reason if out.finish_reason != "budget" else None
+        await send(Token(req.msg.request_id, out.token_id, out.index, ms, cached if sent == 0 else 0, end))
+        self.metrics.cloud_tokens.inc()
+        return sent + 1, out.finish_reason, prefill_ms, cached
+
     async def _send_kv(self, channel, req: _Request, sess: _Session, out: KVParts) -> None:
         """Send a KV hand-off as `KVTransfer` pieces of at most `kv_piece_bytes` each, in token
         order, each built only when it is its turn (`protocol.kvhandoff.kv_pieces`). Between two
@@ -784,16 +804,29 @@ class CloudService:
         Ping: its Pong goes out before the next piece) and the other requests' frames interleave;
         a piece is sent only while the request is neither stopping nor cancelling (checked with no
         await before its write): after the device's Stop or Cancel no piece follows, and the Done
-        comes with fewer pieces than `num_blocks` (the device then prefills). The hand-off's memory
-        charge is released once it is sent or dropped."""
-        rid, table = req.msg.request_id, sess.table
-        pieces = kv_pieces(rid, out.kv, out.token_start, self.kv_piece_bytes)
+        comes with fewer pieces than `num_blocks` (the device then prefills). With `Generate.kv_rate`
+        the pieces are about `PACED_PIECE_MS` of that rate each and go out at that average rate
+        (`protocol.kvhandoff.KVPacer`). The hand-off's memory charge is released once it is sent or
+        dropped."""
+        rid, table, rate = req.msg.request_id, sess.table, req.msg.kv_rate
+        piece_bytes = self.kv_piece_bytes
+        pacer = KVPacer(rate) if rate else None
+        if pacer is not None:  # pieces of about PACED_PIECE_MS at the asked rate (at least one token)
+            c = self.engine.cfg
+            one = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim) + FRAME_MARGIN
+            piece_bytes = paced_piece_bytes(rate, self.kv_piece_bytes, one)
+        pieces = kv_pieces(rid, out.kv, out.token_start, piece_bytes)
         del out
         sent = total = 0
+        loop = asyncio.get_running_loop()
         try:
             for m in pieces:
                 total = m.num_blocks if m.block_index >= 0 else 1
-                if table.state(rid) in (RequestState.STOPPING, RequestState.CANCELLING):
+                if pacer is not None:  # the device's rate: its tokens pass between two pieces on the link
+                    wait = pacer.delay_s(loop.time(), len(m.kv.data))
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                if req.answer_ended or table.state(rid) in (RequestState.STOPPING, RequestState.CANCELLING):
                     break
                 table.send(m)
                 await channel.send_large([m])

@@ -276,9 +276,9 @@ def params_of(msg: Generate) -> SamplingParams:
 
 def generate_message(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                      cloud_budget: int | None = None, refine: float | None = None,
-                     kv_from: int | None = None) -> Generate:
+                     kv_from: int | None = None, kv_rate: float | None = None) -> Generate:
     """The Generate that asks a cloud for `params` on `prompt_ids` (every sampling field travels, so
-    both sides sample the same answer).
+    both sides sample the same answer); `kv_from` / `kv_rate` (bytes/s) ask for the KV hand-off.
 
     Raises:
         ValueError: `params.logprobs` is set; the split protocol carries no logprobs (the OpenAI
@@ -289,7 +289,8 @@ def generate_message(request_id: str, prompt_ids: Sequence[int], params: Samplin
                          params.logprobs)
     kw = {k: getattr(params, k) for k in WIRE_SAMPLING}
     kw["stop_ids"], kw["logit_bias"] = list(params.stop_ids), list(params.logit_bias)
-    return Generate(request_id, list(prompt_ids), cloud_budget=cloud_budget, refine=refine, kv_from=kv_from, **kw)
+    return Generate(request_id, list(prompt_ids), cloud_budget=cloud_budget, refine=refine, kv_from=kv_from,
+                    kv_rate=kv_rate if kv_from is not None else None, **kw)
 
 
 def check_prompt(n_prompt: int, max_new_tokens: int, context_length: int) -> None:
