@@ -1061,6 +1061,11 @@ class _Run:
         if not c.kv_parts:
             log.info("request %s: the cloud sent no KV (%s); the device prefills", self.request_id, self.fault.error)
             return kv, prompt
+        if self.answer.finish_reason is not None and c.kv_parts[0].block_index >= 0 \
+                and len(c.kv_parts) < c.kv_parts[0].num_blocks:
+            log.info("request %s: the answer ended before the KV hand-off (%d of %d pieces came)",
+                     self.request_id, len(c.kv_parts), c.kv_parts[0].num_blocks)
+            return kv, prompt
         try:
             start, layers = kv_layers(c.kv_parts)
             n = len(prompt) - 1
