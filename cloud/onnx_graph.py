@@ -3,12 +3,12 @@
 Two weight formats (`WEIGHTS`):
 
 * ``gguf``: every block-quantized GGUF matrix becomes a `com.microsoft.MatMulNBits` initializer that
-  holds the file's own blocks and scales (no re-quantization): Q4_1 (w = d*q + m, q in 0..15) as
-  bits=4 with the default zero point 8 and scale d, plus a small fp32 MatMul of the per-block input
-  sums with the offsets m + 8d (`q4_1_blocks`); Q8_0 (w = d*q, q int8) as bits=8, q + 128 with the
-  default zero point 128.
-  The tied Q8_0 embedding is read by `GatherBlockQuantized` from the same bytes as the output head.
-  Format of the blocks: ggml `block_q4_1` / `block_q8_0` (ggml-common.h).
+  holds the file's own blocks and scales (no re-quantization; `cloud.ggml_blocks` maps each type:
+  Q4_0, Q4_1, Q4_K as 4-bit blocks, Q5_0, Q5_K, Q6_K, Q8_0 as 8-bit blocks, K-quant sub-block
+  scales and minimums kept), plus, for the types with per-block minimums (Q4_1, Q4_K, Q5_K), a
+  small fp32 MatMul of the per-block input sums with the offsets. F16/BF16 and other types are
+  stored dequantized (dense fp32). A tied Q8_0 embedding is read by `GatherBlockQuantized` from the
+  same bytes as the output head.
 * ``fp32``: the matrices dequantized with `gguf.quants.dequantize` (the same numbers as the torch
   `Llama` of `cloud/models/llama.py`), as plain MatMul/Gemm.
 
@@ -21,12 +21,14 @@ Graph (batch 1, `S` new tokens, the KV cache a shared buffer of capacity `C`):
              buffers when bound to the same memory (ORT's `past_present_share_buffer`)
 
 Per layer: SimplifiedLayerNormalization (RMSNorm) / SkipSimplifiedLayerNormalization (residual add +
-RMSNorm), one fused QKV matmul, `RotaryEmbedding` (rotate_half layout, positions from
-`position_ids`, so a token can keep its original position while its cache slot is the next free
-one), `GroupQueryAttention` (fused causal GQA writing the new keys/values into the buffer at
-seqlens_k + 1 - S), the output projection, a fused gate/up matmul and SwiGLU (Shazeer 2020).
-Q/K rows are un-permuted from llama.cpp's interleaved rotary layout (`_unpermute`), so the cache
-holds the same post-RoPE keys as the torch model's. Op schemas: onnxruntime `contrib_defs.cc`
+RMSNorm), one fused QKV matmul (+ biases, Qwen2), q/k norms (Gemma 3), `RotaryEmbedding`
+(rotate_half layout, positions from `position_ids`, so a token can keep its original position while
+its cache slot is the next free one; one table per RoPE base), `GroupQueryAttention` (fused causal
+GQA writing the new keys/values into the buffer at seqlens_k + 1 - S; `local_window_size` on
+sliding-window layers), the output projection, a fused gate/up matmul and SwiGLU (Shazeer 2020) or
+GeGLU, and Gemma's norms after attention and MLP. Llama's Q/K rows are un-permuted from llama.cpp's
+interleaved rotary layout (`_unpermute`), so the cache holds the same post-RoPE keys as the torch
+model's. Op schemas: onnxruntime `contrib_defs.cc`
 (ORT 1.32); the layout follows onnxruntime-genai's model builder for Llama.
 """
 from __future__ import annotations
@@ -36,10 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
+from relayinfer.cloud.ggml_blocks import Blocks, decompose
 from relayinfer.protocol.model.device_model import WEIGHTS  # noqa: F401  (this module's API)
 from relayinfer.protocol.model.errors import ModelFileError
 from relayinfer.protocol.model.model_file import ModelConfig, open_gguf, read_config, rope_inv_freq
 
+ROPE_POSITIONS = 32768  # RoPE table rows at most (positions; the context is capped to it on the device)
 ACCURACY_LEVEL = 0  # MatMulNBits: 0 = activations stay fp32 (4 = int8 activations; see docs/SPLIT.md)
 OPSET = 21
 MS = "com.microsoft"
@@ -58,38 +62,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved -> rotate_half rotary layout); rows are
     axis 0 (whole quantized rows move together, the blocks run along K inside a row)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def q4_1_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF Q4_1 rows -> MatMulNBits (bits 4, default zero point 8) B and scales, plus the block
-    offsets that MatMulNBits cannot hold.
-
-    raw: uint8 [N, K/32*20] (per block fp16 d, fp16 m, 16 bytes: element j in the low nibble of
-    byte j, element j+16 in the high nibble). A Q4_1 weight is w = d*q + m = d*(q - 8) + (m + 8d):
-    MatMulNBits computes the d*(q - 8) part with its fast kernels (a float zero point -m/d would be
-    exact too but takes ORT's slow dequantize-per-call path, 20x slower at decode), and the graph
-    adds sum over blocks b of (m + 8d)[n, b] * (sum of the inputs in block b), as llama.cpp does.
-    Returns B uint8 [N, K/32, 16] (element 2i in the low nibble of byte i, 2i+1 in the high one),
-    scales float32 [N, K/32] (d) and offsets float32 [N, K/32] (m + 8d).
-    """
-    n, nb = raw.shape[0], k // _BLOCK
-    blk = np.ascontiguousarray(raw).reshape(n, nb, 20)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blk[..., 4:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, nb, 32] in element order
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    return packed, d, (m + 8 * d).astype(np.float32)
-
-
-def q8_0_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF Q8_0 rows -> MatMulNBits (bits 8) B uint8 [N, K/32, 32] (q + 128, the default zero
-    point 128) and scales float32 [N, K/32]. raw: uint8 [N, K/32*34] (fp16 d, 32 int8 q)."""
-    n, nb = raw.shape[0], k // _BLOCK
-    blk = np.ascontiguousarray(raw).reshape(n, nb, 34)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = (blk[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    return q, d
 
 
 class _Builder:
@@ -124,11 +96,14 @@ class _Weights:
         if t is None:
             raise ModelFileError(f"GGUF file lacks tensor {name}")
         raw = np.asarray(t.data)
-        if ".attn_q." in name:
+        if self.cfg.rope_permuted and ".attn_q." in name:
             raw = _unpermute(raw, self.cfg.n_heads)
-        elif ".attn_k." in name:
+        elif self.cfg.rope_permuted and ".attn_k." in name:
             raw = _unpermute(raw, self.cfg.n_kv_heads)
         return raw, t.tensor_type
+
+    def has(self, name: str) -> bool:
+        return name in self.t
 
     def vector(self, name: str) -> np.ndarray:
         raw, kind = self._rows(name)
@@ -146,14 +121,11 @@ class _Weights:
         except Exception as e:
             raise ModelFileError(f"cannot dequantize tensor {name} ({kind.name}): {e}") from e
 
-    def blocks(self, name: str, k: int):
-        """(bits, B, scales, block offsets or None) of a Q4_1 / Q8_0 tensor, else None."""
+    def blocks(self, name: str, k: int) -> Blocks | None:
+        """The tensor's rows as MatMulNBits `Blocks` (`cloud.ggml_blocks.decompose`: Q4_0, Q4_1,
+        Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), else None (stored dense)."""
         raw, kind = self._rows(name)
-        if kind.name == "Q4_1":
-            return (4, *q4_1_blocks(raw, k))
-        if kind.name == "Q8_0":
-            return (8, *q8_0_blocks(raw, k), None)
-        return None
+        return decompose(raw, kind.name, k)
 
 
 class _Linear:
@@ -167,43 +139,51 @@ class _Linear:
 
     def __init__(self, b: _Builder, w: _Weights, weights: str, accuracy_level: int):
         self.b, self.w, self.weights, self.accuracy_level = b, w, weights, accuracy_level
-        self.block_sums: dict[str, str] = {}  # input name -> name of its per-block sums [.., K/32]
+        self.block_sums: dict[tuple[str, int], str] = {}  # (input, block) -> its per-block sums [.., K/block]
 
-    def __call__(self, x: str, names: list[str], k: int, tag: str) -> str:
-        """The output name of x [.., K] @ W^T -> [.., N] (N: the rows of `names` together); nodes and
-        initializers are named after `tag`."""
+    def __call__(self, x: str, names: list[str], k: int, tag: str, bias: list[str] | None = None) -> str:
+        """The output name of x [.., K] @ W^T (+ the concatenated `bias` vectors) -> [.., N] (N: the
+        rows of `names` together); nodes and initializers are named after `tag`. The tensors stay
+        blocks when every one of them has blocks of the same bits and length; otherwise all of
+        them are dense."""
+        y = None
         if self.weights == "gguf":
             parts = [self.w.blocks(n, k) for n in names]
-            if all(p is not None for p in parts) and len({p[0] for p in parts}) == 1:
-                return self._blocks(x, parts, k, tag)
-        wt = np.concatenate([self.w.dense(n) for n in names]).T  # [K, N]
-        return self.b.op("MatMul", [x, self.b.init(f"{tag}.w", wt)], name=tag)[0]
+            if all(p is not None for p in parts) and len({(p.bits, p.block) for p in parts}) == 1:
+                y = self._blocks(x, parts, k, tag)
+        if y is None:
+            wt = np.concatenate([self.w.dense(n) for n in names]).T  # [K, N]
+            y = self.b.op("MatMul", [x, self.b.init(f"{tag}.w", wt)], name=tag)[0]
+        if bias:
+            vec = np.concatenate([self.w.vector(n) for n in bias])
+            y = self.b.op("Add", [y, self.b.init(f"{tag}.bias", vec)], name=f"{tag}.add_bias")[0]
+        return y
 
-    def _blocks(self, x: str, parts: list, k: int, tag: str) -> str:
-        """MatMulNBits over the concatenated blocks of `parts` ((bits, B, scales, offsets or None)
-        each), plus the Q4_1 block-offset term."""
-        b = self.b
-        bq = b.init(f"{tag}.q", np.concatenate([p[1] for p in parts]))
-        sc = b.init(f"{tag}.scales", np.concatenate([p[2] for p in parts]))
-        n = sum(p[1].shape[0] for p in parts)
-        y = b.op("MatMulNBits", [x, bq, sc], domain=MS, name=tag, K=k, N=n, bits=parts[0][0],
-                 block_size=_BLOCK, accuracy_level=self.accuracy_level)[0]
-        if parts[0][3] is None:
+    def _blocks(self, x: str, parts: list[Blocks], k: int, tag: str) -> str:
+        """MatMulNBits over the concatenated blocks of `parts`, plus the block-offset term where
+        a part has offsets (Q4_1, Q4_K, Q5_K; zeros for the parts without)."""
+        b, block = self.b, parts[0].block
+        bq = b.init(f"{tag}.q", np.concatenate([p.packed() for p in parts]))
+        sc = b.init(f"{tag}.scales", np.concatenate([p.scale for p in parts]))
+        n = sum(p.q.shape[0] for p in parts)
+        y = b.op("MatMulNBits", [x, bq, sc], domain=MS, name=tag, K=k, N=n, bits=parts[0].bits,
+                 block_size=block, accuracy_level=self.accuracy_level)[0]
+        if all(p.offset is None for p in parts):
             return y
-        sums = self._block_sums(x, k, tag)
-        off = b.init(f"{tag}.offsets", np.concatenate([p[3] for p in parts]).T)  # [K/32, N]
-        corr = b.op("MatMul", [sums, off], name=f"{tag}.offset")[0]
+        sums = self._block_sums(x, k, block, tag)
+        off = np.concatenate([p.offset if p.offset is not None else np.zeros_like(p.scale) for p in parts])
+        corr = b.op("MatMul", [sums, b.init(f"{tag}.offsets", off.T)], name=f"{tag}.offset")[0]  # [K/block, N]
         return b.op("Add", [y, corr], name=f"{tag}.add_offset")[0]
 
-    def _block_sums(self, x: str, k: int, tag: str) -> str:
-        """x [.., K] -> [.., K/32]: the inputs summed per block (built on first use of `x`)."""
-        if x not in self.block_sums:
+    def _block_sums(self, x: str, k: int, block: int, tag: str) -> str:
+        """x [.., K] -> [.., K/block]: the inputs summed per block (built on first use of `x`)."""
+        if (x, block) not in self.block_sums:
             b = self.b
-            r = b.op("Reshape", [x, b.init(f"{tag}.bshape", np.array([0, 0, k // _BLOCK, _BLOCK], np.int64))],
+            r = b.op("Reshape", [x, b.init(f"{tag}.bshape", np.array([0, 0, k // block, block], np.int64))],
                      name=f"{tag}.blocks")[0]
-            self.block_sums[x] = b.op("ReduceSum", [r, b.init(f"{tag}.baxis", np.array([-1], np.int64))],
-                                      name=f"{tag}.block_sums", keepdims=0)[0]
-        return self.block_sums[x]
+            self.block_sums[x, block] = b.op("ReduceSum", [r, b.init(f"{tag}.baxis", np.array([-1], np.int64))],
+                                             name=f"{tag}.block_sums", keepdims=0)[0]
+        return self.block_sums[x, block]
 
 
 def _rms_norm(b: _Builder, x: str, name: str, weight: np.ndarray, eps: float) -> str:
@@ -219,61 +199,97 @@ def _skip_norm(b: _Builder, x: str, residual: str, name: str, weight: np.ndarray
     return hn, res
 
 
-def _rope_tables(b: _Builder, cfg: ModelConfig) -> tuple[str, str]:
-    """The RoPE cos/sin initializers float32 [context_length, head_dim/2] (rotate_half layout) of
-    positions 0..context_length-1 times `rope_inv_freq`, in float32 as the torch model's `rope`."""
-    freqs = np.arange(cfg.context_length, dtype=np.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-    return b.init("rope.cos", np.cos(freqs)), b.init("rope.sin", np.sin(freqs))
+def _rope_tables(b: _Builder, cfg: ModelConfig, positions: int) -> dict[float, tuple[str, str]]:
+    """Per RoPE base of the model (`ModelConfig.rope_thetas`) the cos/sin initializers float32
+    [positions, head_dim/2] (rotate_half layout) of positions 0..positions-1 times
+    `rope_inv_freq`, in float32 as the torch model's `rope`."""
+    out = {}
+    for j, theta in enumerate(cfg.rope_thetas):
+        freqs = np.arange(positions, dtype=np.float32)[:, None] * rope_inv_freq(cfg, theta)[None, :]
+        tag = "rope" if j == 0 else f"rope{j}"
+        out[theta] = b.init(f"{tag}.cos", np.cos(freqs)), b.init(f"{tag}.sin", np.sin(freqs))
+    return out
 
 
-def _embedding(lin: _Linear, cfg: ModelConfig) -> tuple[str, tuple | None]:
-    """(hidden states [1, S, dim] of `input_ids`, the embedding's Q8_0 blocks or None). 'gguf' with a
-    Q8_0 embedding: GatherBlockQuantized over its blocks; else a Gather over the dequantized table."""
+def _embedding(lin: _Linear, cfg: ModelConfig) -> tuple[str, Blocks | None]:
+    """(hidden states [1, S, dim] of `input_ids` times `cfg.embed_scale`, the embedding's Q8_0
+    blocks or None). 'gguf' with a Q8_0 embedding: GatherBlockQuantized over its blocks; else a
+    Gather over the dequantized table."""
     b, dim = lin.b, cfg.dim
     blocks = lin.w.blocks("token_embd.weight", dim) if lin.weights == "gguf" else None
-    if blocks is None or blocks[0] != 8:
+    if blocks is None or blocks.bits != 8 or blocks.block != _BLOCK or blocks.offset is not None:
         b.init("embed.w", lin.w.dense("token_embd.weight"))
-        return b.op("Gather", ["embed.w", "input_ids"], name="embed")[0], None
-    _, eq, es, _ = blocks
-    b.init("embed.q", eq)
-    g = b.op("GatherBlockQuantized", ["embed.q", "input_ids", b.init("embed.scales3", es[..., None])],
-             domain=MS, name="embed", bits=8, block_size=_BLOCK, gather_axis=0, quantize_axis=2)[0]
-    return b.op("Reshape", [g, b.init("shape.embed", np.array([0, 0, dim], np.int64))], name="embed_flat")[0], blocks
+        x, blocks = b.op("Gather", ["embed.w", "input_ids"], name="embed")[0], None
+    else:
+        b.init("embed.q", blocks.q)
+        g = b.op("GatherBlockQuantized", ["embed.q", "input_ids", b.init("embed.scales3", blocks.scale[..., None])],
+                 domain=MS, name="embed", bits=8, block_size=_BLOCK, gather_axis=0, quantize_axis=2)[0]
+        x = b.op("Reshape", [g, b.init("shape.embed", np.array([0, 0, dim], np.int64))], name="embed_flat")[0]
+    if cfg.embed_scale != 1.0:  # Gemma: sqrt(dim), rounded to float32 as the torch model's
+        x = b.op("Mul", [x, b.init("embed.scale", np.array(cfg.embed_scale, np.float32))], name="embed_scale")[0]
+    return x, blocks
 
 
 def _layer(lin: _Linear, cfg: ModelConfig, i: int, hn: str, residual: str,
-           rope: tuple[str, str]) -> tuple[str | None, str]:
+           rope: dict[float, tuple[str, str]]) -> tuple[str | None, str]:
     """Decoder layer `i` on its normed input `hn` [1, S, dim] and residual stream: attention (fused
-    QKV, RoPE, GQA over the cache buffers past_*.i / present_*.i, output projection) and SwiGLU.
+    QKV with the biases where the model has them, q/k norms, RoPE of the layer's base, GQA over the
+    cache buffers past_*.i / present_*.i with the layer's sliding window, output projection, the
+    post-attention norm) and the gated MLP (SwiGLU or GeGLU, the post-MLP norm).
     Returns (the next layer's normed input, the residual stream); after the last layer the first
     is None and the second the final hidden states."""
     b, p, eps = lin.b, f"blk.{i}.", float(cfg.norm_eps)
     h, kvh, hd, ffn = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    qkv = lin(hn, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.dim, f"l{i}.qkv")
+    qkv_names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+    bias = [n.replace(".weight", ".bias") for n in qkv_names] if cfg.qkv_bias else None
+    qkv = lin(hn, qkv_names, cfg.dim, f"l{i}.qkv", bias)
     q, k, v = b.op("Split", [qkv, b.init(f"l{i}.qkv.split", np.array([h * hd, kvh * hd, kvh * hd], np.int64))],
                    n_out=3, name=f"l{i}.qkv_split", axis=-1)
-    q = b.op("RotaryEmbedding", [q, "position_ids", *rope], domain=MS, name=f"l{i}.rope_q", num_heads=h,
+    if cfg.qk_norm:  # Gemma 3: RMSNorm over head_dim of each head, before RoPE
+        q = _head_norm(b, q, h, hd, f"l{i}.q_norm", lin.w.vector(p + "attn_q_norm.weight"), eps)
+        k = _head_norm(b, k, kvh, hd, f"l{i}.k_norm", lin.w.vector(p + "attn_k_norm.weight"), eps)
+    tables = rope[cfg.layer_rope_theta(i)]
+    q = b.op("RotaryEmbedding", [q, "position_ids", *tables], domain=MS, name=f"l{i}.rope_q", num_heads=h,
              interleaved=0)[0]
-    k = b.op("RotaryEmbedding", [k, "position_ids", *rope], domain=MS, name=f"l{i}.rope_k", num_heads=kvh,
+    k = b.op("RotaryEmbedding", [k, "position_ids", *tables], domain=MS, name=f"l{i}.rope_k", num_heads=kvh,
              interleaved=0)[0]
+    # a sliding window of W keys (q_pos - k_pos < W, as transformers and llama.cpp mask) is ORT's
+    # local_window_size W: measured equal to the torch model and transformers, prefill and decode
+    # across the window (tests/test_architectures.py)
+    window = {"local_window_size": cfg.window(i)} if cfg.window(i) else {}
     attn = b.op("GroupQueryAttention",
                 [q, k, v, f"past_key.{i}", f"past_value.{i}", "seqlens_k", "total_sequence_length"],
                 domain=MS, name=f"l{i}.gqa", outputs=[f"l{i}.gqa/out", f"present_key.{i}", f"present_value.{i}"],
-                num_heads=h, kv_num_heads=kvh, do_rotary=0)[0]
+                num_heads=h, kv_num_heads=kvh, do_rotary=0, **window)[0]
     o = lin(attn, [p + "attn_output.weight"], h * hd, f"l{i}.wo")
+    if cfg.post_norms:
+        o = _rms_norm(b, o, f"l{i}.post_attn_norm", lin.w.vector(p + "post_attention_norm.weight"), eps)
     hn, residual = _skip_norm(b, o, residual, f"l{i}.ffn_norm", lin.w.vector(p + "ffn_norm.weight"), eps)
     gu = lin(hn, [p + "ffn_gate.weight", p + "ffn_up.weight"], cfg.dim, f"l{i}.gate_up")
     gate, up = b.op("Split", [gu, b.init(f"l{i}.gu.split", np.array([ffn, ffn], np.int64))],
                     n_out=2, name=f"l{i}.gu_split", axis=-1)
-    silu = b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"l{i}.sigmoid")[0]], name=f"l{i}.silu")[0]
-    act = b.op("Mul", [silu, up], name=f"l{i}.swiglu")[0]
+    if cfg.act == "gelu_tanh":  # GeGLU with the tanh approximation (Gemma)
+        a = b.op("Gelu", [gate], name=f"l{i}.gelu", approximate="tanh")[0]
+    else:
+        a = b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"l{i}.sigmoid")[0]], name=f"l{i}.silu")[0]
+    act = b.op("Mul", [a, up], name=f"l{i}.glu")[0]
     d = lin(act, [p + "ffn_down.weight"], ffn, f"l{i}.down")
+    if cfg.post_norms:
+        d = _rms_norm(b, d, f"l{i}.post_ffn_norm", lin.w.vector(p + "post_ffw_norm.weight"), eps)
     if i + 1 == cfg.n_layers:
         return None, b.op("Add", [d, residual], name="final_residual")[0]
     return _skip_norm(b, d, residual, f"l{i + 1}.attn_norm", lin.w.vector(f"blk.{i + 1}.attn_norm.weight"), eps)
 
 
-def _head(lin: _Linear, cfg: ModelConfig, hidden: str, emb_q8: tuple | None, head_level: int) -> None:
+def _head_norm(b: _Builder, x: str, heads: int, hd: int, name: str, weight: np.ndarray, eps: float) -> str:
+    """RMSNorm over head_dim of each head of x [1, S, heads * hd] (q/k norm): reshaped to
+    [1, S, heads, hd], normed, reshaped back."""
+    r = b.op("Reshape", [x, b.init(f"{name}.shape", np.array([0, 0, heads, hd], np.int64))], name=f"{name}.split")[0]
+    n = _rms_norm(b, r, name, weight, eps)
+    return b.op("Reshape", [n, b.init(f"{name}.back", np.array([0, 0, heads * hd], np.int64))], name=f"{name}.merge")[0]
+
+
+def _head(lin: _Linear, cfg: ModelConfig, hidden: str, emb_q8: Blocks | None, head_level: int) -> None:
     """logits [1, vocab] of the last position of `hidden` [1, S, dim]: final RMSNorm, then the
     output head. Tied Q8_0 embedding (`emb_q8`): at `head_level` 4 a MatMulNBits over its blocks,
     else a fp32 Gemm over the dequantized table; untied: the projection of `output.weight`."""
@@ -285,7 +301,7 @@ def _head(lin: _Linear, cfg: ModelConfig, hidden: str, emb_q8: tuple | None, hea
     xn = _rms_norm(b, last, "output_norm", lin.w.vector("output_norm.weight"), float(cfg.norm_eps))
     q8_head = cfg.tied_embeddings and emb_q8 is not None
     if q8_head and head_level == 4:
-        b.init("embed.scales", emb_q8[2])
+        b.init("embed.scales", emb_q8.scale)
         b.op("MatMulNBits", [xn, "embed.q", "embed.scales"], domain=MS, name="lm_head", outputs=["logits"],
              K=cfg.dim, N=cfg.vocab_size, bits=8, block_size=_BLOCK, accuracy_level=head_level)
     elif cfg.tied_embeddings:
@@ -317,8 +333,8 @@ def _io_specs(cfg: ModelConfig) -> tuple[list, list]:
 def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_level: int = ACCURACY_LEVEL,
                 head_accuracy_level: int | None = None):
     """The `onnx.ModelProto` of the GGUF at `model_path` (see the module docstring for its inputs
-    and outputs) and its `ModelConfig`. `weights`: 'gguf' (MatMulNBits over the file's own blocks;
-    tensors of other types, e.g. F16 or K-quants, fall back to dense fp32) or 'fp32'.
+    and outputs) and its `ModelConfig`. `weights`: 'gguf' (MatMulNBits over the file's own blocks,
+    `cloud.ggml_blocks`; tensors of other types, e.g. F16, fall back to dense fp32) or 'fp32'.
     `accuracy_level`: of the MatMulNBits nodes (0: fp32 activations; 4: activations quantized to
     int8 per block). At level 0 an 8-bit (Q8_0) output head is stored dequantized (fp32 Gemm)
     because ORT 1.32 runs 8-bit MatMulNBits at level 0 by dequantizing the whole matrix per call
@@ -337,14 +353,14 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_l
     cfg = read_config(reader)
     lin = _Linear(_Builder(), _Weights(reader, cfg), weights, accuracy_level)
     b = lin.b
-    rope = _rope_tables(b, cfg)
+    rope = _rope_tables(b, cfg, min(cfg.context_length, ROPE_POSITIONS))
     x, emb_q8 = _embedding(lin, cfg)
     hn = _rms_norm(b, x, "l0.attn_norm", lin.w.vector("blk.0.attn_norm.weight"), float(cfg.norm_eps))
     residual = x
     for i in range(cfg.n_layers):
         hn, residual = _layer(lin, cfg, i, hn, residual, rope)
     _head(lin, cfg, residual, emb_q8, accuracy_level if head_accuracy_level is None else head_accuracy_level)
-    graph = helper.make_graph(b.nodes, f"llama-{weights}", *_io_specs(cfg), b.inits)
+    graph = helper.make_graph(b.nodes, f"{cfg.arch}-{weights}", *_io_specs(cfg), b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
                               producer_name="relayinfer")
     model.ir_version = 10

@@ -93,8 +93,9 @@ class Timing:
 class CloudEstimate:
     """Running estimates of the cloud as this device sees it (ms): TTFT = ttft_base_ms +
     prefill_ms_per_token * prompt tokens (round trip included), fitted by least squares over the
-    last `window` requests (base and slope together), and TPOT by exponential averaging. The
-    defaults, used until two prompt lengths were seen, are deliberately pessimistic."""
+    last `window` requests (base and slope together), TPOT and the KV hand-off rate (bytes/s, None
+    until one came) by exponential averaging. The defaults, used until two prompt lengths were
+    seen, are deliberately pessimistic."""
 
     ttft_base_ms: float = 150.0
     prefill_ms_per_token: float = 1.0
@@ -103,6 +104,16 @@ class CloudEstimate:
     window: int = 32
     samples: list = field(default_factory=list)
     retry_at: float = 0.0  # time.monotonic() before which the cloud asked not to be called (OVERLOADED)
+    kv_bytes_per_s: float | None = None  # KV hand-offs as they came: bytes / ms from token 0 to the last piece
+
+    def update_kv(self, nbytes: int, ms: float) -> None:
+        """Fold in one whole KV hand-off: `nbytes` bytes of pieces that took `ms` from the first
+        token to the last piece (exponential average of the rate, bytes/s)."""
+        if nbytes <= 0 or ms <= 0:
+            return
+        rate = nbytes / ms * 1e3
+        self.kv_bytes_per_s = rate if self.kv_bytes_per_s is None else \
+            self.kv_bytes_per_s + self.alpha * (rate - self.kv_bytes_per_s)
 
     def back_off(self, retry_after_ms: float | None) -> None:
         """Honour an OVERLOADED hint: no cloud for `retry_after_ms` (default 1 s, at most 10 min)."""

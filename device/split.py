@@ -410,6 +410,7 @@ class _Cloud:
     cached: int = 0
     kv_from: int | None = None
     kv_parts: list[KVTransfer] = field(default_factory=list)
+    kv_done_ms: float | None = None  # when the last KV piece came (ms since the request started)
     got_kv: asyncio.Event = field(default_factory=asyncio.Event)
     refine: bool = False
     kept: list[int] | None = None
@@ -656,8 +657,15 @@ class _Run:
         Generate asks for (`SplitOptions.kv_rate`; no measured link: only the overhead) plus
         `kv_overhead_ms`."""
         opt, n = self.s.opt, len(self.prompt) - 1 - self.dev.reused
-        rate = opt.kv_rate()
+        rate = self.kv_plan_rate()
         return (n * self.kv_bpt() / rate * 1e3 if rate else 0.0) + opt.kv_overhead_ms
+
+    def kv_plan_rate(self) -> float | None:
+        """The KV hand-off rate the plan counts on (bytes/s): the rate asked for
+        (`SplitOptions.kv_rate`), or less where this client's earlier hand-offs came slower
+        (`CloudEstimate.kv_bytes_per_s`: a busy cloud encodes and sends them at its own pace)."""
+        asked, seen = self.s.opt.kv_rate(), self.s.cloud.kv_bytes_per_s
+        return min(r for r in (asked, seen) if r) if asked or seen else None
 
     def choose_kv(self) -> int | None:
         """`Generate.kv_from` (the first prompt token whose KV the cloud sends) or None (the device
@@ -674,7 +682,7 @@ class _Run:
         if s.device_timing is None:
             return None
         a, b, _ = s.device_timing
-        pays = kv_handoff_pays(n, self.kv_bpt(), opt.kv_rate(), s.cloud.ttft_ms(n + 1), a, b, opt.kv_overhead_ms)
+        pays = kv_handoff_pays(n, self.kv_bpt(), self.kv_plan_rate() if opt.kv_rate() else None, s.cloud.ttft_ms(n + 1), a, b, opt.kv_overhead_ms)
         return reused if pays else None
 
     def cache(self) -> DeviceCache | None:
@@ -889,6 +897,7 @@ class _Run:
         elif isinstance(msg, KVTransfer):
             self.cloud.kv_parts.append(msg)
             if len(self.cloud.kv_parts) >= (msg.num_blocks if msg.block_index >= 0 else 1):
+                self.cloud.kv_done_ms = self.now()
                 self.cloud.got_kv.set()
         elif isinstance(msg, RefinedPrompt):
             n = len(self.prompt)
@@ -1121,6 +1130,9 @@ class _Run:
         cloud = self.answer.cloud_arrivals()
         if cloud:
             self.s.cloud.update(len(self.prompt), cloud[0], tpot_from_arrivals(cloud))
+        c = self.cloud
+        if c.kv_done_ms is not None and cloud and c.kv_done_ms > cloud[0]:  # a whole KV hand-off came
+            self.s.cloud.update_kv(sum(len(p.kv.data) for p in c.kv_parts), c.kv_done_ms - cloud[0])
 
     def result(self) -> GenerationResult:
         """The request's `GenerationResult`; `mode` is the phase the answer ended in (`Phases.mode`)."""

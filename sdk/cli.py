@@ -141,7 +141,7 @@ def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
 def generate(
     prompt: str = typer.Argument(..., help="User message (chat template applied) or raw text with --raw."),
     engine: str = typer.Option("torch", help="torch (cloud runtime) or onnx (device runtime)."),
-    model: Optional[str] = typer.Option(None, help="Llama-family GGUF file; default SmolLM2-135M-Instruct."),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
     quantize: Optional[str] = typer.Option(None, help="Device weights, gguf (default: the GGUF's own blocks) or fp32 (onnx engine only)."),
     max_new_tokens: int = typer.Option(128, help="Generated tokens at most (EOS included), at least 1."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
@@ -187,7 +187,7 @@ def generate(
 
 @app.command("export")
 def export_cmd(
-    model: Optional[str] = typer.Option(None, help="Llama-family GGUF file; default SmolLM2-135M-Instruct."),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
     quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own 4/8-bit blocks) or fp32."),
 ):
     """Export the device model (ONNX + tokenizer + config) into the user cache, once per model hash."""
@@ -243,7 +243,7 @@ def cloud_serve(
     port: int = typer.Option(8765, help="Websocket (device stream) port; 0 = any free port."),
     http_port: int = typer.Option(8766,
                                   help="HTTP port: OpenAI API, /healthz, /metrics, /v1/device-model; 0 = any free port."),
-    model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, npu."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN",
@@ -410,7 +410,7 @@ def demo(
     profile: str = typer.Option("phone", help="Device profile pacing the device engine: phone, local, or a JSON path."),
     cloud_budget: Optional[int] = typer.Option(None, min=1, help="Most tokens the cloud streams; default: the "
                                                "settings algorithm's (auto)."),
-    model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
     as_json: bool = typer.Option(False, "--json", help="Print the GenerationResult as one JSON object."),
     certfile: Optional[str] = typer.Option(None, help="Embedded cloud over TLS (wss://): PEM certificate chain."),
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
@@ -781,7 +781,7 @@ def pd_serve(
     host: str = typer.Option("127.0.0.1", help="Listen address of the gateway."),
     port: int = typer.Option(8765, help="Websocket (device stream) port."),
     http_port: int = typer.Option(8766, help="HTTP port: OpenAI API, /healthz, /metrics, /v1/device-model."),
-    model: Optional[str] = typer.Option(None, help="Llama-family GGUF; default SmolLM2-135M-Instruct."),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
     scenario: Optional[list[str]] = typer.Option(None, help="A P/D group: NAME:N_PREFILL:N_DECODE:TTFT_MS:TPOT_MS"
                                                  "[:MAX_PROMPT_TOKENS] (repeatable; default chat:1:1:2000:300)."),
     ray_address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto' on a cluster node); "
@@ -925,6 +925,34 @@ from relayinfer.sdk.patho_cli import bench_patho as _bench_patho, patho_app as _
 
 app.add_typer(_patho_app, name="patho")
 bench_app.command("patho", help="Pathology split screening on the real SVS (results in bench/results/).")(_bench_patho)
+
+
+@app.command("models")
+def models_cmd(
+    model: Optional[list[str]] = typer.Option(None, "--model", help="Also describe this GGUF file (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per model."),
+):
+    """List the installed models (the names --model takes) and any --model files: architecture,
+    file size, quantization, context length, layers and vocabulary."""
+    from relayinfer.protocol.model.model_file import installed_models, model_summary
+
+    try:
+        rows = [model_summary(p, name) for name, p in installed_models().items()]
+        rows += [model_summary(m) for m in model or []]
+    except (RelayInferError, ValueError) as e:
+        fail(e, as_json)
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("name", "architecture", "size MB", "quantization", "context", "layers", "vocab", "path")
+    for r in rows:
+        t.add_row(r["name"], r["arch"], f"{r['size_bytes'] / 1e6:.0f}", r["quantization"], str(r["context_length"]),
+                  str(r["n_layers"]), str(r["vocab_size"]), r["path"])
+    Console().print(t)
 
 
 @app.command()

@@ -40,7 +40,7 @@ def test_rope_inv_freq_once_for_torch_and_the_device_graph():
     ref = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))  # transformers' Llama
     assert torch.equal(torch.from_numpy(inv), ref) and torch.equal(rope_inv_freq(CFG), ref)
     b = _Builder()
-    assert _rope_tables(b, CFG) == ("rope.cos", "rope.sin")
+    assert _rope_tables(b, CFG, CFG.context_length) == {CFG.rope_theta: ("rope.cos", "rope.sin")}
     tables = {t.name: numpy_helper.to_array(t) for t in b.inits}
     cos, sin = rope(torch.arange(CFG.context_length), rope_inv_freq(CFG))
     assert tables["rope.cos"].shape == (8192, 32)

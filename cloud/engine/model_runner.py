@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from relayinfer.cloud.models.llama import CAUSAL, Llama, gqa_attention, rope
+from relayinfer.cloud.models.llama import CAUSAL, Llama, gqa_attention, rope, with_window
 from relayinfer.protocol.kvhandoff import kv_bytes_per_token as _kv_bytes_per_token
 from relayinfer.protocol.model.model_file import ModelConfig
 
@@ -45,47 +45,64 @@ class PagedKV:
     Built by `ModelRunner.run` from the scheduled sequences; the model's blocks call
     `attend(layer, q, k, v, mask, obs)` with q [1, n_heads, N, head_dim] and k, v
     [1, kv_heads, N, head_dim] over the step's N tokens (batch order). `mask` is unused (each
-    sequence's mask is built here) and `obs` (prompt scoring) is refused.
+    sequence's mask is built here) and `obs` (prompt scoring) is refused. `window` > 0 (a
+    sliding-window layer) narrows each query's keys to its last `window` positions.
 
     Args:
         kv: per-layer cache tensors [2, kv_heads, slots, head_dim].
         slots: int64 [N], the cache slot of each token of the step.
         dec_rows: int64 [B] rows (token indices) of the step's single-query tokens; dec_gather:
             int64 [B * L] slots of their keys, padded to L = max length with slot 0;
-            dec_mask: bool [B, 1, 1, L] key-padding mask, or None when nothing is padded.
+            dec_mask: bool [B, 1, 1, L] key-padding mask, or None when nothing is padded;
+            dec_lens: int64 [B] their sequence lengths (sliding-window layers mask by them).
         spans: (first row, end row, key count, slots int64 [key count], causal mask bool
             [rows, key count], or `llama.CAUSAL` for a chunk from position 0) of each multi-token
             chunk.
     """
 
     def __init__(self, kv: list[torch.Tensor], slots: torch.Tensor, dec_rows: torch.Tensor | None,
-                 dec_gather: torch.Tensor | None, dec_len: int, dec_mask: torch.Tensor | None, spans: list):
+                 dec_gather: torch.Tensor | None, dec_len: int, dec_mask: torch.Tensor | None, spans: list,
+                 dec_lens: torch.Tensor | None = None):
         self.kv, self.slots = kv, slots
         self.dec_rows, self.dec_gather, self.dec_len, self.dec_mask = dec_rows, dec_gather, dec_len, dec_mask
+        self.dec_lens, self._windows = dec_lens, {}
         self.spans = spans
 
-    def attend(self, layer, q, k, v, mask=None, obs=None):
+    def attend(self, layer, q, k, v, mask=None, obs=None, window: int = 0):
         if obs is not None:
             raise ValueError("the batching engine does not score prompts (obs); use TorchEngine.prefill_scored")
         cache = self.kv[layer]
         cache.index_copy_(2, self.slots, torch.stack((k[0], v[0])))  # [2, kv_heads, N, head_dim] to slots
         _, h, n, hd = q.shape
         if self.dec_rows is not None and not self.spans and self.dec_rows.numel() == n:
-            return self._decode(cache, q[0].transpose(0, 1)).transpose(0, 1)[None]  # decode-only step
+            return self._decode(cache, q[0].transpose(0, 1), window).transpose(0, 1)[None]  # decode-only step
         o = q.new_empty(1, h, n, hd)
         if self.dec_rows is not None:
-            o[0, :, self.dec_rows] = self._decode(cache, q[0, :, self.dec_rows].transpose(0, 1)).transpose(0, 1)
+            o[0, :, self.dec_rows] = self._decode(cache, q[0, :, self.dec_rows].transpose(0, 1), window).transpose(0, 1)
         for r, e, t, g, m in self.spans:
             kv = cache.index_select(2, g)[:, None]                      # [2, 1, kv_heads, t, head_dim]
-            o[:, :, r:e] = gqa_attention(q[:, :, r:e], kv[0], kv[1], m)
+            o[:, :, r:e] = gqa_attention(q[:, :, r:e], kv[0], kv[1], with_window(m, e - r, t, window, q.device))
         return o
 
-    def _decode(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """q [B, n_heads, head_dim] of the single-query tokens -> attention output, same shape."""
+    def _decode(self, cache: torch.Tensor, q: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """q [B, n_heads, head_dim] of the single-query tokens -> attention output, same shape;
+        `window` > 0: each query sees only its sequence's last `window` keys."""
         b, h, hd = q.shape
         kvh = cache.shape[1]
         kv = cache.index_select(2, self.dec_gather).view(2, kvh, b, self.dec_len, hd).transpose(1, 2)
-        return gqa_attention(q.reshape(b, h, 1, hd), kv[0], kv[1], self.dec_mask).view(b, h, hd)
+        return gqa_attention(q.reshape(b, h, 1, hd), kv[0], kv[1], self._dec_window(window)).view(b, h, hd)
+
+    def _dec_window(self, window: int):
+        """The decode rows' key mask [B, 1, 1, L] for a layer with `window` (0: the padding mask):
+        key p of a sequence of length n is visible iff p < n and n - 1 - p < window (computed
+        once per step and window)."""
+        if not window or self.dec_len <= window:
+            return self.dec_mask
+        if window not in self._windows:
+            p = torch.arange(self.dec_len, device=self.dec_lens.device)[None, :]
+            n = self.dec_lens[:, None]
+            self._windows[window] = ((p < n) & (n - 1 - p < window))[:, None, None]
+        return self._windows[window]
 
 
 class ModelRunner:
@@ -184,7 +201,7 @@ class ModelRunner:
         if dec_rows:
             L = max(dec_lens)
             lens = torch.tensor(dec_lens, device=dev)
-            dec = dict(dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev),
+            dec = dict(dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev), dec_lens=lens,
                        dec_gather=self._table_slots(dec_tables, L).reshape(-1), dec_len=L,
                        dec_mask=None if min(dec_lens) == L else
                        (torch.arange(L, device=dev)[None, :] < lens[:, None])[:, None, None])
@@ -199,8 +216,8 @@ class ModelRunner:
         in batch order."""
         m = self.model
         ids, pos, cache, last_rows = self.prepare(batch)
-        cos, sin = rope(pos, m.inv_freq)                   # [N, head_dim]: broadcast over [1, heads, N, hd]
-        x = m.decoder(m.embed(ids[None]), cos, sin, None, cache)
+        cos, sin = rope(pos, m.inv_freq)                   # [R, N, head_dim]: broadcast over [1, heads, N, hd]
+        x = m.decoder(m.embed_tokens(ids[None]), cos, sin, None, cache)
         if not last_rows:
             return torch.empty(0, self.cfg.vocab_size)
         return m.head(x[0, last_rows]).float()

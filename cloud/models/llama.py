@@ -1,4 +1,8 @@
-"""A compact Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) loaded from a GGUF file.
+"""A compact Llama-family decoder (RMSNorm, RoPE, grouped-query attention, gated MLP) loaded from a GGUF file.
+
+The same blocks run Llama (SmolLM2, Llama 3.x), Qwen2 (Q/K/V biases) and Gemma 3 (embedding scale,
+q/k norms, norms after attention and MLP, GeGLU, sliding-window layers with their own RoPE base):
+each difference is a `ModelConfig` field (`protocol.model.model_file`), read from the GGUF.
 
 One readable model file in the style of gpt-fast: the KV cache is an object with one method,
 `attend(layer, q, k, v, mask, obs)` (store the new K/V, attend over what the queries may see), so
@@ -8,12 +12,13 @@ place), one-off forwards (`ConcatKV`, past/present tensors concatenated) and the
 once, here. Grouped-query attention never expands K/V (`gqa_attention`).
 
 GGUF stores the Q/K projection rows permuted for llama.cpp's interleaved rotary layout
-(`convert_hf_to_gguf.py`, `LlamaModel.permute`); `load_llama` undoes it so RoPE here is the
+(`convert_hf_to_gguf.py`, `LlamaModel.permute`; Llama only: `ModelConfig.rope_permuted`); `load_llama` undoes it so RoPE here is the
 `rotate_half` form of the Hugging Face checkpoints and our KV cache matches theirs element for element.
 """
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -31,10 +36,12 @@ class KVCache(Protocol):
     attention output [B, n_heads, S, head_dim] of queries q ([B, n_heads, S, head_dim]) over the
     keys each query may see. `mask` is whatever the cache's caller built for it (a bool mask for
     the contiguous caches here, None for "causal after the cached tokens"); the paged cache of the
-    batching engine (`cloud.engine.model_runner.PagedKV`) ignores it and masks per sequence."""
+    batching engine (`cloud.engine.model_runner.PagedKV`) ignores it and masks per sequence.
+    `window` > 0 (a sliding-window layer): a query at position p sees only keys at positions
+    > p - window (`window_mask`)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
-               obs: "ObservationScores | None" = None) -> torch.Tensor: ...
+               obs: "ObservationScores | None" = None, window: int = 0) -> torch.Tensor: ...
 
 
 CAUSAL = "causal"  # mask value: no cached keys (S == T) and query i sees keys 0..i
@@ -43,6 +50,28 @@ CAUSAL = "causal"  # mask value: no cached keys (S == T) and query i sees keys 0
 def causal_mask(s: int, t: int, device=None) -> torch.Tensor:
     """bool [s, t]: query i (the (t - s + i)-th position) sees keys 0..t - s + i."""
     return torch.ones(s, t, dtype=torch.bool, device=device).tril(t - s)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """bool [S, T]: key position k_pos[j] is within `window` tokens of query position q_pos[i]
+    (q_pos[i] - k_pos[j] < window), the sliding-window rule of Gemma 3 and Mistral (and llama.cpp's
+    `LLAMA_SWA_TYPE_STANDARD`). Causality is the caller's mask."""
+    return (q_pos[:, None] - k_pos[None, :]) < window
+
+
+def with_window(mask, s: int, t: int, window: int, device=None):
+    """`mask` (None, `CAUSAL` or bool broadcastable to [B, 1, S, T]) of S queries at positions
+    t - s .. t - 1 over T keys at 0 .. t - 1, narrowed to a sliding window of `window` tokens
+    (0: unchanged). Returns a bool mask (or `mask` itself when no key falls outside the window)."""
+    if not window or t <= window:
+        return mask
+    pos = torch.arange(t, device=device)
+    w = window_mask(pos[t - s:], pos, window)
+    if mask is None:
+        return w
+    if isinstance(mask, str):
+        return w & causal_mask(s, t, device)
+    return mask & w
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -80,8 +109,9 @@ class _ContiguousAttend:
     """`attend` for caches whose `update(layer, k, v)` returns the layer's whole K/V
     ([B, kv_heads, T, head_dim]): store, then `gqa_attention` under the caller's mask."""
 
-    def attend(self, layer, q, k, v, mask, obs=None):
+    def attend(self, layer, q, k, v, mask, obs=None, window: int = 0):
         k, v = self.update(layer, k, v)
+        mask = with_window(mask, q.shape[2], k.shape[2], window, q.device)
         if obs is not None:
             obs.add(q, k, causal_mask(q.shape[2], k.shape[2], q.device) if isinstance(mask, str) else mask)
         return gqa_attention(q, k, v, mask)
@@ -174,15 +204,24 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     """RoPE's inverse frequencies, float32 [head_dim / 2]: `model_file.rope_inv_freq` as a tensor
     (the numbers of the device graph's RoPE tables)."""
-    return torch.from_numpy(model_file.rope_inv_freq(cfg))
+    return torch.from_numpy(model_file.rope_inv_freq(cfg, theta))
+
+
+def rope_bases(cfg: ModelConfig) -> torch.Tensor:
+    """float32 [R, 1, head_dim / 2]: the inverse frequencies of each of the model's R RoPE bases
+    (`ModelConfig.rope_thetas`; R = 1 but for Gemma 3's local and global layers), for `rope`."""
+    return torch.stack([rope_inv_freq(cfg, th) for th in cfg.rope_thetas])[:, None]
 
 
 def rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, head_dim] for integer `positions` [S] ([B, S] gives [B, S, head_dim])
-    (RoFormer, Su et al. 2021)."""
+    (RoFormer, Su et al. 2021). `inv_freq` [head_dim / 2], or [R, 1, head_dim / 2] for R RoPE
+    bases at once (cos, sin [R, S, head_dim] / [R, B, S, head_dim])."""
+    if inv_freq.dim() == 3:  # one table per base: broadcast the bases over the positions' axes
+        inv_freq = inv_freq.view(inv_freq.shape[0], *([1] * positions.dim()), inv_freq.shape[-1])
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -196,39 +235,53 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.h, self.kvh, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, self.h * self.hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.kvh * self.hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.kvh * self.hd, bias=False)
+        self.window = cfg.window(layer)
+        self.wq = nn.Linear(cfg.dim, self.h * self.hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.kvh * self.hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.kvh * self.hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.h * self.hd, cfg.dim, bias=False)
+        if cfg.qk_norm:  # Gemma 3: RMSNorm over head_dim of every query / key head, before RoPE
+            self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache, layer: int, obs: "ObservationScores | None" = None):
         """x [B, S, dim] -> [B, S, dim]; cos/sin broadcastable to [B, 1, S, head_dim]; `mask` and
         the attention over cached keys belong to `cache` (see `KVCache.attend`)."""
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.h, self.hd).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.kvh, self.hd).transpose(1, 2)
+        q = self.wq(x).view(b, s, self.h, self.hd)
+        k = self.wk(x).view(b, s, self.kvh, self.hd)
         v = self.wv(x).view(b, s, self.kvh, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = cache.attend(layer, q, k, v, mask, obs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        o = cache.attend(layer, q, k, v, mask, obs, window=self.window)
         return self.wo(o.transpose(1, 2).reshape(b, s, self.h * self.hd))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.act = F.silu if cfg.act == "silu" else partial(F.gelu, approximate="tanh")
+        self.rope_index = cfg.rope_thetas.index(cfg.layer_rope_theta(layer))
+        if cfg.post_norms:  # Gemma 2/3: the attention and MLP outputs are normalised before the residual add
+            self.post_attn_norm, self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask, cache, layer, obs=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, obs)
+        """x [B, S, dim] -> [B, S, dim]; cos/sin [R, ..., S, head_dim]: the tables of every RoPE base
+        (`rope_bases`), of which the layer takes its own."""
+        cos, sin = cos[self.rope_index], sin[self.rope_index]
+        a = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, obs)
+        x = x + (self.post_attn_norm(a) if hasattr(self, "post_attn_norm") else a)
         h = self.ffn_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))  # SwiGLU (Shazeer 2020)
+        m = self.down(self.act(self.gate(h)) * self.up(h))  # SwiGLU / GeGLU (Shazeer 2020)
+        return x + (self.post_ffn_norm(m) if hasattr(self, "post_ffn_norm") else m)
 
 
 class Llama(nn.Module):
@@ -238,10 +291,10 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_bases(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, start: torch.Tensor | int,
                 last_only: bool = True, obs: "ObservationScores | None" = None,
@@ -256,8 +309,8 @@ class Llama(nn.Module):
         b, s = input_ids.shape
         pos = start + torch.arange(s, device=input_ids.device)
         cos, sin = rope(pos if positions is None else positions, self.inv_freq)
-        if cos.dim() == 3:  # per-row positions: broadcast over heads
-            cos, sin = cos[:, None], sin[:, None]
+        if cos.dim() == 4:  # per-row positions [R, B, S, hd]: broadcast over heads
+            cos, sin = cos[:, :, None], sin[:, :, None]
         if mask is not None:
             pass
         elif isinstance(start, int) and s == 1:
@@ -266,13 +319,19 @@ class Llama(nn.Module):
             mask = CAUSAL  # nothing cached: SDPA's is_causal
         else:  # causal over cached + new keys: key j visible to query i iff j <= start + i
             mask = torch.arange(start + s, device=input_ids.device)[None, :] <= pos[:, None]
-        x = self.decoder(self.embed(input_ids), cos, sin, mask, cache, obs)
+        x = self.decoder(self.embed_tokens(input_ids), cos, sin, mask, cache, obs)
         return self.head(x[:, -1] if last_only else x)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., dim] of int64 ids, times `cfg.embed_scale` (Gemma) in the model dtype."""
+        x = self.embed(input_ids)
+        return x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype) if self.cfg.embed_scale != 1.0 else x
 
     def decoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache: KVCache,
                 obs: "ObservationScores | None" = None) -> torch.Tensor:
         """All blocks: embeddings x [B, S, dim] -> hidden states [B, S, dim]. cos/sin from `rope`
-        broadcastable to [B, 1, S, head_dim]; `mask` is handed to `cache.attend` unchanged. The
+        over `inv_freq` ([R, ...] for the R RoPE bases), each broadcastable to [B, 1, S, head_dim];
+        `mask` is handed to `cache.attend` unchanged. The
         batching engine calls this with its paged cache (B = 1, S = every token of the step)."""
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, obs)
@@ -288,19 +347,21 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_NAMES = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight", "attn_q": "attn.wq.weight",
-          "attn_k": "attn.wk.weight", "attn_v": "attn.wv.weight", "attn_output": "attn.wo.weight",
-          "ffn_gate": "gate.weight", "ffn_up": "up.weight", "ffn_down": "down.weight"}
+_NAMES = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q": "attn.wq", "attn_k": "attn.wk",
+          "attn_v": "attn.wv", "attn_output": "attn.wo", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+          "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm", "post_attention_norm": "post_attn_norm",
+          "post_ffw_norm": "post_ffn_norm"}
 
 
 def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32) -> Llama:
-    """Read a Llama-family GGUF (default model when None), dequantize every tensor to float32 with
-    `gguf.quants.dequantize`, and return the model in eval mode on `device`.
+    """Read a GGUF of a supported architecture (default model when None), dequantize every tensor
+    to float32 with `gguf.quants.dequantize` (any type gguf knows: F32, F16, BF16, Q4_0, Q4_1,
+    Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, ...), and return the model in eval mode on `device`.
 
     Raises:
         ModelFileError: missing, truncated or corrupt file, or a tensor missing/misshapen.
-        UnsupportedModelError: not a Llama-family architecture.
+        UnsupportedModelError: an architecture outside `model_file.SUPPORTED_ARCHITECTURES`.
     """
     import gguf
 
@@ -321,11 +382,11 @@ def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
             key = _NAMES.get(parts[2])
             if key is None:
                 continue
-            if parts[2] == "attn_q":
+            if cfg.rope_permuted and parts[2] == "attn_q":
                 w = _unpermute(w, cfg.n_heads)
-            elif parts[2] == "attn_k":
+            elif cfg.rope_permuted and parts[2] == "attn_k":
                 w = _unpermute(w, cfg.n_kv_heads)
-            state[f"layers.{parts[1]}.{key}"] = w
+            state[f"layers.{parts[1]}.{key}.{parts[3]}"] = w
         elif t.name == "token_embd.weight":
             state["embed.weight"] = w
         elif t.name == "output_norm.weight":
@@ -344,5 +405,5 @@ def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
                           assign=True)
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(cfg)
+    model.inv_freq = rope_bases(cfg)
     return model.to(device=device, dtype=dtype).eval()

