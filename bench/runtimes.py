@@ -408,7 +408,7 @@ def main(argv=None) -> int:
                     f"contexts >= {LONG} (default 1,2; rows at other counts skip them)")
     ap.add_argument("--decode-budget", type=float, default=5.0, help="wall seconds per decode measurement")
     ap.add_argument("--max-wall-s", type=float, default=3600.0, help="no new measurement after this (s)")
-    ap.add_argument("--model", type=Path, help="GGUF file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="GGUF file or installed model name, e.g. gemma3-270m (default: SmolLM2-135M-Instruct)")
     args = ap.parse_args(argv)
     try:
         lengths = [128, 512] if args.quick else [int(x) for x in (args.lengths or ",".join(map(str, LENGTHS))).split(",")]

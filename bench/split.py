@@ -259,7 +259,7 @@ def _link_summary(modes: dict) -> dict:
 def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, seed: int = 0,
                     target_tpot_ms: float = 50.0, max_new_tokens: int = 64, refine: float = 0.5,
                     capacity: bool = True, link: str | None = None, pin_cores: bool = False,
-                    command: str | None = None) -> dict:
+                    command: str | None = None, model: str | None = None) -> dict:
     """Run the benchmark (see the module docstring), write `out` (JSON) and the PNGs beside it,
     and return the result dict ('summary', 'modes', 'requests', 'fidelity', 'capacity', ...).
 
@@ -274,7 +274,7 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.serve.service import ServiceThread
-    from relayinfer.protocol.model.model_file import default_model_path
+    from relayinfer.protocol.model.model_file import resolve_model_path
     from relayinfer.cloud.refine import WINDOW, refine_indices
     from relayinfer.sdk import Client
     from relayinfer.sdk.engines import load_engine
@@ -285,7 +285,7 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
     t_start = time.perf_counter()
     if quick:
         prompts, max_new_tokens = min(prompts, 2), 16
-    mp = default_model_path()
+    mp = resolve_model_path(model)
     cloud_engine = TorchEngine(mp, device="cpu", threads=1)
     device_engine = load_engine("onnx", mp, threads=1)
     device_engine.warmup()
@@ -458,7 +458,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                       capacity_rates=CAPACITY_RATES, capacity_window_s: float = 12.0, capacity_max_requests: int = 16,
                       kv_cache_mb: int = 256, time_limit_s: float = 1500.0, long_answers: bool = True,
                       command: str | None = None, links: list[str] | None = None,
-                      bucket_targets=BUCKET_TARGETS) -> dict:
+                      bucket_targets=BUCKET_TARGETS, model: str | None = None) -> dict:
     """The hand-off split benchmark (see bench/SPLIT.md): one batched cloud
     (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
     thread, in its own forked process pinned to the first core this process may use, `_CloudProcess`)
@@ -487,7 +487,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     link_profiles = {name: get_profile(name) for name in link_names if name is not None}  # unknown -> ValueError
     from relayinfer.device.calibrate import calibrated
     from relayinfer.device.profiles import load_profile
-    from relayinfer.protocol.model.model_file import default_model_path
+    from relayinfer.protocol.model.model_file import resolve_model_path
     from relayinfer.sdk import Client
     from relayinfer.sdk.engines import load_engine
 
@@ -497,7 +497,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     if len(cores) < 2:
         raise ValueError(f"the benchmark pins cloud and device to two cores; this process may use {cores}")
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
-    mp = default_model_path()
+    mp = resolve_model_path(model)
     cloud = _CloudProcess(mp, cores[0], kv_cache_mb, life_s=time_limit_s + 1800.0)
     rows, skipped, cap, link_counters = [], 0, {}, {}
     with cloud as (url, http_url, fingerprint), contextlib.ExitStack() as stack:

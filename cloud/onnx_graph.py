@@ -1,6 +1,6 @@
 """The device's ONNX graph of a Llama GGUF, written directly with `onnx.helper` (no torch tracing).
 
-Two weight formats (`WEIGHTS`):
+Weight formats (`WEIGHTS`; 'gguf-q8' is 'gguf' with the 8-bit blocks and the head at accuracy level 4):
 
 * ``gguf``: every block-quantized GGUF matrix becomes a `com.microsoft.MatMulNBits` initializer that
   holds the file's own blocks and scales (no re-quantization; `cloud.ggml_blocks` maps each type:
@@ -137,8 +137,9 @@ class _Linear:
     once and shared by every projection that reads it. 'fp32' weights: a dense fp32 MatMul.
     """
 
-    def __init__(self, b: _Builder, w: _Weights, weights: str, accuracy_level: int):
+    def __init__(self, b: _Builder, w: _Weights, weights: str, accuracy_level: int, level_8bit: int | None = None):
         self.b, self.w, self.weights, self.accuracy_level = b, w, weights, accuracy_level
+        self.level_8bit = accuracy_level if level_8bit is None else level_8bit
         self.block_sums: dict[tuple[str, int], str] = {}  # (input, block) -> its per-block sums [.., K/block]
 
     def __call__(self, x: str, names: list[str], k: int, tag: str, bias: list[str] | None = None) -> str:
@@ -167,7 +168,7 @@ class _Linear:
         sc = b.init(f"{tag}.scales", np.concatenate([p.scale for p in parts]))
         n = sum(p.q.shape[0] for p in parts)
         y = b.op("MatMulNBits", [x, bq, sc], domain=MS, name=tag, K=k, N=n, bits=parts[0].bits,
-                 block_size=block, accuracy_level=self.accuracy_level)[0]
+                 block_size=block, accuracy_level=self.accuracy_level if parts[0].bits == 4 else self.level_8bit)[0]
         if all(p.offset is None for p in parts):
             return y
         sums = self._block_sums(x, k, block, tag)
@@ -331,7 +332,7 @@ def _io_specs(cfg: ModelConfig) -> tuple[list, list]:
 
 
 def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_level: int = ACCURACY_LEVEL,
-                head_accuracy_level: int | None = None):
+                head_accuracy_level: int | None = None, level_8bit: int | None = None):
     """The `onnx.ModelProto` of the GGUF at `model_path` (see the module docstring for its inputs
     and outputs) and its `ModelConfig`. `weights`: 'gguf' (MatMulNBits over the file's own blocks,
     `cloud.ggml_blocks`; tensors of other types, e.g. F16, fall back to dense fp32) or 'fp32'.
@@ -339,7 +340,8 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_l
     int8 per block). At level 0 an 8-bit (Q8_0) output head is stored dequantized (fp32 Gemm)
     because ORT 1.32 runs 8-bit MatMulNBits at level 0 by dequantizing the whole matrix per call
     (about 70x slower); the embedding still reads the Q8_0 blocks (GatherBlockQuantized).
-    `head_accuracy_level`: that of the output head alone (None: `accuracy_level`).
+    `head_accuracy_level`: that of the output head alone (None: `accuracy_level`). `level_8bit`:
+    that of the 8-bit projections (Q5_0, Q5_K, Q6_K, Q8_0 layers; None: `accuracy_level`).
 
     Raises:
         ValueError: unknown `weights`.
@@ -349,9 +351,12 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_l
 
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; choose one of {WEIGHTS}")
+    if weights == "gguf-q8":  # the 8-bit blocks and the head on int8 activations (llama.cpp's Q8_0 way)
+        weights, level_8bit = "gguf", 4 if level_8bit is None else level_8bit
+        head_accuracy_level = 4 if head_accuracy_level is None else head_accuracy_level
     reader = open_gguf(model_path)
     cfg = read_config(reader)
-    lin = _Linear(_Builder(), _Weights(reader, cfg), weights, accuracy_level)
+    lin = _Linear(_Builder(), _Weights(reader, cfg), weights, accuracy_level, level_8bit)
     b = lin.b
     rope = _rope_tables(b, cfg, min(cfg.context_length, ROPE_POSITIONS))
     x, emb_q8 = _embedding(lin, cfg)
@@ -368,11 +373,12 @@ def build_model(model_path: str | os.PathLike, weights: str = "gguf", accuracy_l
 
 
 def write_model(model_path: str | os.PathLike, out: str | os.PathLike, weights: str = "gguf",
-                accuracy_level: int = ACCURACY_LEVEL, head_accuracy_level: int | None = None) -> ModelConfig:
+                accuracy_level: int = ACCURACY_LEVEL, head_accuracy_level: int | None = None,
+                level_8bit: int | None = None) -> ModelConfig:
     """Build the graph (`build_model`) and save it as one ONNX file `out` (must stay < 2 GiB).
     Returns the model's config."""
     import onnx
 
-    model, cfg = build_model(model_path, weights, accuracy_level, head_accuracy_level)
+    model, cfg = build_model(model_path, weights, accuracy_level, head_accuracy_level, level_8bit)
     onnx.save_model(model, str(Path(out)))
     return cfg

@@ -142,7 +142,7 @@ def generate(
     prompt: str = typer.Argument(..., help="User message (chat template applied) or raw text with --raw."),
     engine: str = typer.Option("torch", help="torch (cloud runtime) or onnx (device runtime)."),
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
-    quantize: Optional[str] = typer.Option(None, help="Device weights, gguf (default: the GGUF's own blocks) or fp32 (onnx engine only)."),
+    quantize: Optional[str] = typer.Option(None, help="Device weights, gguf (default: the GGUF's own blocks), gguf-q8 (8-bit blocks on int8 activations) or fp32 (onnx engine only)."),
     max_new_tokens: int = typer.Option(128, help="Generated tokens at most (EOS included), at least 1."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus filter, in (0, 1]; 1 = off."),
@@ -188,7 +188,7 @@ def generate(
 @app.command("export")
 def export_cmd(
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
-    quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own 4/8-bit blocks) or fp32."),
+    quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own 4/8-bit blocks), gguf-q8 (8-bit blocks on int8 activations) or fp32."),
 ):
     """Export the device model (ONNX + tokenizer + config) into the user cache, once per model hash."""
     _need_cloud("`relayinfer export`", "relayinfer.cloud.export", "onnx")
@@ -660,6 +660,8 @@ def bench_split(
                                  "capped at --max-new-tokens, then real SplitSessions against virtual twins; out default "
                                  "bench/results/goodput.json (+ .md, .png). With --quick: two 20 s rate points, one "
                                  "validation request per rate."),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); "
+                                        "default SmolLM2-135M-Instruct."),
 ):
     """Split vs device-only vs cloud-only (and split+refine) on real conversations."""
     import shlex
@@ -687,8 +689,8 @@ def bench_split(
         try:
             res = bench_module("goodput").run_goodput_bench(
                 profiles, out or "bench/results/goodput.json", seed=seed, max_new_tokens=max_new_tokens,
-                time_limit_s=time_limit_s, command=command, **kw)
-        except ValueError as e:
+                time_limit_s=time_limit_s, command=command, model=model, **kw)
+        except (RelayInferError, ValueError) as e:
             fail(e)
         print(json.dumps({"goodput": res["goodput"], "validation": (res["validation"] or {}).get("summary")},
                          indent=1, default=str))
@@ -709,8 +711,8 @@ def bench_split(
                 profiles, per_bucket, out or ("bench/results/split-handoff-links.json" if links else
                                               "bench/results/split-handoff.json"), seed=seed,
                 max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command,
-                links=links or None, **({"bucket_targets": targets} if targets else {}))
-        except ValueError as e:
+                links=links or None, model=model, **({"bucket_targets": targets} if targets else {}))
+        except (RelayInferError, ValueError) as e:
             fail(e)
         print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
                                                              "stalls", "tpot_ms_max", "result_modes")}
@@ -719,13 +721,14 @@ def bench_split(
     run_split_bench = bench_module("split").run_split_bench
     if not links:
         res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed,
-                              pin_cores=bool(pin_cores), command=command)
+                              pin_cores=bool(pin_cores), command=command, model=model)
         print(json.dumps(res.get("summary", res), indent=1, default=str))
         return
     table = []
     for name in links:
         res = run_split_bench(profile, prompts, out or f"bench/results/split-link-{name}.json", quick=quick, seed=seed,
-                              capacity=False, link=name, pin_cores=pin_cores is not False, command=command)
+                              capacity=False, link=name, pin_cores=pin_cores is not False, command=command,
+                              model=model)
         for mode, s in res["summary"]["link"]["per_mode"].items():
             table.append(f"{name:8s} {mode:12s} {s['ttft_ms_p50']:8.0f} {s['ttft_ms_p99']:8.0f} "
                          f"{s['ttft_p50_over_device_only'] or 0:6.2f} {s['stalls']:6d} {s['tpot_ms_p50']:7.0f} "

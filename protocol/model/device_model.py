@@ -9,12 +9,16 @@ from pathlib import Path
 from relayinfer.protocol.model.model_file import model_cache_dir, resolve_model_path
 
 FORMAT_VERSION = 4  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV; v2: RoPE tables 1 ulp from the torch model; v4: the model description of every architecture in config.json)
-WEIGHTS = ("gguf", "fp32")
+WEIGHTS = ("gguf", "gguf-q8", "fp32")
+"""Device weight formats: 'gguf' the GGUF's own blocks with float32 activations (greedy tokens equal
+the fp32 model's); 'gguf-q8' the same blocks with the 8-bit ones (and the tied Q8_0 output head)
+run on int8-quantized activations, as llama.cpp runs Q8_0 (MatMulNBits accuracy level 4: much
+faster for 8-bit-heavy files such as Gemma 3's, not fp32-equal); 'fp32' dequantized."""
 DEFAULT_WEIGHTS = "gguf"
 
 
 def onnx_file_name(weights: str | None = None) -> str:
-    """The ONNX file name of `weights` ('gguf' or 'fp32'; None = `DEFAULT_WEIGHTS`).
+    """The ONNX file name of `weights` (one of `WEIGHTS`; None = `DEFAULT_WEIGHTS`).
 
     Raises:
         ValueError: unknown weights; 'int8' (the former `quantize_dynamic` export) is refused with

@@ -111,8 +111,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         ModelFileError: the file does not exist, is not a GGUF file (bad magic), or a known name
             is not installed.
     """
-    if isinstance(model, str) and model in KNOWN_MODELS and not Path(model).exists():
-        path = installed_model_path(model)
+    if model is not None and str(model) in KNOWN_MODELS and not Path(model).exists():
+        path = installed_model_path(str(model))
     else:
         path = default_model_path() if model is None else Path(model)
     if not path.is_file():
