@@ -273,7 +273,7 @@ def _layer(lin: _Linear, cfg: ModelConfig, i: int, hn: str, residual: str,
         a = b.op("Gelu", [gate], name=f"l{i}.gelu", approximate="tanh")[0]
     else:
         a = b.op("Mul", [gate, b.op("Sigmoid", [gate], name=f"l{i}.sigmoid")[0]], name=f"l{i}.silu")[0]
-    act = b.op("Mul", [a, up], name=f"l{i}.glu")[0]
+    act = b.op("Mul", [a, up], name=f"l{i}.geglu" if cfg.act == "gelu_tanh" else f"l{i}.swiglu")[0]
     d = lin(act, [p + "ffn_down.weight"], ffn, f"l{i}.down")
     if cfg.post_norms:
         d = _rms_norm(b, d, f"l{i}.post_ffn_norm", lin.w.vector(p + "post_ffw_norm.weight"), eps)

@@ -13,15 +13,6 @@ import torch
 from relayinfer.protocol.model.decoding import SamplingParams
 
 
-def _dequant_blocks(bits, q, scales, offsets):
-    """What MatMulNBits + the offset term compute as weights, float32 [N, K]."""
-    if bits == 4:
-        w = (q.astype(np.float32) - 8) * scales[..., None] + offsets[..., None]
-    else:
-        w = (q.astype(np.float32) - 128) * scales[..., None]
-    return w.reshape(q.shape[0], -1)
-
-
 def _unpack4(packed):
     return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
@@ -46,15 +37,15 @@ def test_gguf_blocks_reproduce_the_file_weights(gguf_weights, name):
     w, cfg = gguf_weights, gguf_weights.cfg
     t = w.t[name]
     k = int(t.shape[0])
-    bits, q, scales, offsets = w.blocks(name, k)
-    assert bits == (8 if t.tensor_type.name == "Q8_0" else 4) and scales.dtype == np.float32
-    if bits == 4:
-        assert q.shape == (int(t.shape[1]), k // 32, 16)
-        q = _unpack4(q)
+    b = w.blocks(name, k)
+    assert b.bits == (8 if t.tensor_type.name == "Q8_0" else 4) and b.scale.dtype == np.float32
+    if b.bits == 4:
+        assert b.packed().shape == (int(t.shape[1]), k // 32, 16)
+        assert np.array_equal(_unpack4(b.packed()), b.q)  # the MatMulNBits nibble order
     ref = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
     if ".attn_q." in name:
         ref = _unpermute(ref, cfg.n_heads)
-    ours = _dequant_blocks(bits, q, scales, offsets)
+    ours = b.dense()
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= 1e-6 * max(1.0, np.abs(ref).max())
 

@@ -36,19 +36,19 @@ def edited_copy(src, dst, changes: dict):
     return dst
 
 
-def test_unknown_pre_and_sentencepiece_are_refused_by_name(tmp_path):
+def test_unknown_pre_and_tokenizer_model_are_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedModelError, match="'deepseek-llm'.*supported pre-tokenizers are .*llama-bpe"):
         Tokenizer.build_backend(["a", "b", "ab"], ["a b"], [1, 1, 1], "deepseek-llm")
     assert {"smollm", "llama-bpe", "qwen2", "gpt-2"} <= set(SUPPORTED_PRE)
-    sp = tmp_path / "sp.gguf"  # a SentencePiece vocabulary (llama.cpp's tokenizer model "llama")
+    sp = tmp_path / "t5.gguf"  # a Unigram vocabulary (llama.cpp's tokenizer model "t5"): not implemented
     w = gguf.GGUFWriter(str(sp), arch="llama")
-    w.add_key_value("tokenizer.ggml.model", "llama", T.STRING)
+    w.add_key_value("tokenizer.ggml.model", "t5", T.STRING)
     w.add_key_value("tokenizer.ggml.tokens", ["<unk>", "<s>", "</s>", "▁a"], T.ARRAY, sub_type=T.STRING)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="'llama'.*SentencePiece"):
+    with pytest.raises(UnsupportedModelError, match="'t5'.*byte-level BPE.*SentencePiece"):
         Tokenizer.from_gguf(sp, use_cache=False)
 
 
