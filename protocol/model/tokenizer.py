@@ -71,6 +71,19 @@ PLAIN_CHAT_TEMPLATE = (
 """The chat format of a model file without a chat template (`Tokenizer.render_chat`)."""
 
 
+def _add_marked(tok, tokens: Sequence[str], token_types: Sequence[int]):
+    """`tok` with the vocabulary's CONTROL tokens added as special and USER_DEFINED ones as added
+    tokens (matched whole in text, as llama.cpp does); returns it."""
+    from tokenizers import AddedToken
+
+    control = [t for t, ty in zip(tokens, token_types) if ty == _CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    user = [t for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED]
+    if user:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tok
+
+
 class Tokenizer:
     """Byte-level BPE tokenizer + chat template from a GGUF file.
 
@@ -107,7 +120,7 @@ class Tokenizer:
     def build_backend(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], pre: str):
         """A `tokenizers.Tokenizer`: byte-level BPE over `tokens`/`merges` with the pre-tokenizer
         named by `tokenizer.ggml.pre`, CONTROL tokens added as special, USER_DEFINED as added."""
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
         vocab = {t: i for i, t in enumerate(tokens)}
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
@@ -131,12 +144,7 @@ class Tokenizer:
                 [pre_tokenizers.Split(Regex(split), behavior="isolated"),
                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
-        control = [t for t, ty in zip(tokens, token_types) if ty == _CONTROL]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        user = [t for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED]
-        if user:
-            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-        return tok
+        return _add_marked(tok, tokens, token_types)
 
     @staticmethod
     def build_spm_backend(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int],
@@ -150,7 +158,7 @@ class Tokenizer:
         `add_space_prefix` (Llama 2 style) prepends one U+2581. Gemma stores a token of two or more
         spaces as real spaces: respelled as U+2581s. CONTROL tokens are added as special,
         USER_DEFINED as added."""
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
         gemma = arch.startswith("gemma")
         tokens = ["\u2581" * len(t) if gemma and " " in t and not t.strip() else t for t in tokens]
@@ -174,12 +182,7 @@ class Tokenizer:
                 replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
                                         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix and not gemma else []))
-        control = [t for t, ty in zip(tokens, token_types) if ty == _CONTROL]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        user = [t for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED]
-        if user:
-            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-        return tok
+        return _add_marked(tok, tokens, token_types)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike | None = None, use_cache: bool = True) -> "Tokenizer":
