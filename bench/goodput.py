@@ -551,7 +551,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
                  "rate_point": {"duration_s": duration_s, "max_requests": max_requests, "warmup_s": warmup_s,
                                 "timeout_s": timeout_s},
                  "rates": list(rates), "buckets": {b: t for b, t in BUCKETS}}
-    with cloud as (url, fingerprint):
+    with cloud as (url, _http_url, fingerprint):
         os.sched_setaffinity(0, {cores[1]})  # the load driver (this thread) on the second core
         from relayinfer.sdk.engines import load_engine
 
