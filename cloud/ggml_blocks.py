@@ -68,8 +68,8 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
-    """Bytes [..., width] -> [..., 2 * width]: the low nibbles (elements 0..width-1), then the high ones."""
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., w] -> [..., 2 * w]: the low nibbles (elements 0..w-1), then the high ones."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
@@ -96,14 +96,14 @@ def decompose(raw: np.ndarray, kind: str, k: int) -> Blocks | None:
     if k % per:
         raise ValueError(f"{kind} rows need K a multiple of {per}, got {k}")
     n = raw.shape[0]
+    if raw.ndim != 2 or raw.shape[1] != k // per * nbytes:
+        raise ValueError(f"{kind} rows of {raw.shape[1:]} bytes do not hold K = {k} ({k // per * nbytes} bytes)")
     blk = np.ascontiguousarray(raw).reshape(n, k // per, nbytes)
-    if blk.shape[-1] != nbytes:
-        raise ValueError(f"{kind} rows of {raw.shape[-1]} bytes do not hold K = {k}")
     nb = k // per
     if kind in ("Q4_0", "Q4_1"):
         d = _f16(blk[..., 0:2])
         head = 2 if kind == "Q4_0" else 4
-        q = _nibbles(blk[..., head:], 16)
+        q = _nibbles(blk[..., head:])
         off = None if kind == "Q4_0" else (_f16(blk[..., 2:4]) + 8 * d).astype(np.float32)
         return Blocks(4, 32, q.astype(np.uint8), d, off)
     if kind == "Q8_0":
@@ -112,7 +112,7 @@ def decompose(raw: np.ndarray, kind: str, k: int) -> Blocks | None:
         d = _f16(blk[..., 0:2])
         qh = np.ascontiguousarray(blk[..., 2:6]).view(np.uint32)[..., 0]
         hi = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        q5 = _nibbles(blk[..., 6:], 16) | (hi << 4)
+        q5 = _nibbles(blk[..., 6:]) | (hi << 4)
         return Blocks(8, 32, (q5 + 112).astype(np.uint8), d, None)
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]   # [n, nb, 1]

@@ -102,9 +102,6 @@ class _Weights:
             raw = _unpermute(raw, self.cfg.n_kv_heads)
         return raw, t.tensor_type
 
-    def has(self, name: str) -> bool:
-        return name in self.t
-
     def vector(self, name: str) -> np.ndarray:
         raw, kind = self._rows(name)
         if kind.name != "F32":

@@ -766,7 +766,18 @@ class CloudService:
                 if isinstance(out, KVParts):  # sent beside the tokens: they keep streaming meanwhile
                     kv_task = asyncio.create_task(self._send_kv(channel, req, sess, out))
                     continue
-                sent, last, prefill_ms, cached = await self._send_token(req, out, send, sent, last, prefill_ms, cached)
+                ms = (time.perf_counter() - req.t0) * 1e3
+                if sent == 0:
+                    self.admission.dequeue(req)
+                    prefill_ms = ms
+                    self.metrics.prefill.observe(prefill_ms / 1e3)
+                    stats = req.client.request_stats(req.key)
+                    cached = stats.prefix_hit_tokens if stats is not None else 0
+                end = out.finish_reason if out.finish_reason != "budget" else None
+                await send(Token(rid, out.token_id, out.index, ms, cached if sent == 0 else 0, end))
+                sent += 1
+                self.metrics.cloud_tokens.inc()
+                last = out.finish_reason
             if kv_task is not None:  # Done comes after the last piece (or after the pieces a Stop cut short)
                 req.answer_ended = last not in (None, "budget")  # the whole answer is out: no more pieces
                 await kv_task
@@ -781,21 +792,6 @@ class CloudService:
         reason = last or {RequestState.STOPPING: "stop", RequestState.CANCELLING: "cancel"}.get(state) or (
             "budget" if req.budget is not None and sent >= req.budget else "length")
         return Done(rid, reason, sent, prefill_ms, cached)
-
-    async def _send_token(self, req: _Request, out, send, sent: int, last, prefill_ms: float, cached: int):
-        """Send one engine output as its `Token` (token 0 also ends the prompt's admission wait and
-        records the prefill); returns the updated (sent, last finish reason, prefill_ms, cached)."""
-        ms = (time.perf_counter() - req.t0) * 1e3
-        if sent == 0:
-            self.admission.dequeue(req)
-            prefill_ms = ms
-            self.metrics.prefill.observe(prefill_ms / 1e3)
-            stats = req.client.request_stats(req.key)
-            cached = stats.prefix_hit_tokens if stats is not None else 0
-        end = out.finish_reason if out.finish_reason != "budget" else None
-        await send(Token(req.msg.request_id, out.token_id, out.index, ms, cached if sent == 0 else 0, end))
-        self.metrics.cloud_tokens.inc()
-        return sent + 1, out.finish_reason, prefill_ms, cached
 
     async def _send_kv(self, channel, req: _Request, sess: _Session, out: KVParts) -> None:
         """Send a KV hand-off as `KVTransfer` pieces of at most `kv_piece_bytes` each, in token

