@@ -72,7 +72,8 @@ import numpy as np
 
 from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, generate_message, sample
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
-from relayinfer.protocol.kvhandoff import KV_RATE_SHARE, common_prefix, kv_bytes_per_token, kv_handoff_pays, kv_layers
+from relayinfer.protocol.kvhandoff import (KV_RATE_SHARE, common_prefix, kv_bytes_per_token, kv_handoff_ms,
+                                           kv_handoff_pays, kv_layers)
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
                                          Token)
 from relayinfer.protocol.model.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
@@ -671,7 +672,8 @@ class _Run:
         """`Generate.kv_from` (the first prompt token whose KV the cloud sends) or None (the device
         prefills). Only in split mode, without refinement, with an engine that imports KV; with
         kv_handoff 'auto' only where `protocol.kvhandoff.kv_handoff_pays` (measured link bandwidth,
-        device prefill fit, expected cloud TTFT); True always, False never."""
+        device prefill fit, expected cloud TTFT) and the KV would arrive before the cloud could
+        stream all `max_new_tokens` (expected TTFT + TPOT each); True always, False never."""
         s, opt, reused = self.s, self.s.opt, self.dev.reused
         n = len(self.prompt) - 1 - reused  # tokens to send: all uncached prompt tokens but the last
         if (opt.kv_handoff is False or self.plan.mode != "split" or n <= 0 or not hasattr(s.engine, "kv_import")
@@ -682,8 +684,12 @@ class _Run:
         if s.device_timing is None:
             return None
         a, b, _ = s.device_timing
-        pays = kv_handoff_pays(n, self.kv_bpt(), self.kv_plan_rate() if opt.kv_rate() else None, s.cloud.ttft_ms(n + 1), a, b, opt.kv_overhead_ms)
-        return reused if pays else None
+        rate, ttft = self.kv_plan_rate() if opt.kv_rate() else None, s.cloud.ttft_ms(n + 1)
+        if not kv_handoff_pays(n, self.kv_bpt(), rate, ttft, a, b, opt.kv_overhead_ms):
+            return None
+        # an answer the cloud streams to its end before the KV could arrive: the transfer is waste
+        answer_ms = ttft + (self.params.max_new_tokens - 1) * s.cloud.tpot_ms
+        return reused if kv_handoff_ms(n, self.kv_bpt(), rate, ttft, a, b, opt.kv_overhead_ms) < answer_ms else None
 
     def cache(self) -> DeviceCache | None:
         """The device cache after this request, for the next turn: the last KV the engine returned

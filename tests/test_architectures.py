@@ -225,3 +225,33 @@ def test_gemma3_270m_fidelity_torch_onnx_transformers(gemma, gemma_hf):
             logits, kv = torch_engine.prefill(ids + ours[:k])
             top = np.sort(np.asarray(logits))[-2:]
             assert top[1] - top[0] < 0.05, (p, k, top)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_split_equals_cloud_only_and_device_only(gemma, tmp_path, monkeypatch):
+    """The main job on Gemma 3: a cloud service running the torch engine on the Gemma file; a device
+    with no model of its own fetches the cloud's device model (hash-checked, cached under the model's
+    fingerprint, not SmolLM2's) and the greedy split answer equals cloud-only and device-only, token
+    for token, with the hand-off inside the cloud budget."""
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.export import ensure_device_model
+    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+    from relayinfer.device.profiles import DeviceProfile
+    from relayinfer.protocol.model.tokenizer import Tokenizer
+    from relayinfer.sdk import Client
+
+    monkeypatch.setenv("RELAYINFER_CACHE", str(tmp_path))  # the device's cache starts empty
+    engine = TorchEngine(gemma, device="cpu", threads=1)
+    svc = CloudService(engine, engine.fingerprint, device_model_dir=ensure_device_model(gemma), step_delay_ms=20.0)
+    tok = Tokenizer.from_gguf(gemma)
+    with ServiceThread(svc) as cloud:
+        c = Client(cloud_url=cloud.url, profile=DeviceProfile("test-slow", prefill_ms_per_token=40.0),
+                   target_tpot_ms=30.0, cloud_budget=6)
+        assert c.fingerprint == engine.fingerprint and str(tmp_path) in str(c.engine.model_dir)
+        for p in PROMPTS[:3]:
+            ids = tok.encode_prompt(p)
+            split = c.complete(ids, max_new_tokens=16)
+            cloud_only = c.complete(ids, max_new_tokens=16, mode="cloud-only")
+            device_only = c.complete(ids, max_new_tokens=16, mode="device-only")
+            assert split.token_ids == cloud_only.token_ids == device_only.token_ids, p
+            assert split.mode == "split" and 0 < split.handoff_index <= 6 and split.device_tokens > 0, p

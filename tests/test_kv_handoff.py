@@ -71,3 +71,24 @@ def test_kv_handoff_equals_reprefill(cloud, onnx_engine, chat_prompt_ids, k):
     if a.device_prompt_tokens:  # the device ran (the cloud did not finish first)
         assert a.kv_imported_tokens == len(ids) - 1 and a.device_prompt_tokens == 1
     assert a.token_ids == b.token_ids
+
+
+def test_auto_kv_handoff_is_not_asked_for_an_answer_shorter_than_the_transfer(cloud, onnx_engine, chat_prompt_ids,
+                                                                                monkeypatch):
+    """kv_handoff 'auto' on a fast measured link with a device slow at prefill: the KV is asked
+    for a 24-token answer, but not for a 2-token one, which the cloud (40 ms per token expected)
+    streams to its end before the KV could arrive (the transfer would be sent for nothing)."""
+    from relayinfer.device import split as split_mod
+    from relayinfer.device.profiles import DeviceProfile
+    from relayinfer.sdk.client import Client
+
+    asked, real = [], split_mod.generate_message
+    monkeypatch.setattr(split_mod, "generate_message", lambda *a, **kw: asked.append(kw["kv_from"]) or real(*a, **kw))
+    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=DeviceProfile("test-slow", prefill_ms_per_token=40.0),
+               link_bytes_per_s=1e9)
+    c.cloud.tpot_ms = 40.0  # the cloud's TPOT as this client expects it (measured ones vary with load)
+    long = c.complete(chat_prompt_ids[0], max_new_tokens=24)
+    c.cloud.tpot_ms = 40.0  # KV at ~61 ms after the first token (1 ms of bytes, overhead, one prefill) > 40
+    short = c.complete(chat_prompt_ids[0], max_new_tokens=2)
+    assert asked == [0, None], asked
+    assert long.fault is None and short.fault is None and long.kv_imported_tokens in (0, len(chat_prompt_ids[0]) - 1)
