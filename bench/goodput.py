@@ -515,7 +515,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
                       max_requests: int = 200, warmup_s: float = 20.0, slos=SLOS, target_tpot_ms: float = 50.0,
                       timeout_s: float = 120.0, time_limit_s: float = 3600.0, validate_rates: Sequence[float] = (0.0, 0.4),
                       validate_per_rate: int = 4, kv_cache_mb: int = 256, plot: bool = True,
-                      command: str | None = None, model: str | None = None) -> dict:
+                      command: str | None = None, model: str | None = None, quantize: str | None = None) -> dict:
     """The goodput benchmark (module docstring): reference pass, then per mode (cloud-only once, split
     per device profile of `profiles`) a sweep over `rates`, then the validation against real
     `SplitSession`s (`validate_per_rate` requests at each of `validate_rates`, first profile; none
@@ -555,7 +555,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
         os.sched_setaffinity(0, {cores[1]})  # the load driver (this thread) on the second core
         from relayinfer.sdk.engines import load_engine
 
-        device_engine = load_engine("onnx", mp, threads=1)  # its tokenizer; the real device of the validation
+        device_engine = load_engine("onnx", mp, quantize, threads=1)  # its tokenizer; the real device of the validation
         tok = device_engine.tokenizer()
         pool = _pool(tok, pool_size, seed)
         asyncio.run(_reference(url, fingerprint, pool, max_new_tokens, target_tpot_ms, timeout_s))

@@ -259,7 +259,7 @@ def _link_summary(modes: dict) -> dict:
 def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, seed: int = 0,
                     target_tpot_ms: float = 50.0, max_new_tokens: int = 64, refine: float = 0.5,
                     capacity: bool = True, link: str | None = None, pin_cores: bool = False,
-                    command: str | None = None, model: str | None = None) -> dict:
+                    command: str | None = None, model: str | None = None, quantize: str | None = None) -> dict:
     """Run the benchmark (see the module docstring), write `out` (JSON) and the PNGs beside it,
     and return the result dict ('summary', 'modes', 'requests', 'fidelity', 'capacity', ...).
 
@@ -287,7 +287,7 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
         prompts, max_new_tokens = min(prompts, 2), 16
     mp = resolve_model_path(model)
     cloud_engine = TorchEngine(mp, device="cpu", threads=1)
-    device_engine = load_engine("onnx", mp, threads=1)
+    device_engine = load_engine("onnx", mp, quantize, threads=1)
     device_engine.warmup()
     tok = device_engine.tokenizer()
     plist = _prompts(tok, prompts, seed, (64, 512) if quick else LENGTHS)
@@ -356,7 +356,7 @@ def run_split_bench(profile: str, prompts: int, out: str, quick: bool = False, s
            "link": {"profile": link_profile.to_dict(), "counters": link_counters} if link_profile else None,
            "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
            "setup": {"cloud": "CloudService+TorchEngine cpu 1 thread, in-process ServiceThread",
-                     "device": f"OnnxEngine 1 thread via Client, PacedEngine profile {profile!r}",
+                     "device": f"OnnxEngine ({quantize or 'gguf'}) 1 thread via Client, PacedEngine profile {profile!r}",
                      "link": f"LinkProxy {link!r} on loopback (emulated)" if link else "direct loopback",
                      "pinned_cores": pinned,
                      "device_timing": list(client.device_timing()), "cores": os.cpu_count(),
@@ -458,7 +458,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                       capacity_rates=CAPACITY_RATES, capacity_window_s: float = 12.0, capacity_max_requests: int = 16,
                       kv_cache_mb: int = 256, time_limit_s: float = 1500.0, long_answers: bool = True,
                       command: str | None = None, links: list[str] | None = None,
-                      bucket_targets=BUCKET_TARGETS, model: str | None = None) -> dict:
+                      bucket_targets=BUCKET_TARGETS, model: str | None = None, quantize: str | None = None) -> dict:
     """The hand-off split benchmark (see bench/SPLIT.md): one batched cloud
     (`CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine)))`, as `relayinfer cloud serve`, one
     thread, in its own forked process pinned to the first core this process may use, `_CloudProcess`)
@@ -502,7 +502,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     rows, skipped, cap, link_counters = [], 0, {}, {}
     with cloud as (url, http_url, fingerprint), contextlib.ExitStack() as stack:
         os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
-        device_engine = load_engine("onnx", mp, threads=1)
+        device_engine = load_engine("onnx", mp, quantize, threads=1)
         device_engine.warmup()
         # this run's calibration, on the device's core under the run's load (a cached one may come from
         # another load: it sets the device fit of the settings and the display interval)
@@ -592,7 +592,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "prompt_lengths": [len(ids) for _, ids in plist], "requests": rows,
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
                               f"KV, no prefix cache)) in its own (forked) process pinned to core {cores[0]}",
-                     "device": f"OnnxEngine 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
+                     "device": f"OnnxEngine ({quantize or 'gguf'}) 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
                      "link": (f"LinkProxy per link ({', '.join(link_profiles)}) on loopback (emulated, sdk.linkem)"
                               if link_profiles else "direct loopback"),
                      "calibration": {"prefill_ms_base": local.prefill_ms_base,

@@ -662,6 +662,8 @@ def bench_split(
                                  "validation request per rate."),
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); "
                                         "default SmolLM2-135M-Instruct."),
+    quantize: Optional[str] = typer.Option(None, help="The device model's weights: gguf (default, the GGUF's own "
+                                           "blocks), gguf-q8 (8-bit blocks on int8 activations) or fp32."),
 ):
     """Split vs device-only vs cloud-only (and split+refine) on real conversations."""
     import shlex
@@ -670,6 +672,13 @@ def bench_split(
 
     command = shlex.join(["relayinfer", *sys.argv[1:]])
     links = [x.strip() for item in link or [] for x in item.split(",") if x.strip()]
+    if quantize is not None:
+        from relayinfer.protocol.model.device_model import onnx_file_name
+
+        try:
+            onnx_file_name(quantize)
+        except ValueError as e:
+            fail(ValueError(f"--quantize: {e}"))
     bad = [x for x in links if x not in PROFILES]
     if bad:
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
@@ -689,7 +698,7 @@ def bench_split(
         try:
             res = bench_module("goodput").run_goodput_bench(
                 profiles, out or "bench/results/goodput.json", seed=seed, max_new_tokens=max_new_tokens,
-                time_limit_s=time_limit_s, command=command, model=model, **kw)
+                time_limit_s=time_limit_s, command=command, model=model, quantize=quantize, **kw)
         except (RelayInferError, ValueError) as e:
             fail(e)
         print(json.dumps({"goodput": res["goodput"], "validation": (res["validation"] or {}).get("summary")},
@@ -711,7 +720,7 @@ def bench_split(
                 profiles, per_bucket, out or ("bench/results/split-handoff-links.json" if links else
                                               "bench/results/split-handoff.json"), seed=seed,
                 max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command,
-                links=links or None, model=model, **({"bucket_targets": targets} if targets else {}))
+                links=links or None, model=model, quantize=quantize, **({"bucket_targets": targets} if targets else {}))
         except (RelayInferError, ValueError) as e:
             fail(e)
         print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
@@ -721,14 +730,14 @@ def bench_split(
     run_split_bench = bench_module("split").run_split_bench
     if not links:
         res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed,
-                              pin_cores=bool(pin_cores), command=command, model=model)
+                              pin_cores=bool(pin_cores), command=command, model=model, quantize=quantize)
         print(json.dumps(res.get("summary", res), indent=1, default=str))
         return
     table = []
     for name in links:
         res = run_split_bench(profile, prompts, out or f"bench/results/split-link-{name}.json", quick=quick, seed=seed,
                               capacity=False, link=name, pin_cores=pin_cores is not False, command=command,
-                              model=model)
+                              model=model, quantize=quantize)
         for mode, s in res["summary"]["link"]["per_mode"].items():
             table.append(f"{name:8s} {mode:12s} {s['ttft_ms_p50']:8.0f} {s['ttft_ms_p99']:8.0f} "
                          f"{s['ttft_p50_over_device_only'] or 0:6.2f} {s['stalls']:6d} {s['tpot_ms_p50']:7.0f} "

@@ -170,13 +170,14 @@ class Client:
         token: bearer token for the cloud.
         mode: 'split' (default), 'device-only' or 'cloud-only'.
         threads: ONNX Runtime intra-op threads (device default 1).
-        quantize: None or 'int8' device weights.
+        quantize: device weights of a locally exported model: None / 'gguf' (the GGUF's own blocks),
+            'gguf-q8' (8-bit blocks on int8 activations) or 'fp32' (`protocol.model.device_model.WEIGHTS`).
         cloud_budget: most tokens the cloud streams per request: 'auto' (the settings algorithm
             chooses it from the device timing and the cloud estimates), an int, or None (until the
             device takes over).
         profile: device profile ('local', 'phone', a JSON path, or a `DeviceProfile`) pacing the device engine.
         engine: an already loaded device engine to share (tests, load generators); `model`,
-            `quantize` and `threads` are then ignored.
+            `quantize` and `threads` are then refused (ValueError).
         ca: PEM file of the CA that signed the cloud's certificate (a private or self-signed CA)
             for a wss:// cloud; None = the system CAs.
         verify: False turns certificate and host-name verification off for wss:// (a warning is
@@ -230,7 +231,7 @@ class Client:
     """
 
     def __init__(self, cloud_url: str | None = None, model: str | os.PathLike | None = None,
-                 target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int = 1,
+                 target_tpot_ms: float = 50.0, token: str | None = None, mode: str = "split", threads: int | None = None,
                  quantize: str | None = None, cloud_budget: int | None | str = "auto", connect_timeout_s: float = 5.0,
                  profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True,
                  cloud_http_url: str | None = None, progress=None, kv_handoff: bool | str = "auto",
@@ -255,6 +256,11 @@ class Client:
         weakref.finalize(self, self._rt.close, 1.0)
         if cloud_http_url is not None and not cloud_http_url.startswith(("http://", "https://")):
             raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
+        if engine is not None:
+            given = [n for n, v in (("model", model), ("quantize", quantize), ("threads", threads)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0]} does not apply with engine= (the engine is already loaded); pass one or "
+                                 "the other")
         if engine is None:
             from relayinfer.device.onnx_engine import OnnxEngine, device_model_dir, onnx_file_name
             from relayinfer.protocol.model.errors import ModelFileError

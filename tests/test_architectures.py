@@ -140,6 +140,44 @@ PROMPTS = ["The capital of France is", "Once upon a time, there was a little rob
            "Hello! How are you today? I am", "The three primary colors are", "Water boils at"]
 
 
+def test_refined_prompt_on_a_model_without_a_chat_template(tiny, monkeypatch):
+    """A file with no chat template (plain-text prompts): the template has no scaffold, so the
+    cloud's refinement keeps tokens by score (the last window always) and the device prefills the
+    refined prompt and completes the split answer. A template whose turns cannot be found gets a
+    bad_request naming refine (the device answers alone), not an internal error."""
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+    from relayinfer.protocol.model import refine as refine_mod
+    from relayinfer.protocol.model.refine import TemplateMarkers
+    from relayinfer.protocol.model.tokenizer import Tokenizer
+    from relayinfer.sdk import Client
+    from relayinfer.sdk.engines import load_engine
+
+    monkeypatch.setattr(refine_mod, "MIN_REFINE_TOKENS", 0)
+    path = tiny("gemma3", "Q8_0")
+    tok = Tokenizer.from_gguf(path, use_cache=False)
+    assert tok.chat_template is None and TemplateMarkers.from_tokenizer(tok).headers == ()
+    ids = tok.encode_chat(PROMPT + " " + PROMPT)
+    engine = TorchEngine(path, device="cpu", threads=1)
+    with ServiceThread(CloudService(engine, engine.fingerprint, step_delay_ms=20.0), http_port=None) as cloud:
+        c = Client(cloud_url=cloud.url, engine=load_engine("onnx", path), cloud_budget=4, target_tpot_ms=1.0,
+                   kv_handoff=False)
+        res = c.complete(ids, max_new_tokens=8, refine=0.5)
+        c.close()
+    assert res.fault is None and res.mode == "split" and res.device_tokens > 0, res
+    assert len(ids) // 2 <= res.device_prompt_tokens < len(ids)
+    # a template whose turns cannot be found: the request is refused naming refine, not failed inside
+    svc = CloudService(engine, engine.fingerprint)
+    monkeypatch.setattr(svc._markers, "get", lambda: (_ for _ in ()).throw(
+        ValueError("the chat template does not write the role name 'system'")))
+    with ServiceThread(svc, http_port=None) as cloud:
+        c = Client(cloud_url=cloud.url, engine=load_engine("onnx", path), cloud_budget=4, kv_handoff=False)
+        res = c.complete(ids, max_new_tokens=8, refine=0.5)
+        c.close()
+    assert res.mode == "device-only" and res.fault == "cloud-error" and res.device_tokens == 8
+    assert "[bad_request]: refine: this model's prompts cannot be refined" in res.error
+
+
 @pytest.fixture(scope="module")
 def gemma():
     """The real Gemma 3 270M GGUF (Q4_K_M) from its wheels (the default set-up installs them)."""

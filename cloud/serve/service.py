@@ -642,6 +642,12 @@ class CloudService:
             return
         client = self.llm if self._batched(msg) else self.per_request
         err = self.admission.check(msg, len(sess.requests), self.health(), client.limits, client.prefill_tok_s)
+        if err is None and msg.refine is not None:
+            try:
+                self._markers.get()
+            except ValueError as e:  # a chat template whose turns cannot be found: no refinement, said so
+                err = Error(ErrorCode.BAD_REQUEST.value, f"refine: this model's prompts cannot be refined ({e}); "
+                                                         "leave refine out", rid)
         charge = kv_charge = None
         if err is None and client is self.per_request:
             charge = self.admission.charge(msg, self.engine.cfg)

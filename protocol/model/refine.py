@@ -52,16 +52,19 @@ class TemplateMarkers:
         """Render a probe conversation (system, user, assistant, user + generation prompt) with the
         tokenizer's chat template (`Tokenizer.render_chat`) and cut the template text between the
         contents into turn end and header: a header starts at the last control token before its
-        role name. Cached on the tokenizer object.
+        role name. Cached on the tokenizer object. A model file without a chat template (its prompts
+        are `PLAIN_CHAT_TEMPLATE` text) has no scaffold: no headers, so a refinement selects its
+        tokens by score alone (control tokens and the last window still kept).
 
         Raises:
-            ValueError: the tokenizer has no chat template, or its template does not write the
-                role names (the scaffold cannot be found).
+            ValueError: the template does not write the role names (the scaffold cannot be found).
         """
         cached = getattr(tok, "_template_markers", None)
         if cached is not None:
             return cached
         special = frozenset(tok.special_ids)
+        if getattr(tok, "chat_template", "") is None:  # the plain-text default: no control token opens a turn
+            return cls((), (), (), special)
         roles = ["system", "user", "assistant", "user"]
         sent = [f"\ue000{i}\ue001" for i in range(len(roles))]
         msgs = [{"role": r, "content": s} for r, s in zip(roles, sent)]
