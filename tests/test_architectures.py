@@ -140,6 +140,45 @@ PROMPTS = ["The capital of France is", "Once upon a time, there was a little rob
            "Hello! How are you today? I am", "The three primary colors are", "Water boils at"]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_pd_hand_off_and_batched_engine_equal_the_single_request_engine(tiny, arch):
+    """P/D and the batching engine on each non-llama architecture: a prompt longer than Gemma 3's
+    sliding window here (and a second one sharing its first blocks, a prefix-cache hit) prefilled
+    on a prefill instance, its KV moved (contiguous and block-fixed) to a decode instance: the
+    greedy tokens equal the batching engine's and the single-request engine's."""
+    import asyncio
+
+    from relayinfer.cloud.engine.llm_engine import LLMEngine
+    from relayinfer.cloud.pd.instance import Instance, InstanceConfig
+    from relayinfer.protocol.model.decoding import SamplingParams
+    from relayinfer.protocol.model.tokenizer import Tokenizer
+    from relayinfer.sdk.engines import load_engine
+
+    path = tiny(arch, "Q8_0")
+    engine = load_engine("torch", path, threads=1)
+    a = Tokenizer.from_gguf(path, use_cache=False).encode_prompt(PROMPT)
+    prompts, params = [a, a[:len(a) // 2 + 16] + a[:9]], SamplingParams(max_new_tokens=8)
+    single = [_greedy(engine, ids, 8)[0] for ids in prompts]
+    assert LLMEngine(engine, kv_cache_bytes=4 << 20).generate(prompts, params) == single
+
+    async def pd(mode):
+        p = Instance(engine, "p", "prefill", InstanceConfig(kv_cache_bytes=4 << 20, transfer=mode))
+        d = Instance(engine, "d", "decode", InstanceConfig(kv_cache_bytes=4 << 20))
+        try:
+            out = []
+            for i, ids in enumerate(prompts):
+                ho = await p.prefill(f"r{i}", ids, params)
+                out.append([ho.new_token] + [o.token_id async for o in d.decode(ho)])
+            return out, d.engine.request_stats("r1").prefix_hit_tokens
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+    for mode in ("contiguous", "block-fixed"):
+        out, hit = asyncio.run(pd(mode))
+        assert out == single and hit >= 16, (mode, hit)
+
+
 def test_refined_prompt_on_a_model_without_a_chat_template(tiny, monkeypatch):
     """A file with no chat template (plain-text prompts): the template has no scaffold, so the
     cloud's refinement keeps tokens by score (the last window always) and the device prefills the
