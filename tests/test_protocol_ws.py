@@ -320,3 +320,21 @@ def test_full_frame_limit_holds_from_the_welcome_on(monkeypatch):
             await ch.close()
     run(main(), timeout=30.0)
     assert limits_at_send == [ws.ws_max_size(big)]
+
+
+def test_no_permessage_deflate_either_way():
+    """Neither side negotiates compression: the server declines a client that offers deflate (as
+    websockets' and browsers' clients do), and `open_channel` offers none, so a KV piece costs no
+    zlib time on a busy cloud core."""
+    async def handler(channel: ws.ServerChannel):
+        await channel.recv()
+        await channel.send(Done("r", "length", 0, 0.0))
+
+    async def main():
+        async with ws.serve(handler, "127.0.0.1", 0, expected_fingerprint=FP, max_frame_bytes=LIMIT) as server:
+            url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            async with connect(url) as raw:  # websockets' client offers permessage-deflate by default
+                assert raw.response.headers.get("Sec-WebSocket-Extensions") is None
+            async with await ws.open_channel(url, FP, max_frame_bytes=LIMIT) as ch:
+                assert ch.ws.protocol.extensions == [] and "Sec-WebSocket-Extensions" not in ch.ws.request.headers
+    run(main())
