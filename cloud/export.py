@@ -21,10 +21,22 @@ from relayinfer.protocol.model.device_model import (DEFAULT_WEIGHTS, FORMAT_VERS
     onnx_file_name)
 from relayinfer.protocol.model.model_file import file_sha256, fingerprint, read_config, open_gguf, resolve_model_path
 from relayinfer.protocol.model.tokenizer import Tokenizer
+from relayinfer.protocol.model.errors import ModelFileError
 
 QUANTIZATIONS = (None, *WEIGHTS)  # None = DEFAULT_WEIGHTS ('gguf')
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_meta.json")  # what a device needs besides the ONNX file
 EXPORT_SECONDS = 15.0  # export of SmolLM2-135M on this project's 2-core machine (progress estimate)
+_EXPORT_REF_BYTES = 98_362_432  # its GGUF's size: other files are estimated in proportion
+
+
+def export_seconds(model_path: str | os.PathLike | None = None) -> float:
+    """The progress estimate of one export (s): `EXPORT_SECONDS` scaled by the GGUF file's size
+    against SmolLM2-135M's (98 MB), never less than `EXPORT_SECONDS`."""
+    try:
+        size = os.path.getsize(resolve_model_path(model_path))
+    except (OSError, ValueError, ModelFileError):
+        return EXPORT_SECONDS
+    return EXPORT_SECONDS * max(1.0, size / _EXPORT_REF_BYTES)
 
 
 def device_model_ready(model_path: str | os.PathLike | None = None, quantize: str | None = None) -> bool:
@@ -100,7 +112,7 @@ def _ensure_locked(path: Path, d: Path, name: str, say: Callable[[str], None]) -
         Tokenizer.from_gguf(path).save(d)
         for f in SIDE_FILES:
             manifest["files"][f] = file_sha256(d / f)
-    say(f"writing the ONNX graph ({name}, about {EXPORT_SECONDS:.0f} s on 2 cores)")
+    say(f"writing the ONNX graph ({name}, about {export_seconds(path):.0f} s on 2 cores)")
     tmp = d / f".{name}.{os.getpid()}"
     try:
         write_model(path, tmp, name.split(".")[1])

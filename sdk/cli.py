@@ -88,15 +88,26 @@ class _PlainFormatter:
         return text
 
 
+def _check_quantize(quantize: str | None) -> None:
+    """Raise ValueError naming --quantize when it is not a device weights variant."""
+    if quantize is not None:
+        from relayinfer.protocol.model.device_model import onnx_file_name
+
+        try:
+            onnx_file_name(quantize)
+        except ValueError as e:
+            raise ValueError(f"--quantize: {e}") from None
+
+
 def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
     """The exported device model's directory; when it must be exported first (once per model file),
     a rich progress bar on stderr shows the step and the time against the measured estimate
-    (`EXPORT_SECONDS`). Nothing is printed when the model is already in the cache."""
+    (`cloud.export.export_seconds`). Nothing is printed when the model is already in the cache."""
     import threading
     import time
 
     try:
-        from relayinfer.cloud.export import EXPORT_SECONDS, device_model_ready, ensure_device_model
+        from relayinfer.cloud.export import device_model_ready, ensure_device_model, export_seconds
     except ImportError:  # torch-free install: the device model must already be exported (load_engine says so)
         from relayinfer.device.onnx_engine import device_model_dir
         from relayinfer.protocol.model.errors import ModelFileError
@@ -112,7 +123,7 @@ def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    total = EXPORT_SECONDS
+    total = export_seconds(model)
     t0, done = time.monotonic(), threading.Event()
     usual = f"(about {total:.0f} s on 2 cores, once per model)"
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
@@ -403,7 +414,7 @@ def demo(
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Generated tokens at most; default: the "
                                                  "shortest answer for which the plan is a split (64..256)."),
     temperature: float = typer.Option(DEMO_SAMPLING["temperature"],
-                                      help="Sampling temperature (SmolLM2's recommended 0.2); 0 = greedy."),
+                                      help="Sampling temperature (0.2: SmolLM2's recommended value); 0 = greedy."),
     top_p: float = typer.Option(DEMO_SAMPLING["top_p"], help="Nucleus filter, in (0, 1]."),
     seed: Optional[int] = typer.Option(DEMO_SAMPLING["seed"], help="Sampling seed (same seed, same answer)."),
     target_tpot_ms: float = typer.Option(60.0, min=1.0, help="TPOT shown to the user (ms)."),
@@ -411,6 +422,9 @@ def demo(
     cloud_budget: Optional[int] = typer.Option(None, min=1, help="Most tokens the cloud streams; default: the "
                                                "settings algorithm's (auto)."),
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
+    quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own blocks), "
+                                           "gguf-q8 (8-bit blocks on int8 activations: the fast one for an "
+                                           "8-bit-heavy file such as Gemma 3's) or fp32."),
     as_json: bool = typer.Option(False, "--json", help="Print the GenerationResult as one JSON object."),
     certfile: Optional[str] = typer.Option(None, help="Embedded cloud over TLS (wss://): PEM certificate chain."),
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
@@ -433,6 +447,7 @@ def demo(
             check_prompt_text(prompt)
         SamplingParams(**{**sampling, "max_new_tokens": max_new_tokens or DEMO_LENGTHS[0]})
         load_profile(profile)
+        _check_quantize(quantize)
     except ValueError as e:
         fail(e, as_json)
     _need_cloud("`relayinfer demo` (it runs the cloud too)", "relayinfer.cloud.serve.service")
@@ -444,10 +459,10 @@ def demo(
 
     try:
         say("loading the cloud model (torch) and the device model (ONNX)...")
-        _ensure_device_model(model, show=not as_json)
+        _ensure_device_model(model, quantize, show=not as_json)
         svc = _cloud_service(model, "cpu", 1, None)
         with ServiceThread(svc, ssl=tls) as running:
-            client = Client(cloud_url=running.url, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
+            client = Client(cloud_url=running.url, model=model, quantize=quantize, target_tpot_ms=target_tpot_ms, profile=profile,
                             cloud_budget="auto" if cloud_budget is None else cloud_budget, ca=ca, verify=not insecure)
             problem = client.check_cloud()  # an unreachable cloud (e.g. TLS not trusted) is announced once, up front
             messages, choice = _demo_choice(client, prompt, max_new_tokens, target_tpot_ms, problem is None)
@@ -537,7 +552,11 @@ def chat(
     cloud: str = typer.Option("ws://127.0.0.1:8765", help="ws:// or wss:// URL of a running `relayinfer cloud serve` "
                               "(its --port; the default is `cloud serve`'s own default)."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN"),
-    model: Optional[str] = typer.Option(None),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`), the "
+                                        "same as the cloud's; default SmolLM2-135M-Instruct."),
+    quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own blocks), "
+                                           "gguf-q8 (8-bit blocks on int8 activations: the fast one for an "
+                                           "8-bit-heavy file such as Gemma 3's) or fp32."),
     profile: Optional[str] = typer.Option(None, help="Device profile pacing the device engine: phone, local, or a "
                                           "JSON path; default: this machine's own speed (often ready before the "
                                           "cloud's first token, so the answer is device-only)."),
@@ -582,9 +601,13 @@ def chat(
     fetch = model is None and (cloud_http is not None or not local)
     progress, stop = _download_progress() if fetch else (None, lambda: None)
     try:
+        _check_quantize(quantize)
+        if quantize is not None and fetch:
+            raise ValueError("--quantize applies to a device model exported here (--model); the cloud serves its "
+                             "default device model")
         if not fetch:
-            _ensure_device_model(model)
-        client = Client(cloud_url=cloud, token=token, model=model, target_tpot_ms=target_tpot_ms, profile=profile,
+            _ensure_device_model(model, quantize)
+        client = Client(cloud_url=cloud, token=token, model=model, quantize=quantize, target_tpot_ms=target_tpot_ms, profile=profile,
                         ca=ca, verify=not insecure, cloud_http_url=cloud_http, progress=progress)
     except (RelayInferError, ValueError) as e:
         stop()
@@ -672,13 +695,10 @@ def bench_split(
 
     command = shlex.join(["relayinfer", *sys.argv[1:]])
     links = [x.strip() for item in link or [] for x in item.split(",") if x.strip()]
-    if quantize is not None:
-        from relayinfer.protocol.model.device_model import onnx_file_name
-
-        try:
-            onnx_file_name(quantize)
-        except ValueError as e:
-            fail(ValueError(f"--quantize: {e}"))
+    try:
+        _check_quantize(quantize)
+    except ValueError as e:
+        fail(e)
     bad = [x for x in links if x not in PROFILES]
     if bad:
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
@@ -957,14 +977,12 @@ def models_cmd(
         for r in rows:
             print(json.dumps(r))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table("name", "architecture", "size MB", "quantization", "context", "layers", "vocab", "path")
-    for r in rows:
-        t.add_row(r["name"], r["arch"], f"{r['size_bytes'] / 1e6:.0f}", r["quantization"], str(r["context_length"]),
-                  str(r["n_layers"]), str(r["vocab_size"]), r["path"])
-    Console().print(t)
+    head = ("name", "architecture", "size MB", "quantization", "context", "layers", "vocab", "path")
+    table = [head] + [(r["name"], r["arch"], f"{r['size_bytes'] / 1e6:.0f}", r["quantization"].split(" (")[0],
+                       str(r["context_length"]), str(r["n_layers"]), str(r["vocab_size"]), r["path"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
+    for row in table:  # plain columns: the names --model takes stay whole at any terminal width (--json: all fields)
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
 
 
 @app.command()

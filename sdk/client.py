@@ -18,6 +18,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
+from relayinfer.protocol.errors import RemoteError
 from relayinfer.device.settings import CloudEstimate
 from relayinfer.device.split import GenerationResult, SplitOptions, SplitSession, TokenEvent
 from relayinfer.sdk.checks import check_cloud_url
@@ -217,7 +218,9 @@ class Client:
     answer comes from the device (`fault` 'cloud-unreachable', `error` naming the certificate
     problem), or `cloud-only` raises the `ssl.SSLCertVerificationError`. A cloud that cannot be
     reached (or refuses, or is overloaded) is logged once as a warning on the `relayinfer.sdk`
-    logger, `cloud unreachable at URL: falling back to the device (reason)`, and again only after
+    logger, `cloud unreachable at URL: falling back to the device (reason)` (`cloud refused the
+    session at ...`, `cloud is overloaded at ...`; a fingerprint refusal says the cloud serves
+    another model), and again only after
     it was reachable in between; `check_cloud()` tries it without generating.
 
     Raises:
@@ -329,18 +332,22 @@ class Client:
             asyncio.run(asyncio.wait_for(probe(), 2 * self.options.connect_timeout_s + 1.0))
         except Exception as e:  # unreachable, refused, TLS, timeout: the device answers alone
             reason = cloud_problem(e)
-            self._note_cloud(reason)
+            self._note_cloud(reason, "cloud-refused" if isinstance(e, RemoteError) else "cloud-unreachable")
             return reason
         self._note_cloud(None)
         return None
 
-    def _note_cloud(self, problem: str | None) -> None:
-        """Log a cloud that did not take a request, once until it answers again."""
+    def _note_cloud(self, problem: str | None, fault: str | None = "cloud-unreachable") -> None:
+        """Log a cloud that did not take a request, once until it answers again: unreachable,
+        refused (with a hint when it serves another model) or overloaded (`fault`)."""
         if problem is None:
             self._cloud_down = False
         elif not self._cloud_down:
             self._cloud_down = True
-            log.warning("cloud unreachable at %s: falling back to the device (%s)", self.cloud_url, problem)
+            what = {"cloud-refused": "refused the session", "cloud-overloaded": "is overloaded"}.get(fault, "unreachable")
+            if "fingerprint" in problem:
+                problem += "; the cloud serves another model: start it with the same --model as this device"
+            log.warning("cloud %s at %s: falling back to the device (%s)", what, self.cloud_url, problem)
 
     def _runner(self, prompt, sampling: dict, link=None, past=None, keep=None):
         """The coroutine function of one generation; `link`/`past`/`keep` (a conversation's shared
@@ -376,7 +383,7 @@ class Client:
                 if keep is not None:
                     keep(session.cache)
             if self.cloud_url is not None and options.mode != "device-only":
-                self._note_cloud(res.error if res.fault in CLOUD_FAULTS else None)
+                self._note_cloud(res.error if res.fault in CLOUD_FAULTS else None, res.fault)
             return res
         return run
 

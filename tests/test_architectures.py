@@ -217,6 +217,28 @@ def test_refined_prompt_on_a_model_without_a_chat_template(tiny, monkeypatch):
     assert "[bad_request]: refine: this model's prompts cannot be refined" in res.error
 
 
+def test_model_summary_is_read_once_per_file_version(tiny, tmp_path, monkeypatch):
+    """`relayinfer models` reads a file's metadata once (a 262k vocabulary takes ~20 s): the second
+    summary comes from the cache without opening the file; a rewritten file is read again."""
+    import os
+    import shutil
+
+    from relayinfer.protocol.model import model_file
+
+    monkeypatch.setenv("RELAYINFER_CACHE", str(tmp_path / "cache"))
+    path = shutil.copy(tiny("gemma3", "Q8_0"), tmp_path / "m.gguf")
+    first = model_file.model_summary(path, "mine")
+    assert first["arch"] == "gemma3" and first["name"] == "mine" and first["quantization"].count("Q8_0")
+    real = model_file.open_gguf
+    monkeypatch.setattr(model_file, "open_gguf", lambda p: (_ for _ in ()).throw(AssertionError("read again")))
+    assert model_file.model_summary(path, "other") == {**first, "name": "other"}
+    os.utime(path, ns=(1, 1))  # a new version of the file
+    with pytest.raises(AssertionError, match="read again"):
+        model_file.model_summary(path)
+    monkeypatch.setattr(model_file, "open_gguf", real)
+    assert model_file.model_summary(path)["n_layers"] == first["n_layers"]
+
+
 @pytest.fixture(scope="module")
 def gemma():
     """The real Gemma 3 270M GGUF (Q4_K_M) from its wheels (the default set-up installs them)."""

@@ -105,6 +105,23 @@ def test_unreachable_cloud_is_announced_once(onnx_engine, dead_port, caplog):
     assert warnings == [f"cloud unreachable at {url}: falling back to the device ({reason})"], warnings
 
 
+def test_a_cloud_of_another_model_is_named_as_the_cause(onnx_engine, torch_engine, caplog):
+    """A cloud serving another model refuses the session (fingerprint mismatch): the warning says
+    refused, not unreachable, and tells to start the cloud with the same --model."""
+    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+    from relayinfer.sdk import Client
+
+    with ServiceThread(CloudService(torch_engine, "sha256:" + "0" * 64), http_port=None) as other:
+        c = Client(cloud_url=other.url, engine=onnx_engine, cloud_budget=None)
+        with caplog.at_level(logging.WARNING, logger="relayinfer.sdk"):
+            res = c.complete("Hi there!", max_new_tokens=2)
+        c.close()
+    assert res.mode == "device-only" and res.fault == "cloud-refused", res
+    warnings = [r.getMessage() for r in caplog.records if r.name == "relayinfer.sdk"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"cloud refused the session at {other.url}: falling back"), warnings
+    assert "fingerprint" in warnings[0] and "start it with the same --model as this device" in warnings[0]
+
+
 def test_chat_announces_unreachable_cloud_once(onnx_engine, dead_port, monkeypatch):
     import relayinfer.sdk.engines as engines
 

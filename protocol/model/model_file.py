@@ -324,7 +324,8 @@ def read_config(reader) -> ModelConfig:
 def model_summary(model: str | os.PathLike | None, name: str | None = None) -> dict:
     """What `relayinfer models` shows of a model: name, path, arch, size_bytes, quantization (the
     file's `general.file_type`, e.g. MOSTLY_Q4_K_M, and its tensor types), context_length,
-    n_layers, vocab_size.
+    n_layers, vocab_size. Remembered per file version (path, size, mtime) in
+    `cache_dir()/model-summaries.json`: a file with a 262k-token vocabulary takes ~20 s to read.
 
     Raises:
         ModelFileError / UnsupportedModelError: a bad or unsupported file.
@@ -334,6 +335,15 @@ def model_summary(model: str | os.PathLike | None, name: str | None = None) -> d
     import gguf
 
     path = resolve_model_path(model)
+    st = path.stat()
+    memo = cache_dir() / "model-summaries.json"  # reading a 262k vocabulary takes ~20 s: once per file version
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), dict):
+        return {**known[key], "name": name or known[key]["name"]}
     r = open_gguf(path)
     cfg = read_config(r)
     ft = field(r, "general.file_type")
@@ -342,6 +352,14 @@ def model_summary(model: str | os.PathLike | None, name: str | None = None) -> d
     except ValueError:
         ft_name = str(ft)
     types = collections.Counter(t.tensor_type.name for t in r.tensors)
-    return {"name": name or cfg.name or path.stem, "path": str(path), "arch": cfg.arch, "size_bytes": path.stat().st_size,
-            "quantization": f"{ft_name} ({', '.join(f'{k} x{v}' for k, v in types.most_common())})",
-            "context_length": cfg.context_length, "n_layers": cfg.n_layers, "vocab_size": cfg.vocab_size}
+    out = {"name": name or cfg.name or path.stem, "path": str(path), "arch": cfg.arch, "size_bytes": st.st_size,
+           "quantization": f"{ft_name} ({', '.join(f'{k} x{v}' for k, v in types.most_common())})",
+           "context_length": cfg.context_length, "n_layers": cfg.n_layers, "vocab_size": cfg.vocab_size}
+    try:  # best effort: a read-only cache only costs the next call its read
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**{k: v for k, v in known.items() if isinstance(v, dict)}, key: out}))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return out
