@@ -5,7 +5,7 @@ Parts (each writes its own JSON under bench/results/ with the command that made 
 * `transfer` (real, Ray): KV hand-off of one request of 1k / 4k / 8k tokens, contiguous (one gather
   into one buffer, one object, one scatter) vs block-fixed (one object per 16-token block), between
   two Ray actors on this machine through Ray's object store. The caches are the real `ModelRunner`
-  tensors of SmolLM2-135M's geometry (30 layers x 3 KV heads x 64, fp32: 46,080 bytes/token) with a
+  tensors of the model's geometry (default SmolLM2-135M: 30 layers x 3 KV heads x 64, fp32: 46,080 bytes/token) with a
   fragmented block table; K/V contents are random (the copy does not depend on them). Also the same
   export + import in one process (no object store), to separate copy cost from per-object cost.
 * `perf` (real): the engine's speeds measured here (prefill tokens/s by prompt length, decode step ms
@@ -28,18 +28,20 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+PARTS = ("transfer", "perf", "sim")
 sys.path.insert(0, str(HERE))
 
 
 # --- transfer ----------------------------------------------------------------------------------------
 
-def _runner(num_blocks: int, block_size: int = 16):
-    """A real `ModelRunner` (its K/V cache tensors, slots/gather/scatter) on SmolLM2-135M's geometry,
-    without weights (a transfer does not run the model)."""
+def _runner(num_blocks: int, block_size: int = 16, model: str | None = None):
+    """A real `ModelRunner` (its K/V cache tensors, slots/gather/scatter) on the geometry of `model`
+    (GGUF path or installed name; default SmolLM2-135M-Instruct), without weights (a transfer does
+    not run the model)."""
     import torch
 
     from relayinfer.cloud.engine.model_runner import ModelRunner
-    from relayinfer.protocol.model.model_file import ModelConfig
+    from relayinfer.protocol.model.model_file import open_gguf, read_config, resolve_model_path
 
     class _Shape(torch.nn.Module):
         def __init__(self, cfg):
@@ -47,19 +49,17 @@ def _runner(num_blocks: int, block_size: int = 16):
             self.cfg = cfg
             self.p = torch.nn.Parameter(torch.zeros(1))
 
-    cfg = ModelConfig(n_layers=30, dim=576, ffn_dim=1536, n_heads=9, n_kv_heads=3, vocab_size=49152,
-                      context_length=8192, rope_theta=1e5, norm_eps=1e-5, bos_id=1, eos_id=2, tied_embeddings=True)
-    return ModelRunner(_Shape(cfg), num_blocks, block_size)
+    return ModelRunner(_Shape(read_config(open_gguf(resolve_model_path(model)))), num_blocks, block_size)
 
 
 class _KVActor:
     """One side of the transfer benchmark: a cache of `num_blocks` blocks, random contents."""
 
-    def __init__(self, num_blocks: int, seed: int):
+    def __init__(self, num_blocks: int, seed: int, model: str | None = None):
         import torch
 
         torch.set_num_threads(1)
-        self.r = _runner(num_blocks)
+        self.r = _runner(num_blocks, model=model)
         g = torch.Generator().manual_seed(seed)
         for t in self.r.k + self.r.v:
             t.copy_(torch.randn(t.shape, generator=g))
@@ -105,7 +105,7 @@ class _KVActor:
         return p.export_s, p.import_s, p.nbytes, p.num_objects
 
 
-def bench_transfer(sizes=(1024, 4096, 8192), reps: int = 5, seed: int = 0) -> dict:
+def bench_transfer(sizes=(1024, 4096, 8192), reps: int = 5, seed: int = 0, model: str | None = None) -> dict:
     import ray
 
     from relayinfer.cloud.pd.ray_pool import start_ray
@@ -113,7 +113,7 @@ def bench_transfer(sizes=(1024, 4096, 8192), reps: int = 5, seed: int = 0) -> di
     start_ray(num_cpus=2)
     blocks = max(sizes) // 16 * 2 + 8
     A = ray.remote(num_cpus=0)(_KVActor)
-    p_actor, d_actor = A.remote(blocks, seed), A.remote(blocks, seed + 1)
+    p_actor, d_actor = A.remote(blocks, seed, model), A.remote(blocks, seed + 1, model)
     ray.get([p_actor.table.remote(16), d_actor.table.remote(16)])
     rows = []
     for n in sizes:
@@ -158,7 +158,7 @@ def bench_transfer(sizes=(1024, 4096, 8192), reps: int = 5, seed: int = 0) -> di
 
 # --- engine speeds -------------------------------------------------------------------------------------
 
-def bench_perf(quick: bool = False) -> dict:
+def bench_perf(quick: bool = False, model: str | None = None) -> dict:
     """Prefill and decode speeds of the real engine here (1 thread), fitted for the simulator."""
     import torch
 
@@ -167,7 +167,7 @@ def bench_perf(quick: bool = False) -> dict:
     from relayinfer.protocol.model.decoding import SamplingParams
 
     torch.set_num_threads(1)
-    te = TorchEngine(None, threads=1)
+    te = TorchEngine(model, threads=1)
     eng = LLMEngine(te, kv_cache_bytes=512 << 20, max_num_batched_tokens=512, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     eng.generate([list(rng.integers(100, 40000, 64))], SamplingParams(max_new_tokens=2))
@@ -207,7 +207,7 @@ def bench_perf(quick: bool = False) -> dict:
     bx = np.array(batches, float)
     by = np.array([dec[b] for b in batches]) * 1e3
     c, a = np.polyfit(bx, by, 1)
-    return {"what": "real: LLMEngine on SmolLM2-135M, fp32, 1 torch thread, this (shared, 2-core) machine; times are "
+    return {"what": f"real: LLMEngine on {te.model_path.name}, fp32, 1 torch thread, this (shared, 2-core) machine; times are "
                     "the process's CPU time (time.process_time), so the other jobs on the machine do not inflate them",
             "load_average": os.getloadavg(),
             "prefill_s": {str(k): round(v, 4) for k, v in pre.items()},
@@ -217,19 +217,25 @@ def bench_perf(quick: bool = False) -> dict:
 
 
 def run(parts: list[str], out_dir: str = "bench/results", quick: bool = False, seed: int = 0,
-        command: str | None = None) -> dict:
+        command: str | None = None, model: str | None = None) -> dict:
+    """Run the named parts ('transfer', 'perf', 'sim') and write their JSON under `out_dir`;
+    `model` (GGUF path or installed name; default SmolLM2-135M-Instruct) sets the KV geometry of the
+    transfer and the engine of the perf fit (the simulation has no model)."""
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise ValueError(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = command or " ".join(["python", "bench/pd.py", *sys.argv[1:]])
     summary = {}
     if "transfer" in parts:
         sizes = (1024, 4096) if quick else (1024, 4096, 8192)
-        res = bench_transfer(sizes, reps=3 if quick else 5, seed=seed)
+        res = bench_transfer(sizes, reps=3 if quick else 5, seed=seed, model=model)
         res["command"] = command
         (out / "pd-transfer.json").write_text(json.dumps(res, indent=1))
         summary["transfer"] = res["ratios"]
     if "perf" in parts:
-        res = bench_perf(quick)
+        res = bench_perf(quick, model)
         res["command"] = command
         (out / "pd-perf.json").write_text(json.dumps(res, indent=1))
         summary["perf"] = res["fit"]

@@ -280,7 +280,7 @@ def refine_table(summary: dict, method: str | None = None, max_loss: float = 0.0
 
 
 def _score_prompts(work, answer_tokens: int, seed: int, threads: int, deadline: float,
-                   methods=METHODS, ratios=RATIOS) -> list[dict]:
+                   methods=METHODS, ratios=RATIOS, model: str | None = None) -> list[dict]:
     """Rows for the (prompt index, prompt ids) pairs in `work` (one process; own engine); prompts
     not started before `deadline` (time.time()) are skipped (a row with method "skipped")."""
     import torch
@@ -291,9 +291,9 @@ def _score_prompts(work, answer_tokens: int, seed: int, threads: int, deadline: 
     from relayinfer.protocol.model.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
-    tok = Tokenizer.from_gguf()
+    eng = TorchEngine(model, threads=threads)
+    tok = Tokenizer.from_gguf(eng.model_path)
     markers = TemplateMarkers.from_tokenizer(tok)
-    eng = TorchEngine(threads=threads)
     rows, t0 = [], time.time()
     for pi, ids in work:
         n = len(ids)
@@ -361,15 +361,16 @@ def _prefill_ms(eng, ids) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def make_prompts(lengths, per_length: int, seed: int) -> list[list[int]]:
+def make_prompts(lengths, per_length: int, seed: int, model: str | None = None) -> list[list[int]]:
     """`per_length` prompts near each length: single chitchat conversations below `MULTI_FROM`
     tokens, multi-conversation long contexts from it on (missing ones dropped)."""
     import random
 
+    from relayinfer.protocol.model.model_file import resolve_model_path
     from relayinfer.protocol.model.tokenizer import Tokenizer
     from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
-    tok = Tokenizer.from_gguf()
+    tok = Tokenizer.from_gguf(resolve_model_path(model))
     short = [x for x in lengths if x < MULTI_FROM]
     out = [p for p in chitchat_prompts_by_length(tok, short, per_length, seed) if p] if short else []
     rng = random.Random(seed)
@@ -382,7 +383,7 @@ def make_prompts(lengths, per_length: int, seed: int) -> list[list[int]]:
 def bench_refine(lengths=LENGTHS, per_length: int = 1, answer_tokens: int = 32, seed: int = 0,
                  out: str | Path = "bench/results/refine.json", plot: str | Path | None = "bench/results/refine.png",
                  threads: int = 1, workers: int = 1, command: str | None = None, max_s: float = 1200.0,
-                 per_length_long: int | None = None, methods=METHODS, ratios=RATIOS) -> dict:
+                 per_length_long: int | None = None, methods=METHODS, ratios=RATIOS, model: str | None = None) -> dict:
     """Run the benchmark (see the module docstring) over `per_length` prompts near each of `lengths`
     tokens (`per_length_long` for multi-conversation lengths, default `per_length`), in `workers`
     processes of `threads` torch threads each (prompts dealt out by cost, longest first); a
@@ -390,8 +391,8 @@ def bench_refine(lengths=LENGTHS, per_length: int = 1, answer_tokens: int = 32, 
     restrict the rows (long prompts on a busy machine). Writes `out` (JSON:
     command, commit, summary, per-prompt rows) and `plot` (PNG)."""
     t0 = time.time()
-    prompts = make_prompts([x for x in lengths if x < MULTI_FROM], per_length, seed)
-    prompts += make_prompts([x for x in lengths if x >= MULTI_FROM], per_length_long or per_length, seed)
+    prompts = make_prompts([x for x in lengths if x < MULTI_FROM], per_length, seed, model)
+    prompts += make_prompts([x for x in lengths if x >= MULTI_FROM], per_length_long or per_length, seed, model)
     shards, load = [[] for _ in range(workers)], [0.0] * workers
     for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):  # longest first, least-loaded worker
         w = load.index(min(load))
@@ -399,7 +400,7 @@ def bench_refine(lengths=LENGTHS, per_length: int = 1, answer_tokens: int = 32, 
         load[w] += len(prompts[i]) * (1 + len(prompts[i]) / 2048)  # attention grows with n^2
     deadline = t0 + max_s
     if workers == 1:
-        rows = _score_prompts(shards[0], answer_tokens, seed, threads, deadline, methods, ratios)
+        rows = _score_prompts(shards[0], answer_tokens, seed, threads, deadline, methods, ratios, model)
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -407,7 +408,7 @@ def bench_refine(lengths=LENGTHS, per_length: int = 1, answer_tokens: int = 32, 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as ex:
             rows = [r for rs in ex.map(_score_prompts, shards, [answer_tokens] * workers, [seed] * workers,
                                        [threads] * workers, [deadline] * workers, [methods] * workers,
-                                       [ratios] * workers) for r in rs]
+                                       [ratios] * workers, [model] * workers) for r in rs]
     skipped = sorted(r["n"] for r in rows if r["method"] == "skipped")
     rows = [r for r in rows if r["method"] != "skipped"]
     rows.sort(key=lambda r: (r["prompt"], r["keep"], r["method"]))

@@ -135,12 +135,14 @@ class ServerProcess:
     started as a subprocess with stderr in a temporary file; `start()` waits (at most
     `start_timeout_s` seconds) for its "cloud service: ws://... http://..." line."""
 
-    def __init__(self, threads: int = 1, kv_cache_mb: int = 256, start_timeout_s: float = 240.0):
+    def __init__(self, threads: int = 1, kv_cache_mb: int = 256, start_timeout_s: float = 240.0,
+                 model: str | None = None):
         self.token = secrets.token_hex(16)
         exe = Path(sys.executable).with_name("relayinfer")
         base = [str(exe)] if exe.is_file() else [sys.executable, "-m", "relayinfer.sdk.cli"]
         self.argv = base + ["cloud", "serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
-                            "--threads", str(threads), "--kv-cache-mb", str(kv_cache_mb)]
+                            "--threads", str(threads), "--kv-cache-mb", str(kv_cache_mb)] + \
+            (["--model", str(model)] if model is not None else [])
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = self.http_url = None
@@ -190,13 +192,14 @@ class ServerProcess:
         Path(self.log.name).unlink(missing_ok=True)
 
 
-def model_config():
-    """The default model's `ModelConfig` (vocabulary size, context length): from the export cache's
-    config.json when there is one (instant), else read from the GGUF file (seconds)."""
-    from relayinfer.protocol.model.model_file import (ModelConfig, default_model_path, model_cache_dir, open_gguf,
-        read_config)
+def model_config(model=None):
+    """The `ModelConfig` (vocabulary size, context length) of `model` (a GGUF path or installed name;
+    None: the default model): from the export cache's config.json when there is one (instant), else
+    read from the GGUF file (seconds)."""
+    from relayinfer.protocol.model.model_file import (ModelConfig, model_cache_dir, open_gguf, read_config,
+        resolve_model_path)
 
-    path = default_model_path()
+    path = resolve_model_path(model)
     cached = model_cache_dir(path) / "config.json"
     if cached.is_file():
         return ModelConfig.from_json(cached.read_text())
@@ -900,24 +903,30 @@ def _tracebacks(stderr: str) -> list[str]:
 def run_soak(devices: int = 100, duration_s: float = 600.0, *, cloud_url: str | None = None,
              http_url: str | None = None, token: str | None = None, server_pid: int | None = None,
              fault_rate: float = 0.2, seed: int = 0, out: str | Path | None = None, threads: int = 1,
-             kv_cache_mb: int = 256, command: str | None = None, progress=None, **settings) -> dict:
+             kv_cache_mb: int = 256, command: str | None = None, progress=None, model: str | None = None,
+             **settings) -> dict:
     """Run the soak (see the module docstring) and return the report; write it to `out` (JSON).
 
     Without `cloud_url` a `relayinfer cloud serve` subprocess is started on 127.0.0.1 (`threads`
     torch threads, `kv_cache_mb` MiB of KV cache, a random token) and stopped at the end; with it,
-    `http_url` (its HTTP side) and `token` are needed, and `server_pid` to read its RSS.
+    `http_url` (its HTTP side) and `token` are needed, and `server_pid` to read its RSS. `model`: the
+    GGUF path or installed name the started server runs and the prompts are tokenized with (with
+    `cloud_url`: the model that server runs; default SmolLM2-135M-Instruct).
     `settings`: further `SoakConfig` fields (seconds, tokens)."""
     from relayinfer.cloud.serve.service import split_frame_limit
     from relayinfer.protocol.model.tokenizer import Tokenizer
 
     say = progress or (lambda m: None)
     cfg = SoakConfig(devices=devices, duration_s=duration_s, fault_rate=fault_rate, seed=seed, **settings)
-    mc = model_config()
-    prompts = soak_prompts(Tokenizer.from_gguf(), max_prompt_tokens=cfg.max_prompt_tokens, seed=seed)
+    from relayinfer.protocol.model.model_file import resolve_model_path
+
+    mc = model_config(model)
+    prompts = soak_prompts(Tokenizer.from_gguf(resolve_model_path(model)), max_prompt_tokens=cfg.max_prompt_tokens,
+                           seed=seed)
     frame_limit = split_frame_limit(mc.context_length, mc.vocab_size)
     server = None
     if cloud_url is None:
-        server = ServerProcess(threads=threads, kv_cache_mb=kv_cache_mb)
+        server = ServerProcess(threads=threads, kv_cache_mb=kv_cache_mb, model=model)
         say(f"starting: {server.command}")
         server.start()
         cloud_url, http_url, token, server_pid = server.url, server.http_url, server.token, server.proc.pid

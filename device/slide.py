@@ -166,7 +166,7 @@ def open_slide(path: str | os.PathLike, mpp: float | None = None) -> Slide:
             except ValueError:
                 mpp = None
             if not mpp or mpp <= 0:
-                raise SlideError(f"{p} has no microns-per-pixel metadata (openslide.mpp-x); pass mpp= (--mpp)")
+                raise SlideError(f"{p} has no microns-per-pixel metadata (openslide.mpp-x); pass mpp= (--slide-mpp on the command line)")
         elif mpp <= 0:
             raise SlideError(f"mpp must be > 0 µm/px, got {mpp}")
         w, h = osr.dimensions

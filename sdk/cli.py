@@ -780,6 +780,8 @@ def bench_soak(
     threads: int = typer.Option(1, help="torch threads of the started server."),
     request_timeout_s: float = typer.Option(120.0, help="A request with no end after this long is a failure (s)."),
     out: str = typer.Option("bench/results/soak.json", help="Results JSON."),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name the started server runs (with "
+                                        "--cloud-url: the one that server runs); default SmolLM2-135M-Instruct."),
 ):
     """Soak: virtual devices against one cloud service with disconnects, stalls, oversize frames,
     garbage, bad requests, cancels and bursts mixed in; tokens lost/duplicated must be 0 and the
@@ -795,7 +797,7 @@ def bench_soak(
         res = run_soak(devices, duration_s, cloud_url=cloud_url, http_url=http_url, token=token,
                        server_pid=server_pid, fault_rate=fault_rate, seed=seed, out=out, threads=threads,
                        request_timeout_s=request_timeout_s, command=shlex.join(["relayinfer", *sys.argv[1:]]),
-                       progress=lambda m: typer.echo(m, err=True))
+                       progress=lambda m: typer.echo(m, err=True), model=model)
     except (RelayInferError, ValueError, RuntimeError, TimeoutError) as e:
         fail(e)
     print(table(res))
@@ -877,18 +879,24 @@ def pd_serve(
 
 @bench_app.command("pd")
 def bench_pd(
-    parts: str = typer.Option("transfer,real,sim", help="Comma list: transfer (KV hand-off 1k/4k/8k, real), real "
-                              "(P/D vs aggregated with real engines here), sim (discrete-event, 8-64 instances)."),
+    parts: str = typer.Option("transfer,perf,sim", help="Comma list: transfer (KV hand-off 1k/4k/8k between two "
+                              "Ray actors, real), perf (the engine's prefill and decode speeds here, real, fitted "
+                              "for the simulator), sim (discrete-event, 8-64 instances, simulated)."),
     out_dir: str = typer.Option("bench/results", help="Where pd-*.json and the plots go."),
     quick: bool = typer.Option(False, help="Smoke run: fewer sizes, requests and simulated instances."),
     seed: int = typer.Option(0),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); "
+                                        "default SmolLM2-135M-Instruct."),
 ):
-    """P/D serving benchmark (bench/pd.py): transfer modes, real processes, simulation."""
+    """P/D serving benchmark (bench/pd.py): transfer modes, the engine's speeds, simulation."""
     import shlex
 
     mod = bench_module("pd")
-    res = mod.run([p.strip() for p in parts.split(",") if p.strip()], out_dir, quick=quick, seed=seed,
-                  command=shlex.join(["relayinfer", *sys.argv[1:]]))
+    try:
+        res = mod.run([p.strip() for p in parts.split(",") if p.strip()], out_dir, quick=quick, seed=seed,
+                      command=shlex.join(["relayinfer", *sys.argv[1:]]), model=model)
+    except (RelayInferError, ValueError) as e:
+        fail(e)
     print(json.dumps(res, indent=1, default=str))
 
 
@@ -899,6 +907,8 @@ def bench_refine(
     out: str = typer.Option("bench/results/refine.json", help="Results JSON (a PNG plot goes next to it)."),
     workers: int = typer.Option(1, help="Processes (one torch thread each)."),
     seed: int = typer.Option(0),
+    model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); "
+                                        "default SmolLM2-135M-Instruct."),
 ):
     """Prompt refinement scored on the refined prompt alone: attention vs recency vs random (bench/refine.py)."""
     import shlex
@@ -907,7 +917,7 @@ def bench_refine(
     mod = bench_module("refine")
     res = mod.bench_refine([int(x) for x in lengths.split(",") if x.strip()], per_length, out=out,
                            plot=str(Path(out).with_suffix(".png")), workers=workers, seed=seed,
-                           command=shlex.join(["relayinfer", *sys.argv[1:]]))
+                           command=shlex.join(["relayinfer", *sys.argv[1:]]), model=model)
     print(json.dumps(res["summary"], indent=1))
 
 

@@ -354,3 +354,24 @@ def test_gemma3_270m_split_equals_cloud_only_and_device_only(gemma, tmp_path, mo
             device_only = c.complete(ids, max_new_tokens=16, mode="device-only")
             assert split.token_ids == cloud_only.token_ids == device_only.token_ids, p
             assert split.mode == "split" and 0 < split.handoff_index <= 6 and split.device_tokens > 0, p
+
+
+def test_fidelity_yardstick_on_a_tiny_file(tiny, tmp_path):
+    """bench/fidelity.py end to end on a tiny file: the fp32 torch reference, the ONNX device model
+    of the same blocks (exactly the file's weights: answers equal, gap ~0), the JSON and table."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import fidelity
+
+    assert fidelity.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and fidelity.first_divergence([1, 2], [1, 2, 5]) == 2
+    out = tmp_path / "fid.json"
+    assert fidelity.main(["--model", str(tiny("llama", "Q8_0")), "--prompts", "2", "--tokens", "6",
+                          "--runtimes", "onnx-gguf", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    r = rep["runtimes"]["onnx-gguf"]
+    assert rep["prompts"] == 2 and r["equal_answers"] == 2 and r["first_divergence"] == rep["reference_answer_lengths"]
+    assert abs(r["logprob_gap_mean"]) < 1e-3 and "| onnx-gguf | 2/2 |" in out.with_suffix(".md").read_text()
+    assert fidelity.main(["--runtimes", "nope"]) == 2

@@ -337,3 +337,48 @@ def test_kv_piece_size_below_one_token_is_named_by_its_flag():
     last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("error: --kv-piece-kib 1: kv_piece_bytes=1024") and "at least one token" in last, last
     assert "Traceback" not in res.output
+
+
+def _cli_flags() -> set[str]:
+    """Every option name of every `relayinfer` command (the relay sub-app included)."""
+    import typer
+
+    from relayinfer.sdk import cli, relay_cli
+
+    names: set[str] = set()
+
+    def walk(cmd):
+        for p in cmd.params:  # typer's own click: options by their option strings
+            names.update(o for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", []) if o.startswith("--"))
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(typer.main.get_command(cli.app))
+    if not any(c.name == "bench" for c in relay_cli.relay_app.registered_commands):
+        relay_cli.relay_app.command("bench")(cli.relay_bench)  # as `relayinfer relay` adds it
+    walk(typer.main.get_command(relay_cli.relay_app))
+    return names
+
+
+def test_every_flag_a_message_names_exists():
+    """Error hints and docstrings in the library name only flags that some command has (a hint that
+    says `--mpp` where the flag is `--slide-mpp` sends the user nowhere). Flags of other tools
+    (pip's, llama.cpp's) are listed apart."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    other_tools = {"--no-deps",  # pip install --no-deps (the wheel hints)
+                   "--head", "--address",  # ray start --head / --address (multi-node Ray)
+                   "--tile", "--pyramid"}  # vips tiffsave --tile --pyramid (making a pyramidal TIFF)
+    have = _cli_flags()
+    files = [p for d in ("sdk", "cloud", "device", "protocol") for p in (root / d).rglob("*.py")]
+    # the library's internal processes (python -m relayinfer.cloud.relay.server ...) parse their own flags
+    have |= {f for p in files + list((root / "bench").glob("*.py"))  # and the bench scripts theirs
+             for f in re.findall(r"add_argument\(\s*\"(--[a-z][a-z0-9-]+)\"", p.read_text())}
+    missing = {}
+    for p in files:
+        for m in re.finditer(r"(?<![\w-])--[a-z][a-z0-9-]+", p.read_text()):
+            if m.group(0) not in have | other_tools:
+                missing.setdefault(m.group(0), str(p.relative_to(root)))
+    assert not missing, missing
