@@ -222,6 +222,8 @@ def run(parts: list[str], out_dir: str = "bench/results", quick: bool = False, s
     `model` (GGUF path or installed name; default SmolLM2-135M-Instruct) sets the KV geometry of the
     transfer and the engine of the perf fit (the simulation has no model)."""
     bad = [p for p in parts if p not in PARTS]
+    if not parts:
+        raise ValueError(f"no part to run; choose from {', '.join(PARTS)}")
     if bad:
         raise ValueError(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
     out = Path(out_dir)

@@ -697,7 +697,11 @@ def bench_split(
     links = [x.strip() for item in link or [] for x in item.split(",") if x.strip()]
     try:
         _check_quantize(quantize)
-    except ValueError as e:
+        if model is not None:
+            from relayinfer.protocol.model.model_file import resolve_model_path
+
+            resolve_model_path(model)  # a bad --model fails here, before any model loads
+    except (RelayInferError, ValueError) as e:
         fail(e)
     bad = [x for x in links if x not in PROFILES]
     if bad:
@@ -893,9 +897,13 @@ def bench_pd(
 
     mod = bench_module("pd")
     try:
+        if model is not None:
+            from relayinfer.protocol.model.model_file import resolve_model_path
+
+            resolve_model_path(model)  # a bad --model fails here, before Ray starts
         res = mod.run([p.strip() for p in parts.split(",") if p.strip()], out_dir, quick=quick, seed=seed,
                       command=shlex.join(["relayinfer", *sys.argv[1:]]), model=model)
-    except (RelayInferError, ValueError) as e:
+    except (RelayInferError, ValueError, OSError) as e:
         fail(e)
     print(json.dumps(res, indent=1, default=str))
 
@@ -915,6 +923,13 @@ def bench_refine(
     from pathlib import Path
 
     mod = bench_module("refine")
+    try:
+        if model is not None:
+            from relayinfer.protocol.model.model_file import resolve_model_path
+
+            resolve_model_path(model)  # a bad --model fails here, before the workers start
+    except RelayInferError as e:
+        fail(e)
     res = mod.bench_refine([int(x) for x in lengths.split(",") if x.strip()], per_length, out=out,
                            plot=str(Path(out).with_suffix(".png")), workers=workers, seed=seed,
                            command=shlex.join(["relayinfer", *sys.argv[1:]]), model=model)

@@ -220,6 +220,7 @@ def test_refined_prompt_on_a_model_without_a_chat_template(tiny, monkeypatch):
 def test_model_summary_is_read_once_per_file_version(tiny, tmp_path, monkeypatch):
     """`relayinfer models` reads a file's metadata once (a 262k vocabulary takes ~20 s): the second
     summary comes from the cache without opening the file; a rewritten file is read again."""
+    import json
     import os
     import shutil
 
@@ -237,6 +238,15 @@ def test_model_summary_is_read_once_per_file_version(tiny, tmp_path, monkeypatch
         model_file.model_summary(path)
     monkeypatch.setattr(model_file, "open_gguf", real)
     assert model_file.model_summary(path)["n_layers"] == first["n_layers"]
+    memo = tmp_path / "cache" / "model-summaries.json"
+    key = next(iter(json.loads(memo.read_text())))
+    for junk in ("[1, 2, 3]", "not json", json.dumps({key: {**first, "size_bytes": None, "n_layers": "thirty"}})):
+        memo.write_text(junk)  # a damaged cache is ignored (and rewritten), never shown or fatal
+        assert model_file.model_summary(path, "mine") == first
+    with pytest.raises(model_file.ModelFileError, match="empty model name"):
+        model_file.resolve_model_path("  ")
+    with pytest.raises(model_file.ModelFileError, match="is a directory"):
+        model_file.resolve_model_path(tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -382,3 +382,15 @@ def test_every_flag_a_message_names_exists():
             if m.group(0) not in have | other_tools:
                 missing.setdefault(m.group(0), str(p.relative_to(root)))
     assert not missing, missing
+
+
+@pytest.mark.parametrize("bad", ["", "nope", "GGUF-Q8"])
+def test_a_bad_quantize_is_refused_by_name(bad):
+    """`quantize` is checked before anything loads, in the SDK (naming the parameter) and the CLI
+    (exit 2); an empty one is refused, not taken for the default."""
+    from relayinfer.sdk import Client
+
+    with pytest.raises(ValueError, match="quantize: unknown device weights"):
+        Client(cloud_url="ws://127.0.0.1:1", quantize=bad)
+    res = run_cli("demo", "--quantize", bad)
+    assert res.exit_code == 2 and "--quantize: unknown device weights" in res.stderr, res.output

@@ -24,7 +24,7 @@ def onnx_file_name(weights: str | None = None) -> str:
         ValueError: unknown weights; 'int8' (the former `quantize_dynamic` export) is refused with
             a pointer to 'gguf'.
     """
-    w = weights or DEFAULT_WEIGHTS
+    w = DEFAULT_WEIGHTS if weights is None else weights
     if w == "int8":
         raise ValueError("the int8 (quantize_dynamic) device model was replaced by 'gguf' (the GGUF "
                          "file's own 4/8-bit blocks, same greedy tokens as fp32); use --quantize gguf")

@@ -107,13 +107,18 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     installed model, else a file path.
 
     Raises:
-        ModelFileError: the file does not exist, is not a GGUF file (bad magic), or a known name
-            is not installed.
+        ModelFileError: an empty name, a directory, a file that does not exist or is not a GGUF
+            file (bad magic), or a known name that is not installed.
     """
+    if model is not None and not str(model).strip():
+        raise ModelFileError(f"empty model name: give a GGUF path or a model name ({', '.join(KNOWN_MODELS)})")
     if model is not None and str(model) in KNOWN_MODELS and not Path(model).exists():
         path = installed_model_path(str(model))
     else:
         path = default_model_path() if model is None else Path(model)
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory, not a GGUF file (a GGUF path, or a model name: "
+                             f"{', '.join(KNOWN_MODELS)})")
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path} (a GGUF path, or a model name: {', '.join(KNOWN_MODELS)})")
     with open(path, "rb") as f:
@@ -321,6 +326,16 @@ def read_config(reader) -> ModelConfig:
     )
 
 
+_SUMMARY_TYPES = {"name": str, "path": str, "arch": str, "size_bytes": int, "quantization": str,
+                  "context_length": int, "n_layers": int, "vocab_size": int}
+
+
+def _summary_ok(v) -> bool:
+    """A remembered summary with every field of its type (anything else in the file is ignored)."""
+    return isinstance(v, dict) and all(isinstance(v.get(k), t) and not isinstance(v.get(k), bool)
+                                       for k, t in _SUMMARY_TYPES.items())
+
+
 def model_summary(model: str | os.PathLike | None, name: str | None = None) -> dict:
     """What `relayinfer models` shows of a model: name, path, arch, size_bytes, quantization (the
     file's `general.file_type`, e.g. MOSTLY_Q4_K_M, and its tensor types), context_length,
@@ -342,7 +357,8 @@ def model_summary(model: str | os.PathLike | None, name: str | None = None) -> d
         known = json.loads(memo.read_text())
     except (OSError, ValueError):
         known = {}
-    if isinstance(known.get(key), dict):
+    known = {k: v for k, v in known.items() if _summary_ok(v)} if isinstance(known, dict) else {}
+    if key in known:  # a remembered summary of this very file version (others' entries kept as they are)
         return {**known[key], "name": name or known[key]["name"]}
     r = open_gguf(path)
     cfg = read_config(r)
@@ -358,7 +374,7 @@ def model_summary(model: str | os.PathLike | None, name: str | None = None) -> d
     try:  # best effort: a read-only cache only costs the next call its read
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**{k: v for k, v in known.items() if isinstance(v, dict)}, key: out}))
+        tmp.write_text(json.dumps({**known, key: out}))
         os.replace(tmp, memo)
     except OSError:
         pass
