@@ -383,5 +383,5 @@ def test_fidelity_yardstick_on_a_tiny_file(tiny, tmp_path):
     rep = json.loads(out.read_text())
     r = rep["runtimes"]["onnx-gguf"]
     assert rep["prompts"] == 2 and r["equal_answers"] == 2 and r["first_divergence"] == rep["reference_answer_lengths"]
-    assert abs(r["logprob_gap_mean"]) < 1e-3 and "| onnx-gguf | 2/2 |" in out.with_suffix(".md").read_text()
+    assert r["logprob_gap_abs_mean"] < 1e-3 and "| onnx-gguf | 2/2 |" in out.with_suffix(".md").read_text()
     assert fidelity.main(["--runtimes", "nope"]) == 2
