@@ -243,3 +243,19 @@ def test_ratio_controller_moves_an_instance_between_roles():
     assert gw.metrics.registry.get_sample_value("relayinfer_pd_instances", {"group": "chat", "role": "prefill"}) == 2
     g.ttft_ms.extend([2000.0] * 10)
     assert asyncio.run(ctl.step(now=1.0)) == []  # one decode instance left: never below one per role
+
+
+def test_instances_that_cannot_all_be_placed_are_refused_up_front(monkeypatch):
+    """More Ray CPUs asked than the cluster has: ValueError at once, naming the counts and the
+    --actor-cpus that fits, before any actor starts (Ray itself would leave them pending for ever)."""
+    import ray
+
+    from relayinfer.cloud.pd.ray_pool import RayPool
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "put", lambda *a: pytest.fail("an actor was started"))
+    specs = [GroupSpec(Scenario("chat", 5000, 500), 1, 1), GroupSpec(Scenario("long", 9000, 500), 1, 1)]
+    with pytest.raises(ValueError, match=r"4 instances x 1 Ray CPUs each = 4 CPUs asked; the Ray cluster has 2 .*"
+                                         r"only 2 can be placed: pass --actor-cpus 0.5"):
+        RayPool(None, specs, actor_cpus=1.0)

@@ -258,12 +258,27 @@ class RayPool:
             actors than cores share a small machine).
         spread: place actors across nodes (Ray's SPREAD strategy) instead of packing.
         max_restarts: Ray restarts of a dead actor.
+        placement_timeout_s: longest wait for every actor to be placed and loaded (s).
+
+    Raises:
+        ValueError: the instances ask for more Ray CPUs than the cluster has (before any actor
+            starts: the message names the counts and the --actor-cpus that fits), or they were not
+            all placed within `placement_timeout_s` (the placed ones are killed).
     """
 
     def __init__(self, model, specs: list[GroupSpec], config: InstanceConfig | None = None, threads: int = 1,
-                 actor_cpus: float = 1.0, spread: bool = False, max_restarts: int = 3):
+                 actor_cpus: float = 1.0, spread: bool = False, max_restarts: int = 3,
+                 placement_timeout_s: float = 300.0):
         import ray
 
+        n = sum(spec.n_prefill + spec.n_decode for spec in specs)
+        have = float(ray.cluster_resources().get("CPU", 0.0))
+        if n * actor_cpus > have + 1e-9:  # Ray would leave the rest pending for ever
+            fit = int(have / actor_cpus) if actor_cpus else n
+            raise ValueError(f"{n} instances x {actor_cpus:g} Ray CPUs each = {n * actor_cpus:g} CPUs asked; the Ray "
+                             f"cluster has {have:g} (available now: "
+                             f"{float(ray.available_resources().get('CPU', 0.0)):g}), so only {fit} can be placed: "
+                             f"pass --actor-cpus {have / n:.2g} (instances share cores) or fewer instances")
         model = getattr(model, "model", model)
         self.model_ref = ray.put(model_weights(model))
         cls = actor_class().options(num_cpus=actor_cpus, max_restarts=max_restarts, max_task_retries=0,
@@ -281,7 +296,18 @@ class RayPool:
                     (g.prefill if role == "prefill" else g.decode).append(RayHandle(a, name, role, make))
                     actors.append(a)
             self.groups.append(g)
-        self.placement = ray.get([a.ready.remote() for a in actors])
+        ready = [a.ready.remote() for a in actors]
+        done, pending = ray.wait(ready, num_returns=len(ready), timeout=placement_timeout_s)
+        if pending:  # e.g. the CPUs are there but held by other work, or a node went away
+            names = [h.name for g in self.groups for h in g.prefill + g.decode]
+            late = [names[ready.index(r)] for r in pending]
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise ValueError(f"{len(late)} of {len(actors)} instances not placed within {placement_timeout_s:g} s "
+                             f"({', '.join(late)}): Ray has {float(ray.available_resources().get('CPU', 0.0)):g} of "
+                             f"{float(ray.cluster_resources().get('CPU', 0.0)):g} CPUs free for {actor_cpus:g} each; "
+                             "pass a smaller --actor-cpus or fewer instances")
+        self.placement = ray.get(ready)
 
     @property
     def handles(self) -> list[RayHandle]:
