@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the sibling drivers: split (mean_logprob), runtimes, serve_compare
 RUNTIMES = ("onnx-gguf", "onnx-gguf-q8", "onnx-fp32", "llama.cpp")
 
 
@@ -49,19 +50,6 @@ def prompts(tok, n: int) -> list[list[int]]:
         msgs = chitchat_prompt(i, max_turns=1)
         i += 1
         out.append(tok.encode_chat(msgs))
-    return out
-
-
-def greedy(engine, ids: list[int], n: int, eos: int) -> list[int]:
-    """`n` greedy tokens (fewer when EOS comes; EOS included) of an engine with prefill/decode."""
-    logits, kv = engine.prefill(ids)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(np.asarray(logits)))
-        out.append(t)
-        if t == eos or len(out) == n:
-            break
-        logits, kv = engine.decode(t, kv)
     return out
 
 
@@ -79,16 +67,6 @@ def llama_greedy(base: str, ids: list[int], n: int, eos: int) -> list[int]:
 
 def first_divergence(a: list[int], ref: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, ref)) if x != y), min(len(a), len(ref)))
-
-
-def score(engine, prompt: list[int], answer: list[int]) -> float:
-    """Mean log-prob (nats/token) of `answer` after `prompt` under the fp32 torch engine."""
-    import torch
-
-    ids = prompt + answer
-    logits = engine.forward(ids, engine.new_cache(len(ids) + 8), last_only=False)
-    lp = torch.log_softmax(logits[len(prompt) - 1:len(ids) - 1].float(), dim=-1)
-    return float(lp[torch.arange(len(answer)), torch.tensor(answer)].mean())
 
 
 def write_markdown(rep: dict, path: Path) -> None:
@@ -124,7 +102,10 @@ def main(argv=None) -> int:
               "fidelity: --prompts and --tokens must be >= 1", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from split import mean_logprob
+
     from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.protocol.model.decoding import SamplingParams
     from relayinfer.protocol.model.model_file import resolve_model_path
     from relayinfer.protocol.model.tokenizer import Tokenizer
 
@@ -134,13 +115,13 @@ def main(argv=None) -> int:
     fp32 = TorchEngine(model, device="cpu", threads=1)
     eos = fp32.cfg.eos_id
     ps = prompts(tok, args.prompts)
-    ref = [greedy(fp32, p, args.tokens, eos) for p in ps]
-    ref_lp = [score(fp32, p, a) for p, a in zip(ps, ref)]
+    greedy = SamplingParams(max_new_tokens=args.tokens)  # temperature 0; EOS ends an answer (and is kept)
+    ref = [fp32.generate(p, greedy).token_ids for p in ps]
+    ref_lp = [mean_logprob(fp32, p, a) for p, a in zip(ps, ref)]
     answers: dict[str, list[list[int]]] = {}
     notes = {}
     for name in wanted:
         if name == "llama.cpp":
-            sys.path.insert(0, str(HERE))
             import serve_compare
             from runtimes import llama_bench_binary
 
@@ -161,13 +142,13 @@ def main(argv=None) -> int:
 
             w = name.split("-", 1)[1]
             eng = OnnxEngine(ensure_device_model(model, w), quantize=w, threads=1)
-            answers[name] = [greedy(eng, p, args.tokens, eos) for p in ps]
+            answers[name] = [eng.generate(p, greedy).token_ids for p in ps]
             del eng
         print(f"[fidelity] {name}: done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
     rows = {}
     for name, ans in answers.items():
         div = [first_divergence(a, r) for a, r in zip(ans, ref)]
-        gap = [rl - score(fp32, p, a) if a else 0.0 for p, a, rl in zip(ps, ans, ref_lp)]
+        gap = [rl - mean_logprob(fp32, p, a) if a else 0.0 for p, a, rl in zip(ps, ans, ref_lp)]
         rows[name] = {"first_divergence": div, "first_divergence_median": statistics.median(div),
                       "equal_answers": sum(a == r for a, r in zip(ans, ref)),
                       "logprob_gap": gap, "logprob_gap_mean": float(np.mean(gap)),

@@ -90,13 +90,17 @@ class _PlainFormatter:
 
 def _check_quantize(quantize: str | None) -> None:
     """Raise ValueError naming --quantize when it is not a device weights variant."""
-    if quantize is not None:
-        from relayinfer.protocol.model.device_model import onnx_file_name
+    from relayinfer.protocol.model.device_model import check_weights
 
-        try:
-            onnx_file_name(quantize)
-        except ValueError as e:
-            raise ValueError(f"--quantize: {e}") from None
+    check_weights(quantize, "--quantize")
+
+
+def _check_model(model: str | None) -> None:
+    """Raise ModelFileError for a bad --model (None: the default) before anything loads."""
+    if model is not None:
+        from relayinfer.protocol.model.model_file import resolve_model_path
+
+        resolve_model_path(model)
 
 
 def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
@@ -697,10 +701,7 @@ def bench_split(
     links = [x.strip() for item in link or [] for x in item.split(",") if x.strip()]
     try:
         _check_quantize(quantize)
-        if model is not None:
-            from relayinfer.protocol.model.model_file import resolve_model_path
-
-            resolve_model_path(model)  # a bad --model fails here, before any model loads
+        _check_model(model)  # a bad --model fails here, before any model loads
     except (RelayInferError, ValueError) as e:
         fail(e)
     bad = [x for x in links if x not in PROFILES]
@@ -897,10 +898,7 @@ def bench_pd(
 
     mod = bench_module("pd")
     try:
-        if model is not None:
-            from relayinfer.protocol.model.model_file import resolve_model_path
-
-            resolve_model_path(model)  # a bad --model fails here, before Ray starts
+        _check_model(model)  # a bad --model fails here, before Ray starts
         res = mod.run([p.strip() for p in parts.split(",") if p.strip()], out_dir, quick=quick, seed=seed,
                       command=shlex.join(["relayinfer", *sys.argv[1:]]), model=model)
     except (RelayInferError, ValueError, OSError) as e:
@@ -924,10 +922,7 @@ def bench_refine(
 
     mod = bench_module("refine")
     try:
-        if model is not None:
-            from relayinfer.protocol.model.model_file import resolve_model_path
-
-            resolve_model_path(model)  # a bad --model fails here, before the workers start
+        _check_model(model)  # a bad --model fails here, before the workers start
     except RelayInferError as e:
         fail(e)
     res = mod.bench_refine([int(x) for x in lengths.split(",") if x.strip()], per_length, out=out,

@@ -259,13 +259,9 @@ class Client:
         weakref.finalize(self, self._rt.close, 1.0)
         if cloud_http_url is not None and not cloud_http_url.startswith(("http://", "https://")):
             raise ValueError(f"cloud_http_url must be http://HOST:PORT or https://HOST:PORT, got {cloud_http_url!r}")
-        if quantize is not None:
-            from relayinfer.protocol.model.device_model import onnx_file_name
+        from relayinfer.protocol.model.device_model import check_weights
 
-            try:
-                onnx_file_name(quantize)
-            except ValueError as e:
-                raise ValueError(f"quantize: {e}") from None
+        check_weights(quantize, "quantize")
         if engine is not None:
             given = [n for n, v in (("model", model), ("quantize", quantize), ("threads", threads)) if v is not None]
             if given:

@@ -299,7 +299,7 @@ class RayPool:
         ready = [a.ready.remote() for a in actors]
         done, pending = ray.wait(ready, num_returns=len(ready), timeout=placement_timeout_s)
         if pending:  # e.g. the CPUs are there but held by other work, or a node went away
-            names = [h.name for g in self.groups for h in g.prefill + g.decode]
+            names = [h.name for h in self.handles]  # in the order the actors were made
             late = [names[ready.index(r)] for r in pending]
             for a in actors:
                 ray.kill(a, no_restart=True)

@@ -17,6 +17,16 @@ faster for 8-bit-heavy files such as Gemma 3's, not fp32-equal); 'fp32' dequanti
 DEFAULT_WEIGHTS = "gguf"
 
 
+def check_weights(weights: str | None, what: str = "quantize") -> None:
+    """Raise ValueError naming `what` (the parameter or flag) when `weights` is neither None nor
+    one of `WEIGHTS` (an empty string included)."""
+    if weights is not None:
+        try:
+            onnx_file_name(weights)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+
+
 def onnx_file_name(weights: str | None = None) -> str:
     """The ONNX file name of `weights` (one of `WEIGHTS`; None = `DEFAULT_WEIGHTS`).
 

@@ -40,17 +40,18 @@ from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as _ws_serve
 from websockets.exceptions import ConnectionClosed
 
-NO_COMPRESSION = True
-"""Neither side offers or accepts permessage-deflate (websockets' default is to negotiate it): the
-large frames are tensors (KV hand-off pieces, fp16) that deflate by about 5 % at ~54 ms of CPU per
-MiB on the sender (measured, zlib level 6, window 2^12), which on a busy cloud core delayed the
-request's own tokens behind its KV pieces; the token frames are a few dozen bytes."""
-
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, ProtocolError, RelayInferError, RemoteError
 from relayinfer.protocol.transport.limits import ConnectionGate, ConnectionLimits, gated_connection, quiet_accept_errors
 from relayinfer.protocol.messages import MAX_FRAME_BYTES, Error, Hello, Message, Welcome
 from relayinfer.protocol.session import (ClientSession, HandshakeDone, MessageReceived, PeerError, ProtocolViolation,
     ServerSession)
+
+COMPRESSION = None
+"""websockets' `compression` on both sides: None, so neither offers or accepts permessage-deflate
+(websockets' default is to negotiate it). The large frames are tensors (KV hand-off pieces, fp16)
+that deflate by about 5 % at ~54 ms of CPU per MiB on the sender (measured, zlib level 6, window
+2^12), which on a busy cloud core delayed the request's own tokens behind its KV pieces; the token
+frames are a few dozen bytes."""
 
 __all__ = ["ws_max_size", "ServerChannel", "ClientChannel", "accept", "serve", "open_channel"]
 
@@ -336,7 +337,7 @@ def serve(
         quiet_accept_errors()
     except RuntimeError:  # no running loop yet: the caller's loop keeps its own handler
         pass
-    serve_kwargs.setdefault("compression", None)  # no permessage-deflate: see NO_COMPRESSION
+    serve_kwargs.setdefault("compression", COMPRESSION)
     return _ws_serve(_handler, host, port, max_size=ws_max_size(max_frame_bytes),
                      create_connection=gated_connection(gate, ssl), **serve_kwargs)
 
@@ -359,7 +360,7 @@ async def open_channel(
     ``OSError`` / ``TimeoutError`` if the server is unreachable, and websockets'
     ``InvalidHandshake`` if the HTTP upgrade fails.
     """
-    connect_kwargs.setdefault("compression", None)  # no permessage-deflate: see NO_COMPRESSION
+    connect_kwargs.setdefault("compression", COMPRESSION)
     ws = await connect(url, max_size=ws_max_size(max_frame_bytes), open_timeout=open_timeout, **connect_kwargs)
     session = ClientSession(fingerprint, token, max_frame_bytes, client=client)
     channel = ClientChannel(ws, session)
