@@ -240,3 +240,4 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     print(json.dumps(run(a.out, a.encoder_tiles, a.quick)["summary"], indent=1))
+    print(f"wrote {Path(a.out).resolve()}", file=sys.stderr)

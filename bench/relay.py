@@ -491,7 +491,8 @@ def table(res: dict) -> str:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="GR relay cascade benchmark")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default: results/ beside this file, "
+                   "whatever the working directory; the CLI's default is under the working directory)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-live", action="store_true")
     p.add_argument("--shape", choices=("trained", "production"), default="trained")
@@ -504,9 +505,11 @@ if __name__ == "__main__":
         res = json.loads(out.read_text())
         res["goodput_workload_variants"] = {**workload_variants(res), "command": " ".join(["bench/relay.py", *sys.argv[1:]])}
         out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {out.resolve()}")
         sys.exit(0)
     prev = None
     if a.reuse_timings:
         prev = out.with_name(out.stem + ".timings.json")
         prev.write_text(out.read_text())
     run(out, quick=a.quick, live=not a.no_live, shape=a.shape, timings=prev)
+    print(f"wrote {out.resolve()}")

@@ -237,11 +237,17 @@ def bench_patho(
     encoder_tiles: int = typer.Option(8, min=1, help="Tiles timed through ViT-L/16 for the all-cloud estimate."),
     quick: bool = typer.Option(False, help="Smoke run: the 2-block test ViT instead of ViT-L/16."),
 ):
-    """Pathology split screening on the real SVS: tiles/s read, screened and encoded; bytes sent; split vs all-cloud vs all-device."""
+    """Pathology split screening on the real SVS: tiles/s read, screened and encoded; bytes sent; split vs
+    all-cloud vs all-device. The summary goes to stdout as JSON; progress and, at the end,
+    `wrote <absolute path>` to stderr. --out is relative to the working directory."""
+    path = Path(out).resolve()
+    if path.is_dir():
+        _fail(ValueError(f"--out {out}: is a directory; name the results JSON file"))
     run = bench_module("patho").run
     try:
-        res = run(out=out, encoder_tiles=encoder_tiles, quick=quick,
+        res = run(out=str(path), encoder_tiles=encoder_tiles, quick=quick,
                   command=shlex.join(["relayinfer", *sys.argv[1:]]), log=lambda m: typer.echo(m, err=True))
     except (RelayInferError, ValueError, OSError) as e:
         _fail(e)
     print(json.dumps(res["summary"], indent=1))
+    typer.echo(f"wrote {path}", err=True)

@@ -384,6 +384,56 @@ def test_every_flag_a_message_names_exists():
     assert not missing, missing
 
 
+def _flags_of(*commands) -> set[str]:
+    """The option names of these click commands and their sub-commands."""
+    names: set[str] = set()
+    todo = list(commands)
+    while todo:
+        cmd = todo.pop()
+        for p in cmd.params:
+            names.update(o for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", []) if o.startswith("--"))
+        todo += getattr(cmd, "commands", {}).values()
+    return names
+
+
+def test_relay_and_patho_hints_name_flags_of_their_own_commands():
+    """Stricter for the GR relay and the pathology code: a flag named in sdk/relay_cli.py or
+    cloud/relay/ is an option of `relayinfer relay ...`, one named in sdk/patho_cli.py or
+    cloud/patho/ an option of `relayinfer patho ...` / `bench patho` (not just of some command or
+    of an internal process: `--checkpoint` on a hint must be a flag the user can type). The instance
+    process (cloud/relay/server.py) and the code that builds its command line (instance_proc.py)
+    name that process's own flags."""
+    import re
+    from pathlib import Path
+
+    import typer
+
+    from relayinfer.sdk import cli, patho_cli, relay_cli
+
+    root = Path(__file__).resolve().parents[1]
+    relay = _flags_of(typer.main.get_command(relay_cli.relay_app))
+    patho = _flags_of(typer.main.get_command(patho_cli.patho_app), typer.main.get_command(cli.bench_app).commands["patho"])
+    assert {"--checkpoint", "--token", "--out", "--shape"} <= relay and {"--cloud", "--slide-mpp", "--out"} <= patho
+    server = set(re.findall(r"add_argument\(\s*\"(--[a-z][a-z0-9-]+)\"", (root / "cloud/relay/server.py").read_text()))
+    internal = {"cloud/relay/server.py", "cloud/relay/instance_proc.py"}
+    pip = {"--no-deps"}  # pip install --no-deps (the wheel hints)
+    groups = {"relay": (["sdk/relay_cli.py", *sorted(str(p.relative_to(root)) for p in (root / "cloud/relay").glob("*.py"))],
+                        relay),
+              "patho": (["sdk/patho_cli.py", *sorted(str(p.relative_to(root)) for p in (root / "cloud/patho").glob("*.py"))],
+                        patho)}
+    missing, seen = {}, 0
+    for files, have in groups.values():
+        assert len(files) > 5, files
+        for f in files:
+            allowed = have | pip | (server if f in internal else set())
+            for m in re.finditer(r"(?<![\w-])--[a-z][a-z0-9-]+", (root / f).read_text()):
+                seen += 1
+                if m.group(0) not in allowed:
+                    missing.setdefault(m.group(0), f)
+    assert seen > 50, f"only {seen} flag names found: the pattern or the files changed"
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("bad", ["", "nope", "GGUF-Q8"])
 def test_a_bad_quantize_is_refused_by_name(bad):
     """`quantize` is checked before anything loads, in the SDK (naming the parameter) and the CLI

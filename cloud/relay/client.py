@@ -4,12 +4,19 @@ the router.
 pre_infer() is sent at retrieval time to the instance the router picks for the user; rank() goes to
 the same instance (affinity). If that instance is gone, the request is re-routed and the new instance
 runs full inference: correctness never depends on the cache.
+
+The model fingerprint a client must present comes from the instance's `GET /healthz`
+(`server_fingerprint(url, token)`), not from its log.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import ssl as _ssl
+import urllib.error
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,6 +27,33 @@ from relayinfer.cloud.relay.router import Router
 from relayinfer.protocol.errors import ChannelClosed, RelayInferError, RemoteError
 from relayinfer.protocol.messages import Error, PreInfer, Rank, Scores
 from relayinfer.protocol.transport.ws import ClientChannel, open_channel
+
+
+def server_fingerprint(url: str, token: str | None = None, timeout_s: float = 5.0,
+                       ssl_context: _ssl.SSLContext | None = None) -> str:
+    """The model fingerprint (hex sha256) of the ranking instance at `url` (ws:// or wss://), read from
+    its `GET /healthz` on the same port (https:// for wss://), with `token` as the bearer token when the
+    instance has one. Blocking, bounded by `timeout_s` seconds; `ssl_context` verifies a wss:// instance
+    (default: the system's CAs).
+    Raises ValueError for a url that is not ws:// or wss://; PermissionError when the instance answers
+    without the fingerprint (it requires a token and `token` is missing or wrong); OSError (URLError)
+    or TimeoutError when it cannot be reached in time."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("ws", "wss"):
+        raise ValueError(f"url must be ws://HOST:PORT or wss://HOST:PORT, got {url!r}")
+    health = f"{'https' if scheme == 'wss' else 'http'}://{rest.rstrip('/')}/healthz"
+    req = urllib.request.Request(health, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=ssl_context) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as e:  # e.g. 426 from a websocket server without /healthz
+        raise OSError(f"{health} answered HTTP {e.code} ({e.reason}): not a ranking instance with /healthz") from None
+    fp = body.get("model_fingerprint") if isinstance(body, dict) else None
+    if not fp:
+        raise PermissionError(f"{health} did not name the model fingerprint: the instance requires a bearer "
+                              f"token ({'the one given was refused' if token else 'none was given'}; pass token=, "
+                              "the instance's --token)")
+    return fp
 
 
 @dataclass
@@ -93,13 +127,20 @@ class RelayClient:
     @classmethod
     async def connect(cls, instances: dict[str, str], fingerprint: str, token: str | None = None,
                       **router_kw) -> "RelayClient":
-        """instances: name -> ws url. Opens one channel each (handshake with the model fingerprint and
-        `token`, the instances' bearer token or None)."""
+        """instances: name -> ws url. Opens one channel each (handshake with the model fingerprint, e.g.
+        `server_fingerprint(url)`, and `token`, the instances' bearer token or None).
+        Raises RemoteError when an instance refuses the Hello (code FINGERPRINT_MISMATCH: it runs
+        another checkpoint; UNAUTHORIZED: wrong or missing token), OSError / TimeoutError when one
+        cannot be reached (open_channel: 10 s each); the channels opened before are closed then."""
         self = cls(Router(list(instances), **router_kw))
-        for name, url in instances.items():
-            ch = await open_channel(url, fingerprint, token, client="relay-client")
-            self.channels[name] = ch
-            self.readers.append(asyncio.create_task(self._read(name, ch)))
+        try:
+            for name, url in instances.items():
+                ch = await open_channel(url, fingerprint, token, client="relay-client")
+                self.channels[name] = ch
+                self.readers.append(asyncio.create_task(self._read(name, ch)))
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def _read(self, name: str, ch: ClientChannel) -> None:

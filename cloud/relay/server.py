@@ -9,7 +9,13 @@ Prints `READY <port> <fingerprint>` on stdout once listening. Messages (relayinf
 PreInfer (fire-and-forget signal; answered only by an Error on bad input), Rank -> Scores
 (prefix_source hbm|dram|recompute|none) or Error(BAD_REQUEST | OVERLOADED | INTERNAL); Ping is
 answered by the protocol session; any other message with a request_id -> Error(BAD_REQUEST).
-Plain HTTP `GET /stats` on the same port returns the instance counters as JSON.
+Plain HTTP on the same port: `GET /stats` returns the instance counters as JSON; `GET /healthz`
+answers as `relayinfer cloud serve`'s does: 200 `{"status": "ok"}` for anyone, plus
+`model_fingerprint` (the hex sha256 the Hello must carry), `model` (the checkpoint's file name) and
+`relay` (false with --baseline) for an authorized caller (no `--token` set, or the right bearer token),
+so a client reads the fingerprint there (`client.server_fingerprint`) instead of from the READY line.
+The websocket handshake cannot tell it: a Hello with another fingerprint is refused
+(FINGERPRINT_MISMATCH) before any Welcome is sent.
 Auth and TLS as every server (`protocol.transport.security`): `--token` (default: the `RELAYINFER_TOKEN`
 environment variable) is required in the Hello and as `Authorization: Bearer` on `/stats` (401
 otherwise); `--certfile`/`--keyfile` serve wss:// and https://; a non-loopback `--host` without a
@@ -114,6 +120,14 @@ def _settle(fut: concurrent.futures.Future, result=None, error: BaseException | 
         pass
 
 
+def _json_response(connection, status: int, body: dict):
+    """A plain-HTTP answer on the websocket port: `body` as one line of JSON, Content-Type application/json."""
+    resp = connection.respond(status, json.dumps(body) + "\n")
+    del resp.headers["Content-Type"]  # respond() sets text/plain; a Headers object adds rather than replaces
+    resp.headers["Content-Type"] = "application/json"
+    return resp
+
+
 def make_handler(inst, worker: Worker):
     """The per-connection protocol handler of a RankingInstance."""
     async def handle_rank(channel: ServerChannel, msg: Rank):
@@ -180,19 +194,24 @@ async def amain(args) -> None:
         cfg.trigger = TriggerConfig(**cfg.trigger)
     cfg.relay = not args.baseline
     inst, worker = RankingInstance(model, latency, cfg), Worker()
-    fp = fingerprint(Path(args.checkpoint) if args.checkpoint else default_checkpoint())
+    ck = Path(args.checkpoint) if args.checkpoint else default_checkpoint()
+    fp = fingerprint(ck)
 
     def process_request(connection, request):
+        authorized = not args.token or token_matches(bearer_token(request.headers.get("Authorization")), args.token)
+        if request.path == "/healthz":  # public; the details (the fingerprint among them) only when authorized
+            return _json_response(connection, 200, {"status": "ok", **({"model_fingerprint": fp, "model": ck.name,
+                                                                        "relay": cfg.relay} if authorized else {})})
         if request.path == "/stats":
-            if args.token and not token_matches(bearer_token(request.headers.get("Authorization")), args.token):
-                resp = connection.respond(401, json.dumps({"error": {"code": ErrorCode.UNAUTHORIZED.value,
-                                                                     "message": "send the instance token as "
-                                                                     "'Authorization: Bearer <token>'"}}) + "\n")
+            if not authorized:
+                resp = _json_response(connection, 401, {"error": {"code": ErrorCode.UNAUTHORIZED.value,
+                                                                  "message": "send the instance token as "
+                                                                  "'Authorization: Bearer <token>'"}})
                 resp.headers["WWW-Authenticate"] = 'Bearer realm="relayinfer"'
                 return resp
-            return connection.respond(200, json.dumps({**inst.stats(), "pid": os.getpid(), "relay": cfg.relay,
-                                                          "worker_busy_s": worker.busy_s, "worker_cpu_s": worker.cpu_s,
-                                                          "cpus": sorted(os.sched_getaffinity(0))}) + "\n")
+            return _json_response(connection, 200, {**inst.stats(), "pid": os.getpid(), "relay": cfg.relay,
+                                                    "worker_busy_s": worker.busy_s, "worker_cpu_s": worker.cpu_s,
+                                                    "cpus": sorted(os.sched_getaffinity(0))})
         return None
 
     loop = asyncio.get_running_loop()

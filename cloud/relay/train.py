@@ -208,7 +208,7 @@ def default_checkpoint() -> Path:
 def ensure_checkpoint(quick: bool = True, log=print) -> Path:
     """The checkpoint serving and the benchmark use by default: the shipped one (never trained on the
     fly; `quick` is kept for callers and ignored). A model you trained with `relayinfer relay train`
-    is used where you pass its path (`--checkpoint`)."""
+    is used where you pass its path (`relayinfer relay serve --checkpoint PATH`, `RelayClient.launch`)."""
     return default_checkpoint()
 
 
