@@ -18,7 +18,15 @@ arXiv 2408.08147, sec. 3.2).
 
 After the prefill the first token goes to the client at once (TTFT), the `Handoff` (token ids + KV
 payload) goes to the group's decode instance with the fewest requests in flight from this gateway,
-and its tokens stream on. Split-service requests (a device `Generate` with a cloud budget) never
+and its tokens stream on.
+
+**Prefix-aware routing** (`prefix.py`): the gateway keeps a table of the block-hash chains each
+instance has prefilled or decoded. Prefill offers start at the instance with the longest cached
+prefix of the request (within `prefix_slack` in-flight requests of the least loaded prefill
+instance), then go round-robin; the decode pick prefers the decode instance holding the longest
+prefix (its own cache shares those blocks instead of writing them) under the same bound, else the
+fewest in flight. The prompt tokens each request reused from a prefill instance's cache are kept
+(`request_stats`) and counted (`relayinfer_pd_prefix_hit_tokens`). Split-service requests (a device `Generate` with a cloud budget) never
 use a decode instance: they run on the prefill instance for their few tokens (`split=True`).
 
 **Faults**: an instance that dies (an actor crash, a lost KV object, an injected fault) raises
@@ -41,19 +49,21 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from relayinfer.cloud.engine.llm_engine import RequestFailed, StepOutput
+from relayinfer.cloud.engine.llm_engine import RequestFailed, RequestStats, StepOutput
+from relayinfer.cloud.engine.metrics import LATENCY_BUCKETS, EngineMetrics
 from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import RelayInferError
 from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, Token
 from relayinfer.protocol.requests import RequestState, RequestTable, RequestViolation, Role
 
 from .instance import Handoff, Instance, InstanceDied, Rejected
+from .prefix import PrefixRouter
 
 log = logging.getLogger("relayinfer.pd")
 
@@ -129,6 +139,9 @@ class LocalHandle:
     async def load(self) -> dict:
         return self.instance.load()
 
+    async def prefix_hits(self, request_id: str) -> int:
+        return self.instance.prefix_hits(request_id)
+
     async def restart(self) -> None:
         """Replace the instance by a fresh one (same model, name, role and config); the old one's
         engine thread is stopped. Its requests fail over (InstanceDied) to the live instances."""
@@ -188,7 +201,22 @@ def local_groups(model, specs: list[GroupSpec], config=None) -> list[Group]:
     return groups
 
 
+def _cloud_buckets(name: str) -> tuple[float, ...]:
+    """The bucket edges (s) of the cloud engine's histogram `name` (`cloud.engine.metrics`), read
+    from a throwaway registry: the P/D series use the cloud's layout, not a copy of its numbers."""
+    r = CollectorRegistry()
+    EngineMetrics(registry=r)
+    edges = [float(s.labels["le"]) for m in r.collect() if m.name == name for s in m.samples
+             if s.name == name + "_bucket" and s.labels["le"] != "+Inf"]
+    if not edges:
+        raise RuntimeError(f"the cloud engine has no histogram {name!r}")
+    return tuple(edges)
+
+
 class GatewayMetrics:
+    """The `relayinfer_pd_*` series. TTFT and KV transfer times use the cloud's latency buckets
+    (`cloud.engine.metrics.LATENCY_BUCKETS`, 5 ms .. 30 min), TPOT the cloud engine's TPOT buckets."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.requests = Counter("relayinfer_pd_requests", "P/D requests by group and outcome", ["group", "outcome"],
@@ -205,12 +233,21 @@ class GatewayMetrics:
                                 registry=r)
         self.kv_objects = Counter("relayinfer_pd_kv_objects", "KV objects handed over", ["mode"], registry=r)
         self.kv_transfer = Histogram("relayinfer_pd_kv_transfer_seconds", "Prefill end to decode admission",
-                                     ["mode"], registry=r,
-                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+                                     ["mode"], registry=r, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("relayinfer_pd_ttft_seconds", "Time to first token", ["group"], registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+                              buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("relayinfer_pd_tpot_seconds", "Time between output tokens", ["group"], registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5))
+                              buckets=_cloud_buckets("relayinfer_engine_tpot_seconds"))
+        self.prompt_tokens = Counter("relayinfer_pd_prompt_tokens", "Prompt tokens prefilled on prefill instances",
+                                     ["group"], registry=r)
+        self.prefix_hit_tokens = Counter("relayinfer_pd_prefix_hit_tokens", "Of those, tokens reused from the "
+                                         "instance's prefix cache", ["group"], registry=r)
+        self.prefix_routed = Counter("relayinfer_pd_prefix_routed", "Picks that went to an instance by its cached "
+                                     "prefix", ["group", "role"], registry=r)
+        self.local_prefills = Counter("relayinfer_pd_local_prefills", "Requests run whole on a decode instance "
+                                      "that held most of their prompt's KV", ["group"], registry=r)
+        self.moves = Counter("relayinfer_pd_ratio_moves", "Instances moved by the ratio controller",
+                             ["kind", "src", "dst"], registry=r)
         self.live = Gauge("relayinfer_pd_live_requests", "Requests in the gateway", registry=r)
         self.instances = Gauge("relayinfer_pd_instances", "Instances by group and role", ["group", "role"],
                                registry=r)
@@ -239,12 +276,26 @@ class Gateway:
         restarts: the replacement budget (default 5 per instance per 60 s); instances whose handle
             has no `restart` are never replaced.
         restart_timeout_s: how long one replacement may take (an actor starting, s).
+        prefix_routing: route by cached prefix (`prefix.py`); False: round-robin / fewest in flight.
+        block_size: the instances' KV block size (tokens): the routing table hashes such blocks.
+        prefix_slack: a longer cached prefix wins while its instance has at most this many more
+            requests in flight than the least loaded one.
+        prefix_max_blocks: block hashes the routing table keeps (LRU).
+        local_prefill_tokens: a request whose picked decode instance holds a longer cached prefix
+            than any prefill instance runs there whole when at most this many tokens are left to
+            prefill and at most as many as it holds cached (`_local_prefill`); 0 never.
+        max_request_stats: finished requests whose prefix hits `request_stats` still answers.
+
+    Raises:
+        ValueError: an unknown `forwarding`, no groups, or a bad prefix-routing setting.
     """
 
     def __init__(self, groups: list[Group], forwarding: str = "on-demand", report_interval_s: float = 0.5,
                  retry_backoff_s: float = 0.01, max_retries: int = 2, restart_wait_s: float = 60.0,
                  registry: CollectorRegistry | None = None, restarts: RestartBudget | None = None,
-                 restart_timeout_s: float = 300.0):
+                 restart_timeout_s: float = 300.0, prefix_routing: bool = True, block_size: int = 16,
+                 prefix_slack: int = 2, prefix_max_blocks: int = 1 << 16, max_request_stats: int = 10000,
+                 local_prefill_tokens: int = 256):
         if forwarding not in FORWARDING:
             raise ValueError(f"unknown forwarding {forwarding!r}; choose from {', '.join(FORWARDING)}")
         if not groups:
@@ -257,6 +308,13 @@ class Gateway:
         self.report_time = 0.0
         self._rr = {g.name: itertools.count() for g in groups}
         self._decode_active: dict[str, int] = {}
+        self._prefill_active: dict[str, int] = {}
+        self.prefix = PrefixRouter(block_size, prefix_max_blocks, prefix_slack, enabled=prefix_routing)
+        self._stats: OrderedDict[str, RequestStats] = OrderedDict()  # request id -> its prefill's prefix hits
+        self.max_request_stats = max_request_stats
+        if local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
+        self.local_prefill_tokens = local_prefill_tokens
         self._live: dict[str, _Live] = {}
         self.requests = RequestTable(Role.CLOUD)  # the per-request rules: duplicate ids, late aborts
         self._ids = itertools.count()
@@ -353,6 +411,7 @@ class Gateway:
             self.dead[h.name] = f"replacement failed: {type(e).__name__}: {e}"
             log.error("instance %s: replacement failed: %s: %s", h.name, type(e).__name__, e)
         else:
+            self.prefix.forget(h.name)  # a new engine: its prefix cache is empty
             self.reports[h.name] = report
             self.dead.pop(h.name, None)
             self._failed.discard(h.name)
@@ -433,10 +492,27 @@ class Gateway:
         except Exception:  # the instance is gone: nothing left to stop there
             pass
 
-    async def _forward(self, group: Group, t0: float, n_tokens: int, offer):
+    def _ordered(self, group: Group, role: str, chain: list[int], base: list) -> list:
+        """`base` (the load order) with the instance holding the longest cached prefix of `chain`
+        first, if its in-flight count is within the slack (`PrefixRouter.order`)."""
+        active = self._prefill_active if role == "prefill" else self._decode_active
+        order = self.prefix.order(chain, base, active)
+        if order and base and order[0] is not base[0]:
+            self.metrics.prefix_routed.labels(group.name, role).inc()
+        return order
+
+    async def _offer(self, h, offer, budget_ms):
+        self._prefill_active[h.name] = self._prefill_active.get(h.name, 0) + 1
+        try:
+            return await offer(h, budget_ms)
+        finally:
+            self._prefill_active[h.name] -= 1
+
+    async def _forward(self, group: Group, t0: float, n_tokens: int, offer, chain: list[int] = ()):
         """Pick a prefill instance and run `offer(handle, ttft_budget_ms)` on it; returns
-        (handle, result). On-demand: try instances in turn until one accepts; push: the shortest
-        reported queue, always accepted."""
+        (handle, result). On-demand: try instances in turn (the one holding the longest cached
+        prefix of `chain` first) until one accepts; push: the longest cached prefix among those within
+        the load slack, else the shortest reported queue, always accepted."""
         m, gname = self.metrics, group.name
         slo = group.scenario.ttft_slo_ms
         backoff = self.retry_backoff_s
@@ -444,16 +520,17 @@ class Gateway:
             pool = await self._live_pool(group, "prefill")
             k = next(self._rr[gname])
             if self.forwarding == "push":
-                h = min(pool, key=lambda h: (self.reports.get(h.name, {}).get("queued_prefill_tokens", 0),
-                                             (pool.index(h) - k) % len(pool)))
+                base = sorted(pool, key=lambda h: (self.reports.get(h.name, {}).get("queued_prefill_tokens", 0),
+                                                   (pool.index(h) - k) % len(pool)))
+                h = self._ordered(group, "prefill", list(chain), base)[0]
                 m.offers.labels(gname).inc()
-                return h, await offer(h, None)
-            order = pool[k % len(pool):] + pool[:k % len(pool)]
+                return h, await self._offer(h, offer, None)
+            order = self._ordered(group, "prefill", list(chain), pool[k % len(pool):] + pool[:k % len(pool)])
             best = None
             for h in order:
                 budget = slo - (time.perf_counter() - t0) * 1e3
                 m.offers.labels(gname).inc()
-                r = await offer(h, max(budget, 0.0))
+                r = await self._offer(h, offer, max(budget, 0.0))
                 if not isinstance(r, Rejected):
                     return h, r
                 m.rejections.labels(gname).inc()
@@ -461,7 +538,7 @@ class Gateway:
                     best = (h, r.est_wait_ms)
             if (time.perf_counter() - t0) * 1e3 + backoff * 1e3 >= slo:
                 m.forced.labels(gname).inc()  # every instance keeps rejecting: the shortest wait takes it
-                return best[0], await offer(best[0], None)
+                return best[0], await self._offer(best[0], offer, None)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, 0.2)  # exponential back-off: 10 ms, 20 ms, ... 200 ms
 
@@ -483,9 +560,52 @@ class Gateway:
             await asyncio.sleep(0.2)
             await self.refresh_reports()
 
-    async def _pick_decode(self, group: Group):
+    async def _pick_decode(self, group: Group, chain: list[int] = ()):
+        """The decode instance holding the longest cached prefix of `chain` within the load slack,
+        else the one with the fewest requests in flight from this gateway."""
         pool = await self._live_pool(group, "decode")
-        return min(pool, key=lambda h: self._decode_active.get(h.name, 0))
+        base = sorted(pool, key=lambda h: self._decode_active.get(h.name, 0))  # stable: ties keep pool order
+        return self._ordered(group, "decode", list(chain), base)[0]
+
+    async def _local_prefill(self, group: Group, tokens: list[int]):
+        """The decode instance to run the whole request on, or None (prefill -> KV -> decode).
+        Conditional disaggregation (Dynamo's): when the decode instance picked for the request
+        (`_pick_decode`) holds a longer cached prefix than every prefill instance, e.g. the previous
+        turn's answer of a conversation that only it decoded, and the tokens left to compute are at
+        most `local_prefill_tokens` and at most the ones it holds (a continuation, not a new prompt
+        that merely shares a system turn), it prefills them itself; no KV moves."""
+        if not self.prefix.enabled or self.local_prefill_tokens <= 0:
+            return None
+        chain = self.prefix.chain(tokens)
+        if not chain:
+            return None
+        dh = await self._pick_decode(group, chain)
+        on_decode = self.prefix.overlap(chain, dh.name)
+        on_prefill = max((self.prefix.overlap(chain, h.name) for h in group.prefill if h.name not in self.dead),
+                         default=0)
+        cached = on_decode * self.prefix.block_size
+        left = len(tokens) - cached
+        if on_decode <= on_prefill or left > self.local_prefill_tokens or left > cached:
+            return None
+        self.metrics.local_prefills.labels(group.name).inc()
+        return dh
+
+    def _note_hits(self, request_id: str, group: Group, n_prompt: int, n_tokens: int, hits: int | None) -> None:
+        """Keep the prefix hits of a request's first prefill (for `request_stats`) and count them."""
+        if request_id in self._stats or hits is None:
+            return
+        self._stats[request_id] = RequestStats(n_prompt, int(hits), 0, 0, None, None, None)
+        while len(self._stats) > self.max_request_stats:
+            self._stats.popitem(last=False)
+        self.metrics.prompt_tokens.labels(group.name).inc(n_tokens)
+        self.metrics.prefix_hit_tokens.labels(group.name).inc(int(hits))
+
+    def request_stats(self, request_id: str) -> RequestStats | None:
+        """Counters of a live or recently finished request: its prompt tokens and the tokens its
+        prefill reused from the instance's prefix cache (`prefix_hit_tokens`, summed as the engine
+        does over the prompt and any answer tokens prefilled again after a fault); the other
+        fields are 0 / None (they live on the instances). None for an unknown request."""
+        return self._stats.get(request_id)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        cloud_budget: int | None = None, tag: str | None = None,
@@ -500,6 +620,7 @@ class Gateway:
         if isinstance(ev, RequestViolation):
             raise ValueError(f"request {request_id!r} is already running") from ev
         live = self._live[request_id] = _Live(group, budget=cloud_budget)
+        self._stats.pop(request_id, None)  # a reused id: its last run's numbers are not this one's
         self.metrics.live.inc()
         outcome, outs, retries = "error", [], 0
         t0 = time.perf_counter()
@@ -518,7 +639,7 @@ class Gateway:
             self.requests.send(Token(request_id, o.token_id, len(outs), (now - t0) * 1e3, 0, o.finish_reason))
             outs.append(o.token_id)
             ended[0] = o.finish_reason
-            return StepOutput(request_id, o.token_id, len(outs) - 1, o.finish_reason)
+            return StepOutput(request_id, o.token_id, len(outs) - 1, o.finish_reason, o.logprobs)
 
         try:
             while True:
@@ -529,7 +650,10 @@ class Gateway:
                             if o.finish_reason:
                                 break
                     else:
-                        async for o in self._run_pd(group, live, request_id, prompt_ids, params, outs, t0):
+                        local = await self._local_prefill(group, list(prompt_ids) + outs)
+                        run = self._run_split(group, live, request_id, prompt_ids, params, outs, t0, on=local) \
+                            if local is not None else self._run_pd(group, live, request_id, prompt_ids, params, outs, t0)
+                        async for o in run:
                             yield emit(o)
                             if o.finish_reason:
                                 break
@@ -561,8 +685,10 @@ class Gateway:
     def _irid(self, request_id: str) -> str:
         return f"{request_id}#{next(self._ids)}"  # unique per attempt and instance
 
-    async def _run_split(self, group, live, request_id, prompt_ids, params, outs, t0):
-        """The whole (short) request on a prefill instance: no KV transfer."""
+    async def _run_split(self, group, live, request_id, prompt_ids, params, outs, t0, on=None):
+        """The whole request on one instance, no KV transfer: a (short) split request on a prefill
+        instance, or with `on` (a decode instance already holding most of the prompt's KV) the
+        whole request there (local prefill)."""
         irid = self._irid(request_id)
         streams = {}
 
@@ -575,9 +701,32 @@ class Gateway:
             streams[h] = gen
             return first
 
-        h, first = await self._forward(group, t0, len(prompt_ids) + len(outs), offer)
+        tokens = list(prompt_ids) + list(outs)
+        chain = self.prefix.chain(tokens)
+        active = self._decode_active
+        if on is None:
+            h, first = await self._forward(group, t0, len(tokens), offer, chain)
+        else:
+            h = on
+            active[h.name] = active.get(h.name, 0) + 1
+            try:
+                first = await offer(h, None)
+            except BaseException:
+                active[h.name] -= 1
+                raise
         live.where.append((h, irid))
         gen = streams[h]
+        self.prefix.record(chain, h.name)
+        if hasattr(h, "prefix_hits"):
+            try:
+                hits = await self._guard(h, h.prefix_hits(irid))
+            except InstanceDied:
+                await gen.aclose()
+                live.where.remove((h, irid))
+                if on is not None:
+                    active[h.name] -= 1
+                raise
+            self._note_hits(request_id, group, len(prompt_ids), len(tokens), hits)
         try:
             o = first
             while True:
@@ -588,6 +737,10 @@ class Gateway:
         except StopAsyncIteration:
             return
         finally:
+            if on is not None:
+                active[h.name] -= 1
+            if h.name not in self.dead:  # it holds its answer's KV too (but the last token's)
+                self.prefix.record(self.prefix.chain(list(prompt_ids) + outs[:-1]), h.name)
             live.where.remove((h, irid))
             await gen.aclose()
 
@@ -597,6 +750,7 @@ class Gateway:
             return await aw
         except InstanceDied as e:
             self.dead[h.name] = str(e)
+            self.prefix.forget(h.name)
             raise
         except (StopAsyncIteration, asyncio.CancelledError, GeneratorExit, PDError):
             raise
@@ -608,8 +762,10 @@ class Gateway:
                 raise cause from None
             if "Actor" in type(e).__name__:  # the actor itself died: skip it until it reports again
                 self.dead[h.name] = f"{type(e).__name__}"
+                self.prefix.forget(h.name)  # restarted by Ray with an empty cache
             elif isinstance(cause, InstanceDied):  # its engine failed: dead until it is replaced
                 self.dead[h.name] = str(cause)
+                self.prefix.forget(h.name)
             raise InstanceDied(f"instance {h.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                                ) from e
 
@@ -624,16 +780,20 @@ class Gateway:
             finally:
                 live.where.remove((h, irid))
 
-        ph, ho = await self._forward(group, t0, len(prompt_ids) + len(outs), offer)
+        tokens = list(prompt_ids) + list(outs)
+        chain = self.prefix.chain(tokens)
+        ph, ho = await self._forward(group, t0, len(tokens), offer, chain)
         if ho is None or self._aborted(request_id):  # aborted while prefilling
             return
+        self.prefix.record(chain, ph.name)
+        self._note_hits(request_id, group, len(prompt_ids), len(tokens), getattr(ho, "prefix_hit_tokens", None))
         reason = ho.finish_reason
         if reason == "budget" and (live.budget is None or ho.num_output_tokens < live.budget):
             reason = None  # the prefill instance stopped after one token by design: decode goes on
-        yield StepOutput(request_id, ho.new_token, ho.num_output_tokens - 1, reason)
+        yield StepOutput(request_id, ho.new_token, ho.num_output_tokens - 1, reason, getattr(ho, "logprobs", None))
         if reason or self._aborted(request_id):
             return
-        dh = await self._pick_decode(group)
+        dh = await self._pick_decode(group, chain)
         self._decode_active[dh.name] = self._decode_active.get(dh.name, 0) + 1
         drid = self._irid(request_id)
         live.where.append((dh, drid))
@@ -657,6 +817,8 @@ class Gateway:
                     return
         finally:
             self._decode_active[dh.name] -= 1
+            if dh.name not in self.dead:  # it holds the prompt and the answer so far (but the last token)
+                self.prefix.record(self.prefix.chain(list(prompt_ids) + outs[:-1]), dh.name)
             live.where.remove((dh, drid))
             await gen.aclose()
 
@@ -669,4 +831,5 @@ class Gateway:
                             "tpot_slo_ms": g.scenario.tpot_slo_ms,
                             "prefill": [h.name for h in g.prefill], "decode": [h.name for h in g.decode]}
                            for g in self.groups],
-                "instances": {n: r for n, r in self.reports.items()}, "dead": dict(self.dead)}
+                "instances": {n: r for n, r in self.reports.items()}, "dead": dict(self.dead),
+                "prefix_routing": self.prefix.stats()}

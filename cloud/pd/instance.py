@@ -55,6 +55,9 @@ class Handoff:
         `kv` covers all of them but the last.
     finish_reason: the engine's reason after the first new token ('budget' just means "prefill
         done": the gateway decides whether the request goes on).
+    prefill_ms / queue_ms: the prefill's time here and its wait before it was scheduled (ms).
+    prefix_hit_tokens: tokens the prefill reused from this instance's prefix cache.
+    logprobs: the new token's (logprob, top alternatives) when `params.logprobs` is set, else None.
     """
 
     request_id: str
@@ -66,6 +69,8 @@ class Handoff:
     instance: str
     prefill_ms: float = 0.0
     queue_ms: float = 0.0
+    prefix_hit_tokens: int = 0
+    logprobs: tuple | None = None
 
     @property
     def new_token(self) -> int:
@@ -210,7 +215,8 @@ class Instance:
             self._die("after the KV export, before the hand-off")
         return Handoff(request_id, tokens, len(prompt_ids), params, first.finish_reason, kv, self.name,
                        prefill_ms=(time.perf_counter() - t0) * 1e3,
-                       queue_ms=(stats.queue_s or 0.0) * 1e3 if stats else 0.0)
+                       queue_ms=(stats.queue_s or 0.0) * 1e3 if stats else 0.0,
+                       prefix_hit_tokens=stats.prefix_hit_tokens if stats else 0, logprobs=first.logprobs)
 
     # --- decode role ------------------------------------------------------------------------------
     async def decode(self, handoff: Handoff, request_id: str | None = None,
@@ -258,6 +264,11 @@ class Instance:
             raise
         finally:
             self.outstanding.pop(request_id, None)
+
+    def prefix_hits(self, request_id: str) -> int | None:
+        """Tokens request `request_id` reused from this instance's prefix cache (None if unknown)."""
+        stats = self.engine.request_stats(request_id)
+        return None if stats is None else stats.prefix_hit_tokens
 
     def abort(self, request_id: str) -> None:
         self.outstanding.pop(request_id, None)

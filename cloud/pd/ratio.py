@@ -13,7 +13,9 @@ Model (per instance, measured on this machine: `bench/pd.py` fits it from the re
   b* / (output_tokens * step(b*)) requests/s (Little's law).
 
 The best ratio maximises min(prefill capacity, decode capacity): the group's goodput at its SLOs.
-The controller starts there and then corrects from measurements.
+The controller starts there and then corrects from measurements: within a group it moves an
+instance between roles (`Hysteresis`); across groups it lends an idle instance of a group with
+slack to a group that misses an SLO it cannot fix by itself, and takes it back (`RatioController`).
 """
 from __future__ import annotations
 
@@ -120,16 +122,58 @@ class Hysteresis:
         return None
 
 
-class RatioController:
-    """Every `interval_s`: per group, p90 TTFT/TPOT of the requests finished since the last window
-    against the group's SLOs -> `Hysteresis` -> move the least busy instance of the role that has
-    slack to the role that misses its SLO (`Gateway.move`). A group short of instances in both
-    roles borrows one from a group with slack in both."""
+@dataclass
+class Loan:
+    """An instance lent by group `home` (where it had role `home_role`) to group `to` as `role`."""
 
-    def __init__(self, gateway, interval_s: float = 5.0, **hysteresis):
+    instance: str
+    home: str
+    home_role: str
+    to: str
+    role: str
+    since: float
+
+
+class RatioController:
+    """Every `interval_s`, per group, p90 TTFT/TPOT of the requests finished since the last window
+    against the group's SLOs:
+
+    * **within a group** (`Hysteresis`): move the least busy instance of the role that has slack
+      to the role that misses its SLO (`Gateway.move`).
+    * **across groups**: a group that misses an SLO (TTFT -> it needs a prefill instance, TPOT -> a
+      decode one) and could not fix it by itself in that window (its other role has no slack, or
+      no instance to spare) *needs*; a group whose p90s are both below `slack` x its SLOs (or that
+      saw no request) and has an **idle** instance (no request in flight from the gateway, none
+      running, queued, held or being imported in its last report) in a role with more than
+      `min_per_role` instances *has slack*. After `borrow_patience` windows in a row of the same
+      need, one idle instance of the group with slack is lent to it in the role it needs. A loan
+      is given back (the instance returns to its home group and role) once the borrower has met
+      both SLOs for `return_patience` windows in a row, or the lender misses one; the instance
+      must be idle for the move (else it waits for a later window). At most `max_loans` loans at a
+      time and one cross-group move per window, `cooldown_s` apart.
+
+    Every move is logged (`relayinfer.pd.ratio`), kept in `moves` and counted in
+    `relayinfer_pd_ratio_moves_total{kind="role"|"lend"|"return", src, dst}`. Requests already on
+    a moved instance finish there (`Gateway.move`); none is lost.
+
+    Raises:
+        ValueError: a patience below 1 or a negative `max_loans`.
+    """
+
+    def __init__(self, gateway, interval_s: float = 5.0, borrow_patience: int = 3, return_patience: int = 3,
+                 max_loans: int = 2, **hysteresis):
+        if borrow_patience < 1 or return_patience < 1 or max_loans < 0:
+            raise ValueError(f"borrow_patience and return_patience must be >= 1 and max_loans >= 0, got "
+                             f"{borrow_patience}, {return_patience}, {max_loans}")
         self.gateway, self.interval_s = gateway, interval_s
         self.rules = {g.name: Hysteresis(**hysteresis) for g in gateway.groups}
+        self.borrow_patience, self.return_patience, self.max_loans = borrow_patience, return_patience, max_loans
+        self.cooldown_s = self.rules[gateway.groups[0].name].cooldown_s if gateway.groups else 10.0
         self.moves: list[dict] = []
+        self.loans: list[Loan] = []
+        self._need: dict[str, tuple[str | None, int]] = {}  # group -> (role it needs, windows in a row)
+        self._calm: dict[str, int] = {}  # group -> windows in a row meeting both SLOs
+        self._last_cross = -1e18
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -149,30 +193,114 @@ class RatioController:
             except Exception:  # pragma: no cover
                 log.exception("ratio controller step failed")
 
+    def _busy(self, h) -> int:
+        rep = self.gateway.reports.get(h.name, {})
+        return rep.get("running", 0) + rep.get("queued_requests", 0)
+
     def _least_busy(self, handles):
-        rep = self.gateway.reports
-        return min(handles, key=lambda h: rep.get(h.name, {}).get("running", 0)
-                   + rep.get(h.name, {}).get("queued_requests", 0))
+        return min(handles, key=self._busy)
+
+    def _idle(self, h) -> bool:
+        gw, rep = self.gateway, self.gateway.reports.get(h.name)
+        if rep is None or h.name in gw.dead:
+            return False
+        inflight = gw._decode_active.get(h.name, 0) + gw._prefill_active.get(h.name, 0)
+        return inflight == 0 and not any(rep.get(k, 0) for k in ("running", "waiting", "queued_requests", "held",
+                                                                  "imports"))
+
+    def _record(self, now: float, kind: str, h, src, dst, role: str, **extra) -> dict:
+        rec = {"t": now, "kind": kind, "instance": h.name, "group": dst.name, "from": src.name, "to": role,
+               "ratio": dst.ratio, **extra}
+        self.gateway.metrics.moves.labels(kind, src.name, dst.name).inc()
+        log.info("ratio: %s", rec)
+        return rec
 
     async def step(self, now: float | None = None) -> list[dict]:
+        """One window: measure, move within groups, then lend or return at most one instance
+        across groups. Returns the moves made (each a dict: t, kind, instance, group, from, to...)."""
         now = time.monotonic() if now is None else now
-        made, stats = [], {}
+        made, stats, needs = [], {}, {}
         for g in self.gateway.groups:
             ttft, tpot = p90(g.ttft_ms), p90(g.tpot_ms)
             g.ttft_ms.clear()
             g.tpot_ms.clear()
             stats[g.name] = (ttft, tpot)
             sc = g.scenario
-            move = self.rules[g.name].observe(now, ttft, tpot, sc.ttft_slo_ms, sc.tpot_slo_ms, len(g.prefill),
-                                              len(g.decode))
-            if move is None:
+            rule = self.rules.setdefault(g.name, Hysteresis())
+            move = rule.observe(now, ttft, tpot, sc.ttft_slo_ms, sc.tpot_slo_ms, len(g.prefill), len(g.decode))
+            ttft_bad = ttft is not None and ttft > sc.ttft_slo_ms
+            tpot_bad = tpot is not None and tpot > sc.tpot_slo_ms
+            self._calm[g.name] = 0 if (ttft_bad or tpot_bad) else self._calm.get(g.name, 0) + 1
+            if move is not None:
+                src, dst = (g.decode, "prefill") if move == "to_prefill" else (g.prefill, "decode")
+                h = self._least_busy(src)
+                await self.gateway.move(h, g, g, dst)
+                made.append(self._record(now, "role", h, g, g, dst, ttft_p90_ms=ttft, tpot_p90_ms=tpot))
+                self._need[g.name] = (None, 0)
                 continue
-            src, dst = (g.decode, "prefill") if move == "to_prefill" else (g.prefill, "decode")
-            h = self._least_busy(src)
-            await self.gateway.move(h, g, g, dst)
-            made.append({"t": now, "group": g.name, "instance": h.name, "to": dst, "ratio": g.ratio,
-                         "ttft_p90_ms": ttft, "tpot_p90_ms": tpot})
-        for rec in made:
-            log.info("ratio: %s", rec)
+            if rule.want(ttft, tpot, sc.ttft_slo_ms, sc.tpot_slo_ms, len(g.prefill), len(g.decode)) is not None:
+                self._need[g.name] = (None, 0)  # it can fix this itself (after its own patience)
+                continue
+            role = None
+            if ttft_bad or tpot_bad:  # the worse relative miss decides the role it needs
+                role = "prefill" if (ttft or 0) / sc.ttft_slo_ms >= (tpot or 0) / sc.tpot_slo_ms else "decode"
+            prev, streak = self._need.get(g.name, (None, 0))
+            self._need[g.name] = (role, streak + 1 if role is not None and role == prev else (1 if role else 0))
+            needs[g.name] = self._need[g.name]
+        if now - self._last_cross >= self.cooldown_s:
+            rec = await self._give_back(now, stats) or await self._lend(now, stats, needs)
+            if rec is not None:
+                self._last_cross = now
+                made.append(rec)
         self.moves += made
         return made
+
+    def _slack(self, g, stats) -> bool:
+        ttft, tpot = stats[g.name]
+        rule, sc = self.rules[g.name], g.scenario
+        return (ttft is None or ttft < rule.slack * sc.ttft_slo_ms) and (tpot is None or tpot < rule.slack * sc.tpot_slo_ms)
+
+    async def _lend(self, now: float, stats, needs) -> dict | None:
+        if len(self.loans) >= self.max_loans:
+            return None
+        gw = self.gateway
+        for g in gw.groups:
+            role, streak = needs.get(g.name, (None, 0))
+            if role is None or streak < self.borrow_patience:
+                continue
+            for lender in gw.groups:
+                if lender is g or not self._slack(lender, stats) or any(ln.to == lender.name for ln in self.loans):
+                    continue  # a group that borrows lends nothing
+                min_role = self.rules[lender.name].min_per_role
+                pools = sorted(((r, pool) for r, pool in (("prefill", lender.prefill), ("decode", lender.decode))
+                                if len(pool) > min_role), key=lambda rp: rp[0] != role)  # same role first
+                for home_role, pool in pools:
+                    idle = [h for h in pool if self._idle(h)]
+                    if not idle:
+                        continue
+                    h = idle[0]
+                    await gw.move(h, lender, g, role)
+                    self.loans.append(Loan(h.name, lender.name, home_role, g.name, role, now))
+                    self._need[g.name] = (None, 0)
+                    return self._record(now, "lend", h, lender, g, role, home_role=home_role,
+                                        ttft_p90_ms=stats[g.name][0], tpot_p90_ms=stats[g.name][1])
+        return None
+
+    async def _give_back(self, now: float, stats) -> dict | None:
+        gw = self.gateway
+        for loan in list(self.loans):
+            borrower, home = gw.group(loan.to), gw.group(loan.home)
+            h = next((x for x in borrower.prefill + borrower.decode if x.name == loan.instance), None)
+            if h is None:  # moved on by someone else: the loan is over
+                self.loans.remove(loan)
+                continue
+            home_bad = not self._slack(home, stats) and self._calm.get(home.name, 0) == 0
+            if (self._calm.get(borrower.name, 0) < self.return_patience and not home_bad) or not self._idle(h):
+                continue
+            pool = borrower.prefill if loan.role == "prefill" else borrower.decode
+            if len(pool) <= self.rules[borrower.name].min_per_role:
+                continue  # never below one per role, even to give back
+            await gw.move(h, borrower, home, loan.home_role)
+            self.loans.remove(loan)
+            return self._record(now, "return", h, borrower, home, loan.home_role, lent_s=round(now - loan.since, 3))
+        return None

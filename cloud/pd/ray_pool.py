@@ -154,6 +154,9 @@ class InstanceActor:
     async def load(self) -> dict:
         return self.inst.load()
 
+    async def prefix_hits(self, request_id: str) -> int | None:
+        return self.inst.prefix_hits(request_id)
+
     async def transfers(self) -> list:
         return list(self.inst.transfers)
 
@@ -240,6 +243,9 @@ class RayHandle:
 
     async def load(self) -> dict:
         return await self.actor.load.remote()
+
+    async def prefix_hits(self, request_id: str) -> int | None:
+        return await self.actor.prefix_hits.remote(request_id)
 
     async def shutdown(self) -> None:
         import ray

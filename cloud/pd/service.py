@@ -73,8 +73,10 @@ class PDEngine:
     def metrics_registry(self) -> CollectorRegistry:
         return self.gateway.metrics.registry
 
-    def request_stats(self, request_id: str) -> None:
-        return None  # the prefix hits are counted on the instances
+    def request_stats(self, request_id: str):
+        """The request's prompt tokens and the tokens its prefill reused from a prefill instance's
+        prefix cache (`Gateway.request_stats`); None for an unknown request."""
+        return self.gateway.request_stats(request_id)
 
     def health(self) -> str | None:
         """None while the gateway can serve (see `Gateway.health`)."""
@@ -90,7 +92,12 @@ class PDEngine:
                        tag: str | None = None) -> AsyncIterator[StepOutput]:
         """The gateway's answer as `StepOutput`s. Raises `FieldError` (a ValueError) naming a prompt
         id outside the vocabulary, a negative `cloud_budget` or a stop id outside the vocabulary,
-        `PromptTooLongError` when the request cannot fit the smallest instance."""
+        `PromptTooLongError` when the request cannot fit the smallest instance, ValueError for a
+        structured-output constraint (`params.grammar`): the decode instances do not carry one
+        across the KV hand-off, so it is refused rather than ignored."""
+        if getattr(params, "grammar", None) is not None:
+            raise ValueError("structured output (response_format, guided_*, structured_outputs, a forced tool "
+                             "call) is not supported on the P/D gateway")
         prompt_ids = check_ids("prompt_ids", prompt_ids, self.engine.cfg.vocab_size - 1, min_len=1)
         check("cloud_budget", cloud_budget, optional=True)
         check_vocab(self.engine.cfg.vocab_size, params.stop_ids, params.logit_bias)
@@ -186,16 +193,17 @@ def parse_scenario(text: str):
 
 def make_pd_service(engine, specs: list, config=None, ray_address: str | None = None, forwarding: str = "on-demand",
                     threads: int = 1, actor_cpus: float = 1.0, spread: bool = False, ray_cpus: int | None = None,
-                    ratio_control: bool = False, **service_kw) -> PDService:
+                    ratio_control: bool = False, prefix_routing: bool = True, **service_kw) -> PDService:
     """`PDService` over Ray actor pools (local Ray unless `ray_address`); `engine` is the gateway's
-    `TorchEngine`, whose weights the actors share through the object store."""
+    `TorchEngine`, whose weights the actors share through the object store; `prefix_routing`: the
+    gateway routes by cached prefix (`prefix.py`), else round-robin / fewest in flight."""
     from .instance import InstanceConfig
     from .ray_pool import RayPool, start_ray
 
     config = config or InstanceConfig()
     start_ray(ray_address, num_cpus=ray_cpus)
     pool = RayPool(engine, specs, config, threads=threads, actor_cpus=actor_cpus, spread=spread)
-    gw = Gateway(pool.groups, forwarding=forwarding)
+    gw = Gateway(pool.groups, forwarding=forwarding, prefix_routing=prefix_routing, block_size=config.block_size)
     gw.pool = pool
     per_token = 2 * engine.cfg.n_layers * engine.cfg.n_kv_heads * engine.cfg.head_dim * 4
     blocks = config.kv_cache_bytes // (config.block_size * per_token)
