@@ -71,6 +71,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, generate_message, sample
+from relayinfer.protocol.model.grammar import new_guide
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.kvhandoff import (KV_RATE_SHARE, common_prefix, kv_bytes_per_token, kv_handoff_ms,
                                            kv_handoff_pays, kv_layers)
@@ -506,6 +507,8 @@ class _Run:
     def __init__(self, s: SplitSession, prompt: list[int], params: SamplingParams, on_token,
                  past: DeviceCache | None = None):
         self.s, self.prompt, self.params, self.on_token = s, prompt, params, on_token
+        # the grammar's state (None without one): fed the cloud's tokens before the device's first mask
+        self.guide = new_guide(params, s.tokenizer, getattr(s.engine, "vocab_size", None))
         past = past if past is not None and past.kv is not None else None
         reused = min(common_prefix(past.ids, prompt), len(prompt) - 1) if past else 0
         self.dev = _Device(past, reused, len(prompt) - reused, prompt_tokens=len(prompt) - reused)
@@ -1046,8 +1049,8 @@ class _Run:
             await self.send_quietly(Stop(self.request_id, h))  # ignored by the table after the cloud's Done
         eos = self.s.engine.eos_id
         for i in range(h, self.params.max_new_tokens):
-            tok = sample(logits, self.params, i, self.prompt + self.answer.ids, len(self.prompt), eos)
-            self.append(tok, "device", finish_reason(tok, i + 1, self.params, eos))
+            tok = sample(logits, self.params, i, self.prompt + self.answer.ids, len(self.prompt), eos, self.guide)
+            self.append(tok, "device", finish_reason(tok, i + 1, self.params, eos, guide=self.guide))
             if self.phases.done:
                 return
             t0 = time.perf_counter()

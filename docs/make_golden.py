@@ -26,7 +26,7 @@ import numpy as np
 
 from relayinfer.protocol.framing import pack_frame
 from relayinfer.protocol.messages import (
-    PROTOCOL_VERSION, Cancel, Done, Embeddings, Error, ExtendBudget, Generate, Hello, KVTransfer, Ping, Pong,
+    PROTOCOL_VERSION, Cancel, Done, Embeddings, Error, ExtendBudget, Generate, Grammar, Hello, KVTransfer, Ping, Pong,
     PreInfer, Rank, RefinedPrompt, Scores, Stop, Tensor, TileBatch, Token, Welcome, encode,
 )
 
@@ -69,6 +69,11 @@ def examples() -> dict[str, tuple[str, list, bool]]:
         "generate_kv_handoff": one("Generate asking for the KV hand-off of every prompt token but the last, paced at "
                                    "2.7 MB/s (0.75 of a measured 3.6 MB/s link)",
                                    Generate(RID, PROMPT, 256, cloud_budget=40, kv_from=0, kv_rate=2.7e6)),
+        "generate_json_schema": one("Generate with structured output: the answer is JSON under a schema (cloud and "
+                                    "device mask with the same grammar)",
+                                    Generate(RID, PROMPT, 128, cloud_budget=16, grammar=Grammar(
+                                        "json_schema", '{"type":"object","properties":{"city":{"type":"string"}},'
+                                        '"required":["city"],"additionalProperties":false}'))),
         "token": one("cloud -> device: generated token at answer index 0, 41.7 ms after the Generate arrived",
                      Token(RID, 504, 0, 41.66)),
         "refined_prompt": one("cloud -> device, right after the first token: prompt indices the device prefills",

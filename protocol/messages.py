@@ -20,7 +20,7 @@ from .errors import ErrorCode, ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HANDSHAKE_MAX_BYTES", "TENSOR_DTYPES", "MAX_TENSOR_DIMS",
-    "Tensor", "Hello", "Welcome", "Generate", "Token", "RefinedPrompt", "ExtendBudget", "Stop",
+    "Tensor", "Grammar", "Hello", "Welcome", "Generate", "Token", "RefinedPrompt", "ExtendBudget", "Stop",
     "Cancel", "Done", "Error", "Ping", "Pong", "KVTransfer", "PreInfer", "Rank", "Scores",
     "TileBatch", "Embeddings", "Message", "MESSAGE_TYPES", "encode", "decode", "bfloat16_to_float32",
 ]
@@ -130,6 +130,18 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+class Grammar(msgspec.Struct, frozen=True):
+    """A structured-output constraint: every answer token stays inside it (`protocol.model.grammar`).
+
+    ``kind``: ``json_schema`` (``spec`` is the JSON text of a JSON Schema), ``regex`` (``spec`` a
+    regular expression the whole answer matches) or ``lark`` (``spec`` a grammar in llguidance's
+    Lark dialect). Cloud and device compile the same text with the same engine (llguidance), so
+    the device masks its own tokens as the cloud masked its."""
+
+    kind: str
+    spec: str
+
+
 class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True):
     """Base of all wire messages (not itself a message)."""
 
@@ -180,6 +192,9 @@ class Generate(_Msg, tag="generate"):
     ``kv_rate``: None (as fast as the connection takes them), or the average rate (bytes/s) at
     which the cloud sends those pieces, in pieces of about 20 ms of it, so that the request's tokens
     are not queued on the link behind the transfer; ignored without ``kv_from``.
+    ``grammar``: None, or a ``Grammar`` the answer must follow (structured output: a JSON schema,
+    regex or Lark grammar); the cloud masks the tokens it samples and the device, after the
+    hand-off, feeds its matcher the cloud's tokens and masks its own, so the whole answer follows it.
     """
 
     request_id: str
@@ -199,6 +214,7 @@ class Generate(_Msg, tag="generate"):
     kv_from: Union[int, None] = None
     logit_bias: list[tuple[int, float]] = []
     kv_rate: Union[float, None] = None
+    grammar: Union[Grammar, None] = None
 
 
 class Token(_Msg, tag="token"):

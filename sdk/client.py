@@ -24,6 +24,7 @@ from relayinfer.device.split import GenerationResult, SplitOptions, SplitSession
 from relayinfer.sdk.checks import check_cloud_url
 from relayinfer.protocol.validate import check_prompt_text
 from relayinfer.protocol.model.decoding import SamplingParams
+from relayinfer.protocol.model.grammar import json_schema_grammar
 from relayinfer.protocol.validate import FieldError, check_ids, check_vocab
 
 _END = object()
@@ -358,6 +359,10 @@ class Client:
         check_prompt_text(prompt)  # one rule for empty input (CLI, Client, HTTP API): raises here, not in the stream
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.prompt_ids(prompt)
         opts = dict(vars(self.options))
+        if "json_schema" in sampling:  # structured output's shorthand: the answer is JSON under this schema
+            if sampling.get("grammar") is not None:
+                raise FieldError("json_schema", "left out when grammar is given", sampling["json_schema"])
+            sampling["grammar"] = json_schema_grammar(sampling.pop("json_schema"))
         for k in ("mode", "target_tpot_ms", "cloud_budget", "refine", "kv_handoff"):
             if k in sampling:
                 opts[k] = sampling.pop(k)
@@ -476,8 +481,11 @@ class Client:
         """Start generating; returns a `Stream` of `TokenEvent`s (its `.result` once exhausted).
 
         `prompt`: a user string, a list of chat messages, or prompt token ids. `sampling`:
-        max_new_tokens, temperature, top_p, top_k, seed, stop_ids; per-request mode,
-        target_tpot_ms, cloud_budget, refine (keep ratio of prompt refinement, e.g. 0.5).
+        max_new_tokens, temperature, top_p, top_k, seed, stop_ids; structured output: `grammar`
+        (a `protocol.messages.Grammar`: JSON schema, regex or Lark) or `json_schema` (a dict, the
+        answer is JSON under it), kept by the cloud and the device alike across the hand-off;
+        per-request mode, target_tpot_ms, cloud_budget, refine (keep ratio of prompt refinement,
+        e.g. 0.5).
 
         Raises (here, before anything runs):
             ValueError: an empty prompt (an empty or blank string, no messages or none with text, no

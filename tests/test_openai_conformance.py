@@ -233,9 +233,10 @@ def test_ignore_eos_runs_to_max_tokens_and_unknown_fields_are_refused(base, torc
         assert r.json()["usage"]["completion_tokens"] == len(ref)
     error(chat(base, max_tokens=2, ignore_eos="yes"), 400, "ignore_eos")
     # a field this server does not read is refused by name, never silently ignored
-    for field in ("min_p", "skip_special_tokens", "guided_json"):
+    for field in ("min_p", "skip_special_tokens", "guided_decoding_backend"):
         e = error(chat(base, max_tokens=2, **{field: 1}), 400, field)
         assert e["code"] == "unsupported_parameter"
+    error(chat(base, max_tokens=2, guided_json=1), 400, "guided_json")  # read, and 1 is no JSON schema
     error(comp(base, prompt="x", max_tokens=2, messages=HI), 400, "messages")
     error(chat(base, max_tokens=2, echo=True), 400, "echo")
 
@@ -419,15 +420,19 @@ def test_batch_prompts_one_choice_each_in_order(base, tokenizer):
 
 def test_unimplemented_fields_are_refused_by_name(base, tokenizer):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    cases = [({"tools": [tool]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
-             ({"response_format": {"type": "json_object"}}, "response_format"),
+    cases = [({"tools": [{**tool, "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+             ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+              "tool_choice.function.name"),
+             ({"tool_choice": "required"}, "tool_choice"), ({"functions": [tool["function"]]}, "functions"),
+             ({"response_format": {"type": "xml"}}, "response_format"),
              ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                          {"type": "image_url", "image_url": {"url": "x"}}]}]},
               "messages[0].content[1].type"),
              ({"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
-              "messages[1].tool_calls"),
+              "messages[1].tool_calls[0]"),
              ({"messages": HI + [{"role": "assistant"}]}, "messages[1].content"),
-             ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role")]
+             ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+             ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role")]
     for body, param in cases:
         e = error(chat(base, max_tokens=2, **body), 400, param)
         assert "NoneType" not in e["message"]

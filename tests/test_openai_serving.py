@@ -67,7 +67,8 @@ def test_choice_seeds_are_kept_for_choice_0_and_derived_for_the_others():
 
 @pytest.mark.parametrize("body,param,code", [
     ({"model": "nope"}, "model", "model_not_found"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "unsupported_parameter"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "missing_required_parameter"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "unsupported_parameter"),
     ({"frobnicate": 1}, "frobnicate", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": " "}]}, "messages", "invalid_value"),
 ])

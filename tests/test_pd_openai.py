@@ -125,15 +125,7 @@ def test_every_api_field_has_a_case():
     assert set(protocol._FIELDS[True] | protocol._FIELDS[False]) - set(CASES) == set()
 
 
-# Structured output on P/D: the decode instance carries no grammar across the KV hand-off
-# (`LLMEngine.add_prefilled` makes no guide), so `PDEngine.generate` refuses a grammar (400), but
-# without the field's name: only the OpenAI layer knows which field set it (`_check_engine` would).
-GRAMMAR = {"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-           "tool_choice"}
-XFAIL = pytest.mark.xfail(strict=True, reason="P/D refuses structured output with a 400 that names no field")
-
-
-@pytest.mark.parametrize("field", [pytest.param(f, marks=XFAIL) if f in GRAMMAR else f for f in sorted(CASES)])
+@pytest.mark.parametrize("field", sorted(CASES))
 def test_pd_answers_each_field_like_one_engine(servers, field):
     one, pd, _ = servers
     kind, extra = CASES[field]
@@ -141,8 +133,6 @@ def test_pd_answers_each_field_like_one_engine(servers, field):
     body = {**base, **extra}
     got_one = _answer(requests.post(one + path, json=body, timeout=120))
     got_pd = _answer(requests.post(pd + path, json=body, timeout=120))
-    if field in GRAMMAR and got_one[0] == 200:
-        assert got_pd[0] == 400, (field, got_pd)  # refused, never answered unconstrained
     if got_one[0] == 200 and got_pd[0] != 200:  # P/D may refuse what it cannot do, by name
         assert got_pd == (400, (field, "unsupported_parameter")), (field, got_pd)
         return

@@ -25,6 +25,9 @@ import numpy as np
 from relayinfer.cloud.models.llama import Llama
 from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.model.errors import PromptTooLongError
+from relayinfer.protocol.model.grammar import new_guide
+
+from .torch_engine import tokenizer_of
 
 from .block_manager import BlockManager
 from .interface import EngineLimits, KVParts
@@ -121,6 +124,8 @@ class LLMEngine:
         max_num_batched_tokens: token budget per step (prefill chunk size bound).
         max_num_seqs: running sequences at most.
         enable_prefix_caching: share full blocks across requests with equal token prefixes.
+        tokenizer: the model's `Tokenizer`, for structured output (`params.grammar`); None takes
+            that of the model's file (`torch_engine.tokenizer_of`, for a model a TorchEngine loaded).
 
     Raises ValueError when `kv_cache_bytes` holds no block.
 
@@ -136,8 +141,11 @@ class LLMEngine:
     """
 
     def __init__(self, model, kv_cache_bytes: int = 256 << 20, block_size: int = 16,
-                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64, enable_prefix_caching: bool = True):
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+                 tokenizer=None):
         self.model: Llama = model if isinstance(model, Llama) else model.model
+        path = getattr(self.model, "model_path", None)  # set by TorchEngine on the model it loads
+        self._tokenizer = tokenizer if tokenizer is not None else None if path is None else (lambda: tokenizer_of(path))
         self.kv_bytes_per_token = kv_bytes_per_token(self.cfg, next(self.model.parameters()).dtype)
         num_blocks = kv_cache_bytes // (block_size * self.kv_bytes_per_token)
         if num_blocks < 1:
@@ -166,6 +174,12 @@ class LLMEngine:
     @property
     def eos_id(self) -> int:
         return self.cfg.eos_id
+
+    @property
+    def tokenizer(self):
+        """The model's `Tokenizer` (the `tokenizer` argument, else its file's, loaded on first use);
+        None for an engine on a `Llama` built in memory. Structured output needs it."""
+        return self._tokenizer() if callable(self._tokenizer) else self._tokenizer
 
     @property
     def context_length(self) -> int:
@@ -213,6 +227,7 @@ class LLMEngine:
             PromptTooLongError: prompt + max_new_tokens exceed `max_model_len` (the context window
                 or the whole KV cache, whichever is smaller; the message names the limit).
             ValueError: empty prompt or duplicate live request_id.
+            GrammarError: `params.grammar` does not compile, or the engine has no tokenizer.
         """
         self.check_fits(len(prompt_ids), params.max_new_tokens)
         if kv_from is not None and not 0 <= kv_from < len(prompt_ids) - 1:
@@ -221,7 +236,8 @@ class LLMEngine:
         max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, max_tokens, ignore_eos=ignore_eos,
                        num_prompt_tokens=len(prompt_ids), hold_kv=hold_kv,
-                       kv_export=None if kv_from is None else (kv_from, len(prompt_ids) - 1))
+                       kv_export=None if kv_from is None else (kv_from, len(prompt_ids) - 1),
+                       guide=new_guide(params, lambda: self.tokenizer, self.cfg.vocab_size))
         self._enqueue(request_id, seq)
 
     def _enqueue(self, request_id: str, item) -> None:
@@ -246,7 +262,7 @@ class LLMEngine:
         self.check_fits(num_prompt_tokens, params.max_new_tokens)
         max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
         seq = Sequence(request_id, list(token_ids), params, max_tokens, num_prompt_tokens=num_prompt_tokens,
-                       ignore_eos=ignore_eos)
+                       ignore_eos=ignore_eos, guide=new_guide(params, lambda: self.tokenizer, self.cfg.vocab_size))
         self._enqueue(request_id, _Import(seq, len(token_ids) - 1, write_kv))
 
     def release(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, sample
+from relayinfer.protocol.model.grammar import new_guide
 from relayinfer.protocol.kvhandoff import common_prefix
 from relayinfer.protocol.transport.limits import Charge, MemoryBudget
 from relayinfer.cloud.refine import WINDOW, select
@@ -217,6 +218,7 @@ class PerRequestEngine:
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         self._ended.pop(request_id, None)
+        guide = new_guide(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)  # GrammarError first
         live = self._live[request_id] = _Live(len(prompt_ids), cloud_budget, session)
         kv, ids, out_ids, ended = None, list(prompt_ids), [], False
         loop = asyncio.get_running_loop()
@@ -228,10 +230,10 @@ class PerRequestEngine:
                 if live.aborted:
                     break
                 tok = sample(logits, params, i, ids + out_ids if params.adjusts_logits else (), len(ids),
-                             self.engine.eos_id)
+                             self.engine.eos_id, guide)
                 out_ids.append(tok)
                 live.generated = i + 1
-                end = finish_reason(tok, i + 1, params, self.engine.eos_id, live.budget)
+                end = finish_reason(tok, i + 1, params, self.engine.eos_id, live.budget, guide)
                 yield StepOutput(request_id, tok, i, end)
                 if i == 0 and kept is not None:
                     yield RefinedIndices(request_id, kept)

@@ -2,7 +2,7 @@
 
 Greedy rows (temperature below SAMPLING_EPS, no logit adjustments: the common case and the benchmarks') are one
 `torch.argmax` over their logits [B, vocab] (first maximum on ties, as `np.argmax`). Rows that draw
-(temperature > 0) or adjust logits (penalties, bias, min_tokens) go through
+(temperature > 0) or adjust logits (penalties, bias, min_tokens, a grammar's mask) go through
 `protocol.model.decoding.sample`, the numpy sampler the device and the split service also use: it is
 seeded per (seed, answer position), so a seeded request draws the same token whatever else is in
 the batch and whichever side (cloud engine, `TorchEngine`, device) computes it, and it sorts no
@@ -41,5 +41,5 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_id: int | None)
         for i, s in enumerate(seqs):
             if s.params.temperature < SAMPLING_EPS and not s.params.adjusts_logits:
                 continue
-            out[i] = sample(arr[i], s.params, s.num_output_tokens, s.token_ids, s.num_prompt_tokens, eos_id)
+            out[i] = sample(arr[i], s.params, s.num_output_tokens, s.token_ids, s.num_prompt_tokens, eos_id, s.guide)
     return out

@@ -235,7 +235,7 @@ class Scheduler:
             res.tpot_s.append(now - t.last_token)
         t.last_token = now
         reason = finish_reason(tok, seq.num_output_tokens, seq.params, -1 if seq.ignore_eos else self.eos_id,
-                               seq.max_tokens if seq.max_tokens < seq.params.max_new_tokens else None)
+                               seq.max_tokens if seq.max_tokens < seq.params.max_new_tokens else None, seq.guide)
         if reason:
             self.finish(seq, reason)
         res.sampled.append((seq, lp))

@@ -59,6 +59,7 @@ class Sequence:
             cache (float16) in the step that samples token 0; `exported_kv` holds the copy until
             that token's `StepOutput` takes it.
         times: its `SeqTimes`.
+        guide: its grammar state (`protocol.model.grammar.Guide`), None without `params.grammar`.
     """
 
     request_id: str
@@ -78,6 +79,7 @@ class Sequence:
     kv_export: tuple[int, int] | None = None
     exported_kv: object = None
     times: SeqTimes = field(default_factory=SeqTimes)
+    guide: object = None  # the grammar's state (protocol.model.grammar.Guide) when params.grammar is set
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)

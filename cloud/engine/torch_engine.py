@@ -1,6 +1,7 @@
 """The cloud's single-request engine: prefill and decode over an explicit, pre-allocated KV cache."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -45,6 +46,7 @@ class TorchEngine:
         self.device = pick_device(device)
         self.model_path = resolve_model_path(model_path)
         self.model = model if model is not None else load_llama(self.model_path, device=self.device)
+        self.model.model_path = self.model_path  # an engine built on the bare model finds its tokenizer
         self.cfg: ModelConfig = self.model.cfg
         self.context_length = self.cfg.context_length
         self.eos_id = self.cfg.eos_id
@@ -52,6 +54,12 @@ class TorchEngine:
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.model_path)
+
+    @property
+    def tokenizer(self):
+        """The model file's `Tokenizer` (`tokenizer_of`): structured output needs it."""
+        return tokenizer_of(self.model_path)
+
 
     def new_cache(self, capacity: int = 256) -> StaticKV:
         return StaticKV(self.cfg, capacity=capacity, device=self.device)
@@ -88,3 +96,12 @@ class TorchEngine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
         return generate(self, prompt_ids, params)
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_of(model_path) -> "Tokenizer":
+    """The `Tokenizer` of a model file, loaded once per process (from the tokenizer cache after the
+    first build)."""
+    from relayinfer.protocol.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(model_path)

@@ -92,12 +92,9 @@ class PDEngine:
                        tag: str | None = None) -> AsyncIterator[StepOutput]:
         """The gateway's answer as `StepOutput`s. Raises `FieldError` (a ValueError) naming a prompt
         id outside the vocabulary, a negative `cloud_budget` or a stop id outside the vocabulary,
-        `PromptTooLongError` when the request cannot fit the smallest instance, ValueError for a
-        structured-output constraint (`params.grammar`): the decode instances do not carry one
-        across the KV hand-off, so it is refused rather than ignored."""
-        if getattr(params, "grammar", None) is not None:
-            raise ValueError("structured output (response_format, guided_*, structured_outputs, a forced tool "
-                             "call) is not supported on the P/D gateway")
+        `PromptTooLongError` when the request cannot fit the smallest instance. A grammar
+        (`params.grammar`) is kept on both instances: the prefill instance masks the first token,
+        the decode instance's guide consumes it and masks the rest."""
         prompt_ids = check_ids("prompt_ids", prompt_ids, self.engine.cfg.vocab_size - 1, min_len=1)
         check("cloud_budget", cloud_budget, optional=True)
         check_vocab(self.engine.cfg.vocab_size, params.stop_ids, params.logit_bias)

@@ -15,7 +15,7 @@ import numpy as np
 
 from relayinfer.protocol.model.errors import PromptTooLongError
 from relayinfer.protocol.validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, FieldError, check, check_ids
-from relayinfer.protocol.messages import Generate
+from relayinfer.protocol.messages import Generate, Grammar
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k (engine only)
+    grammar: Grammar | None = None  # structured output: every token stays inside it (protocol.model.grammar)
 
     def __post_init__(self):
         """Checks and normalises every field by the shared rule table (`protocol.validate.RULES`):
@@ -84,12 +85,19 @@ class SamplingParams:
             if t in seen:
                 raise FieldError(f"logit_bias[{t}]", "given once per token id", t)
             seen.add(t)
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise FieldError("grammar", "a Grammar (kind, spec) or None", self.grammar)
+            from relayinfer.protocol.model.grammar import grammar_text
+
+            grammar_text(self.grammar)  # GrammarError (a FieldError) naming what does not compile
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when `adjust_logits` changes anything (else sampling skips it)."""
+        """True when sampling changes the model's logits (`adjust_logits`, or a grammar's mask), so
+        the sampler needs the context: callers pass the prompt and answer ids only then."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.grammar is not None)
 
 
 def adjust_logits(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (), n_prompt: int = 0,
@@ -179,8 +187,12 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequence[int] = (),
-           n_prompt: int = 0, eos_id: int | None = None) -> int:
+           n_prompt: int = 0, eos_id: int | None = None, guide=None) -> int:
     """Pick the token at answer position `index` from `logits` (shape [vocab], float32).
+
+    With `guide` (the request's `protocol.model.grammar.Guide`, None without a grammar) the logits
+    of tokens the grammar does not allow after the answer so far (`context[n_prompt:]`) are -inf
+    first, and the token drawn is fed to the guide (so its `done` is current for `finish_reason`).
 
     The logits are first adjusted by `adjust_logits` (penalties over `context`: the prompt's
     `n_prompt` ids then the `index` answer ids so far; `min_tokens` masks `eos_id` and stop ids).
@@ -196,6 +208,16 @@ def sample(logits: np.ndarray, params: SamplingParams, index: int, context: Sequ
         FloatingPointError: the logits hold NaN, or every logit is -inf (a model fault; the
             engines end this request alone with the error).
     """
+    if guide is not None:
+        logits = guide.mask(logits, context[n_prompt:])
+        tok = _pick(logits, params, index, context, n_prompt, eos_id)
+        guide.advance(tok)
+        return tok
+    return _pick(logits, params, index, context, n_prompt, eos_id)
+
+
+def _pick(logits: np.ndarray, params: SamplingParams, index: int, context: Sequence[int], n_prompt: int,
+          eos_id: int | None) -> int:
     if params.adjusts_logits:
         logits = adjust_logits(logits, params, context, n_prompt, eos_id)
     if np.isnan(logits).any():  # a model fault, not a choice: this request fails (the engine serves on)
@@ -263,7 +285,7 @@ class GenerationOutput:
 
 # The sampling fields a Generate carries, by the same names as SamplingParams.
 WIRE_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_ids", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "grammar")
 
 
 def params_of(msg: Generate) -> SamplingParams:
@@ -309,19 +331,20 @@ def check_prompt(n_prompt: int, max_new_tokens: int, context_length: int) -> Non
 
 
 def finish_reason(token_id: int, n_generated: int, params: SamplingParams, eos_id: int,
-                  budget: int | None = None) -> str | None:
+                  budget: int | None = None, guide=None) -> str | None:
     """The one finish rule: why the answer ends at `token_id`, or None when it goes on.
 
     `n_generated`: answer tokens so far, `token_id` included (1 for the first token); `eos_id`:
     the model's EOS id (-1 when EOS is ignored); `budget`: the cloud's token budget for a split
-    request (None: no budget). In order: 'eos' (token_id is EOS), 'stop' (a `params.stop_ids` id),
-    'length' (`n_generated` reached `params.max_new_tokens`), 'budget' (`n_generated` reached
+    request (None: no budget); `guide`: the request's grammar state after `token_id` (None: no
+    grammar). In order: 'eos' (token_id is EOS), 'stop' (a `params.stop_ids` id, or the grammar
+    is complete and allows nothing but EOS: the answer ends there, without it), 'length' (`n_generated` reached `params.max_new_tokens`), 'budget' (`n_generated` reached
     `budget`: the cloud's share ends, the answer itself does not). Stop *strings* are a property
     of the text and are cut where the text is rendered (the OpenAI server), after this rule.
     """
     if token_id == eos_id:
         return "eos"
-    if token_id in params.stop_ids:
+    if token_id in params.stop_ids or (guide is not None and guide.done):
         return "stop"
     if n_generated >= params.max_new_tokens:
         return "length"
@@ -331,12 +354,17 @@ def finish_reason(token_id: int, n_generated: int, params: SamplingParams, eos_i
 
 
 def generate(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationOutput:
-    """Prefill `prompt_ids`, then decode until EOS, a stop id or `max_new_tokens`.
+    """Prefill `prompt_ids`, then decode until EOS, a stop id, the grammar's end or `max_new_tokens`
+    (a grammar needs the engine's `tokenizer`).
 
     Raises:
         PromptTooLongError: prompt + max_new_tokens exceed the engine's context length.
+        GrammarError: `params.grammar` is set and the engine has no tokenizer.
     """
+    from relayinfer.protocol.model.grammar import new_guide
+
     check_prompt(len(prompt_ids), params.max_new_tokens, engine.context_length)
+    guide = new_guide(params, lambda: engine.tokenizer)
     out = GenerationOutput()
     t0 = time.perf_counter()
     logits, kv = engine.prefill(prompt_ids)
@@ -345,9 +373,9 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams) 
     prompt = list(prompt_ids)
     for i in range(params.max_new_tokens):
         tok = sample(logits, params, i, prompt + out.token_ids if params.adjusts_logits else (), len(prompt),
-                     engine.eos_id)
+                     engine.eos_id, guide)
         out.token_ids.append(tok)
-        reason = finish_reason(tok, i + 1, params, engine.eos_id)
+        reason = finish_reason(tok, i + 1, params, engine.eos_id, guide=guide)
         if reason:
             out.finish_reason = reason
             break

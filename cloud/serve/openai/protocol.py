@@ -10,12 +10,16 @@ engine, tokenizer or HTTP.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 import numpy as np
 
+from relayinfer.cloud.serve.openai.structured import GUIDED_FIELDS, Tools, parse_structured, parse_tools, \
+    render_tool_messages
+from relayinfer.protocol.messages import Grammar
 from relayinfer.protocol.validate import check_prompt_text
 from relayinfer.protocol.model.decoding import SamplingParams, seed_key
 from relayinfer.protocol.validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, FieldError, check, check_ids
@@ -23,10 +27,10 @@ from relayinfer.protocol.validate import MAX_LOGIT_BIAS, MAX_STOP_IDS, FieldErro
 DEFAULT_MAX_TOKENS_CHAT = 256  # OpenAI: up to the context; capped here at min(256, what fits)
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
 MAX_BATCH = 64  # prompts per /v1/completions request
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # accepted and ignored (they change nothing about the answer), each of its OpenAI type (JSON's):
 # documented in docs/SERVING.md
-_IGNORED_TYPES = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
+_IGNORED_TYPES = {"user": str, "metadata": dict, "store": bool, "service_tier": str,
                   "safety_identifier": str, "prompt_cache_key": str}
 _IGNORED = set(_IGNORED_TYPES)
 _TYPE_NAMES = {str: "a string", dict: "an object", bool: "a boolean"}
@@ -38,8 +42,8 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed"
                   "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "min_tokens", "logit_bias", "logprobs", "ignore_eos", "best_of", "tools", "tool_choice",
                   "functions", "function_call", "response_format", "audio", "prediction", "web_search_options",
-                  "reasoning_effort", "suffix", "verbosity", "modalities"} | _IGNORED
-_FIELDS = {True: _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+                  "reasoning_effort", "suffix", "verbosity", "modalities", *GUIDED_FIELDS} | _IGNORED
+_FIELDS = {True: _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"},
            False: _COMMON_FIELDS | {"prompt", "echo"}}
 
 
@@ -132,6 +136,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None
     ignore_eos: bool = False  # vLLM's: EOS does not end the answer (it runs to max_tokens or a stop)
+    grammar: Grammar | None = None  # structured output (`structured.parse_structured`), or a forced tool call
 
     @classmethod
     def from_json(cls, body: Any, served: ServedModel) -> Self:
@@ -143,8 +148,9 @@ class GenerationRequest:
         """
         _check_body(body, served, cls.chat)
         common = _common_fields(body, served.vocab_size)
+        common["grammar"] = parse_structured(body)[0]
         own = cls._own_fields(body, served.vocab_size)
-        return cls(**common, **own, ignore_eos=_bool(body, "ignore_eos"))
+        return cls(**{**common, **own}, ignore_eos=_bool(body, "ignore_eos"))
 
     @classmethod
     def _own_fields(cls, body: dict, vocab_size: int) -> dict:
@@ -172,26 +178,43 @@ class GenerationRequest:
             temperature=temperature, top_p=top_p, top_k=self.top_k, seed=choice_seed(self.seed, choice),
             max_new_tokens=max_new, stop_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            min_tokens=self.min_tokens, logit_bias=self.logit_bias, logprobs=self.logprobs)
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias, logprobs=self.logprobs, grammar=self.grammar)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ChatCompletionRequest(GenerationRequest):
     """A checked `/v1/chat/completions` body. `messages`: ({"role", "content": str}, ...) for the
-    chat template (role `developer` given as `system`, text parts joined)."""
+    chat template (role `developer` given as `system`, text parts joined; tool calls and tool
+    results as text, `structured.render_tool_messages`, and the functions of `tools` described in
+    the system message); `tools`: the request's functions (None: no tools, or tool_choice 'none')."""
 
     default_max_tokens: ClassVar[int] = DEFAULT_MAX_TOKENS_CHAT
     chat: ClassVar[bool] = True
     messages: tuple[dict, ...] = ()
+    tools: Tools | None = None
 
     @classmethod
     def _own_fields(cls, body: dict, vocab_size: int) -> dict:
-        messages = parse_messages(body.get("messages"))
+        messages = render_tool_messages(parse_messages(body.get("messages")), body["messages"])
         lp = _bool(body, "logprobs")
         top = _field(body, "top_logprobs", None)
         if top is not None and not lp:  # as OpenAI and vLLM
             raise FieldError("top_logprobs", "left out unless logprobs is true", top)
-        return {"messages": tuple(messages), "logprobs": (top or 0) if lp else None}
+        own: dict = {"logprobs": (top or 0) if lp else None}
+        tools = parse_tools(body)
+        if tools is not None:
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools.system_text()}
+            else:
+                messages.insert(0, {"role": "system", "content": tools.system_text()})
+            forced = tools.grammar()
+            if forced is not None:
+                _, field = parse_structured(body)
+                if field is not None:
+                    raise FieldError(field, f"left out when tool_choice is {tools.choice!r} (the call's "
+                                     "format constrains the answer)", "given")
+                own["grammar"] = forced
+        return {**own, "messages": tuple(messages), "tools": tools}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,15 +309,13 @@ def _check_body(body: Any, served: ServedModel, chat: bool) -> None:
         if v is not None and not isinstance(v, kind):
             raise FieldError(name, _TYPE_NAMES[kind], v)
     _require_text(body, chat)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise unsupported(name, "tool calling is not implemented")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise unsupported(name, "tool calling is not implemented")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise unsupported("response_format", "only {'type': 'text'}")
+    if body.get("functions"):
+        raise unsupported("functions", "deprecated by OpenAI; use 'tools'")
+    if body.get("function_call") not in (None, "none"):
+        raise unsupported("function_call", "deprecated by OpenAI; use 'tool_choice'")
+    if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        raise unsupported("tools" if body.get("tools") else "tool_choice", "tool calls are a chat feature "
+                          "(/v1/chat/completions)")
     for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "suffix", "verbosity"):
         if body.get(name) is not None:
             raise unsupported(name)
@@ -372,22 +393,30 @@ def parse_messages(msgs: Any) -> list[dict]:
         if not isinstance(m, dict):
             raise APIError(400, f"'{p}' must be an object", p, "invalid_type")
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise unsupported(f"{p}.role", f"role '{role}' (tool calling is not implemented)")
+        if role == "function":
+            raise unsupported(f"{p}.role", "role 'function' (deprecated by OpenAI; use 'tool')")
         if not isinstance(role, str) or role not in _ROLES:  # a JSON object or list is no role (nor hashable)
             raise APIError(400, f"'{p}.role' must be one of {sorted(_ROLES)}, got {role!r}", f"{p}.role",
                            "invalid_value")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise unsupported(f"{p}.tool_calls", "tool calling is not implemented")
+        if m.get("function_call"):
+            raise unsupported(f"{p}.function_call", "deprecated by OpenAI; use 'tool_calls'")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls, p, role)
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise APIError(400, f"'{p}.tool_call_id' is required for a tool message (the id of the call it "
+                           "answers)", f"{p}.tool_call_id", "missing_required_parameter")
         if m.get("audio") is not None:
             raise unsupported(f"{p}.audio")
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise APIError(400, f"{p}.name must be a string, got {type(m['name']).__name__}", f"{p}.name",
                            "invalid_type")
         content = m.get("content")
+        if content is None and calls:
+            content = ""
         if content is None:
-            raise APIError(400, f"'{p}.content' is required (null content is only valid with tool_calls, "
-                           f"which are not supported)", f"{p}.content", "missing_required_parameter")
+            raise APIError(400, f"'{p}.content' is required (null content is only valid with tool_calls)",
+                           f"{p}.content", "missing_required_parameter")
         if isinstance(content, list):
             content = _content_parts(content, p, role)
         elif not isinstance(content, str):
@@ -395,6 +424,29 @@ def parse_messages(msgs: Any) -> list[dict]:
                            "invalid_type")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
+
+
+def _check_tool_calls(calls: Any, p: str, role: str) -> None:
+    """Raises APIError naming the entry of an assistant message's `tool_calls` that is not
+    [{"id", "type": "function", "function": {"name", "arguments": JSON text of an object}}]."""
+    if role != "assistant":
+        raise APIError(400, f"'{p}.tool_calls' is only valid on an assistant message", f"{p}.tool_calls",
+                       "invalid_value")
+    if not isinstance(calls, list) or not calls:
+        raise APIError(400, f"'{p}.tool_calls' must be a non-empty list", f"{p}.tool_calls", "invalid_type")
+    for j, c in enumerate(calls):
+        q = f"{p}.tool_calls[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+            raise APIError(400, f"'{q}' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                           q, "invalid_value")
+        try:
+            args = json.loads(f["arguments"] or "{}")
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise APIError(400, f"'{q}.function.arguments' must be the JSON text of an object", f"{q}.function.arguments",
+                           "invalid_value")
 
 
 def _content_parts(content: list, p: str, role: str) -> str:

@@ -48,6 +48,12 @@ def lp_entries(outs) -> list[Entry]:
     return [(o.token_id, o.logprobs[0], o.logprobs[1]) for o in outs if o.logprobs is not None]
 
 
+def ends_silently(o, params: SamplingParams) -> bool:
+    """True for a token that ends the answer and adds no text: EOS, or a `stop_token_ids` id (a
+    token that completes the grammar ends the answer with 'stop' and is part of it)."""
+    return o.finish_reason == "eos" or (o.finish_reason == "stop" and o.token_id in params.stop_ids)
+
+
 class TextRun:
     """One choice's token stream turned into text deltas, with stop strings cut out.
 
@@ -75,7 +81,7 @@ class TextRun:
         async for o in self.engine.generate(self.request_id, self.ids, self.params, **kw):
             self.completion_tokens += 1
             pending.append(o)
-            if o.finish_reason not in ("eos", "stop"):
+            if not ends_silently(o, self.params):
                 text += dec.push(o.token_id)
             if self.stops:
                 hits = [i for i in (text.find(s, max(0, sent - self.hold)) for s in self.stops) if i >= 0]
@@ -276,7 +282,9 @@ class OpenAIServing:
                     continue
                 text, outs = item
                 if text or lp_entries(outs):
-                    yield chunk(fmt.delta(ci, text, None, lp_entries(outs)))
+                    c = fmt.delta(ci, text, None, lp_entries(outs))
+                    if c.get("delta", True) or c.get("logprobs"):  # chat text held back (a tool call in the making): nothing
+                        yield chunk(c)
             if req.include_usage:
                 yield chunk(None, choices.usage())
             yield DONE_EVENT

@@ -1,0 +1,213 @@
+"""Structured output: a grammar that every sampled token stays inside, on the cloud and the device.
+
+A request's constraint is a `Grammar` (protocol.messages; kind + text, so it travels in `Generate`
+and in `SamplingParams` unchanged): a JSON Schema (`json_schema`, what OpenAI's
+`response_format` json_object / json_schema and vLLM's `guided_json` ask for), a regular
+expression (`regex`, vLLM's `guided_regex`; `guided_choice` is an alternation of literals) or a
+Lark grammar (`lark`, vLLM's `guided_grammar`, llguidance's dialect of Lark).
+
+The grammar engine is llguidance (Microsoft; the one vLLM, SGLang and llama.cpp can use): torch-free
+Rust with numpy bindings, so the device enforces the same grammar with the same token masks. A
+`Guide` holds one request's matcher state. It is synced to the answer so far before each mask
+(`Guide.mask(logits, answer_ids)` consumes the ids it has not seen), so tokens produced elsewhere
+(the cloud's tokens on the device after the hand-off, the P/D prefill instance's first token on the
+decode instance) are consumed exactly once wherever the guide is built. Masking happens before any
+other logit adjustment, so with greedy decoding a constrained answer is the same token for token
+whichever side decodes each position.
+
+JSON is generated without free whitespace (llguidance's `whitespace_flexible` off): small models
+under a flexible-whitespace grammar can loop on newlines until max_tokens; the compact form is
+still valid JSON for any parser.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from relayinfer.protocol.messages import Grammar
+from relayinfer.protocol.validate import FieldError
+
+GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+MAX_GRAMMAR_CHARS = 256 << 10
+"""Longest grammar text (chars) a request may carry: a schema of thousands of fields fits."""
+
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class GrammarError(FieldError):
+    """A grammar that cannot be compiled, or a token sequence it does not accept (a ValueError
+    naming the request field and llguidance's message, kept whole up to 500 characters)."""
+
+    def __init__(self, field: str, allowed: str, value):
+        super().__init__(field, allowed, value)
+        if isinstance(value, str):
+            ValueError.__init__(self, f"{field} must be {allowed}, got {value[:500]}")
+
+
+def grammar_text(grammar: Grammar, field: str = "grammar") -> str:
+    """llguidance's grammar text (a JSON document) for `grammar`.
+
+    Raises:
+        GrammarError: unknown kind, text over MAX_GRAMMAR_CHARS, a JSON schema that is not JSON
+            (or not an object / boolean), or any grammar llguidance refuses (its message kept).
+    """
+    import llguidance as llg
+
+    if grammar.kind not in GRAMMAR_KINDS:
+        raise GrammarError(field, f"a kind among {', '.join(GRAMMAR_KINDS)}", grammar.kind)
+    if not isinstance(grammar.spec, str) or not grammar.spec or len(grammar.spec) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(field, f"a non-empty grammar of at most {MAX_GRAMMAR_CHARS} characters",
+                           f"{len(grammar.spec)} characters" if isinstance(grammar.spec, str) else grammar.spec)
+    if grammar.kind == "json_schema":
+        try:
+            schema = json.loads(grammar.spec)
+        except ValueError as e:
+            raise GrammarError(field, "a JSON schema (JSON text)", f"{grammar.spec[:80]!r}: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(field, "a JSON schema (an object or a boolean)", grammar.spec[:80])
+        text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    elif grammar.kind == "regex":
+        text = llg.LLMatcher.grammar_from_regex(grammar.spec)
+    else:
+        text = llg.LLMatcher.grammar_from_lark(grammar.spec)
+    bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
+    if bad:
+        raise GrammarError(field, f"a valid {grammar.kind} grammar", "; ".join(m.strip() for m in messages)[:500])
+    return text
+
+
+def json_schema_grammar(schema: dict | bool) -> Grammar:
+    """The Grammar of a JSON schema (a dict, or True for any JSON value)."""
+    return Grammar("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+def choice_grammar(choices: Sequence[str], field: str = "guided_choice") -> Grammar:
+    """The Grammar that accepts exactly one of `choices` (vLLM's `guided_choice`): a Lark
+    alternation of string literals. Raises GrammarError for an empty list or a non-string."""
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or not choices \
+            or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError(field, "a non-empty list of non-empty strings", choices)
+    return Grammar("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+_LL_TOKENIZERS: dict[int, object] = {}
+
+
+def ll_tokenizer(tokenizer):
+    """The llguidance `LLTokenizer` of a `protocol.model.tokenizer.Tokenizer` (its `tokenizers`
+    backend serialized; EOS = the tokenizer's eos_id), built once per Tokenizer object (~0.3 s for
+    a 49k vocabulary) and kept."""
+    import llguidance as llg
+
+    key = id(tokenizer)
+    hit = _LL_TOKENIZERS.get(key)
+    if hit is None or hit[0] is not tokenizer:
+        hit = _LL_TOKENIZERS[key] = (tokenizer, llg.LLTokenizer(tokenizer._tok.to_str(),
+                                                                  n_vocab=tokenizer.vocab_size,
+                                                                  eos_token=tokenizer.eos_id))
+    return hit[1]
+
+
+class Guide:
+    """One request's grammar state.
+
+    Args:
+        grammar: the request's `Grammar`.
+        tokenizer: the model's `Tokenizer` (vocabulary size V).
+        vocab_size: the logits' length when it differs from the tokenizer's (padded heads); ids
+            past the tokenizer's vocabulary are never allowed.
+
+    Raises:
+        GrammarError: the grammar does not compile (see `grammar_text`).
+    """
+
+    def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None):
+        import llguidance as llg
+
+        self.grammar = grammar
+        self._m = llg.LLMatcher(ll_tokenizer(tokenizer), grammar_text(grammar))
+        if self._m.is_error():
+            raise GrammarError("grammar", f"a valid {grammar.kind} grammar", self._m.get_error()[:500])
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.consumed = 0  # answer tokens fed to the matcher
+
+    def sync(self, answer_ids: Sequence[int]) -> None:
+        """Feed the matcher the answer tokens it has not seen (`answer_ids[consumed:]`, `advance`)."""
+        for t in answer_ids[self.consumed:]:
+            self.advance(t)
+
+    def allowed(self, answer_ids: Sequence[int]) -> np.ndarray:
+        """bool [vocab_size]: the tokens the grammar allows after `answer_ids` (synced first)."""
+        self.sync(answer_ids)
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        ok = np.zeros(self.vocab_size, dtype=bool)
+        n = min(self.vocab_size, bits.size * 8)
+        ok[:n] = np.unpackbits(bits, bitorder="little")[:n].astype(bool)
+        return ok
+
+    def mask(self, logits: np.ndarray, answer_ids: Sequence[int]) -> np.ndarray:
+        """`logits` (float [vocab]) with every token the grammar does not allow after `answer_ids`
+        set to -inf (a new float64 array).
+
+        Raises:
+            GrammarError: the grammar allows no token here (it has ended: `done` should have
+                ended the answer) or a token of `answer_ids` broke it (`sync`).
+        """
+        ok = self.allowed(answer_ids)
+        if not ok.any():
+            raise GrammarError("grammar", "an answer the grammar can continue",
+                               f"no token allowed after {self.consumed} tokens ({self._m.get_error() or 'ended'})")
+        if ok.size < logits.size:  # a head wider than the vocabulary: the padding is never allowed
+            ok = np.concatenate([ok, np.zeros(logits.size - ok.size, dtype=bool)])
+        return np.where(ok[:logits.size], logits.astype(np.float64), -np.inf)
+
+    def advance(self, token_id: int) -> None:
+        """Feed one token, the one at answer position `consumed` (the sampler feeds the token it
+        just drew, so `done` is current for the finish rule).
+
+        Raises:
+            GrammarError: a token the grammar does not allow there (a cloud and device that
+                disagree on the grammar, or a caller that skipped the mask).
+        """
+        if not self._m.consume_token(int(token_id)):
+            raise GrammarError("grammar", "tokens the grammar allows",
+                               f"token {int(token_id)} at answer position {self.consumed}: {self._m.get_error()[:300]}")
+        self.consumed += 1
+
+    @property
+    def done(self) -> bool:
+        """True when the grammar accepts no further token but EOS (the answer is complete)."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """True when the answer so far is a complete sentence of the grammar."""
+        return self._m.is_accepting()
+
+
+def new_guide(params, tokenizer, vocab_size: int | None = None) -> Guide | None:
+    """A fresh `Guide` for a request's `SamplingParams` (None when it has no grammar).
+    `tokenizer`: the model's Tokenizer, or a callable returning it (called only for a grammar),
+    so an engine loads its tokenizer only when a constrained request comes.
+
+    Raises:
+        GrammarError: the grammar does not compile, or no tokenizer is at hand (AttributeError
+            or None from `tokenizer`).
+    """
+    if params.grammar is None:
+        return None
+    try:
+        tok = tokenizer() if callable(tokenizer) else tokenizer
+    except AttributeError:
+        tok = None
+    if tok is None:
+        raise GrammarError("grammar", "used with an engine that has the model's tokenizer", "an engine without one")
+    return Guide(params.grammar, tok, vocab_size)
+
+
+def check_grammar(grammar: Grammar | None, field: str = "grammar") -> None:
+    """Raises GrammarError (naming `field`) when `grammar` does not compile; None passes."""
+    if grammar is not None:
+        grammar_text(grammar, field)

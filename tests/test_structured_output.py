@@ -1,0 +1,259 @@
+"""Structured output and tool calls on the real model: the OpenAI server (through the `openai`
+client), the split path (cloud tokens, then device tokens under the same grammar, KV hand-off too)
+and random JSON schemas whose every answer validates."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+from relayinfer.cloud.serve.openai.api_server import make_app
+from relayinfer.cloud.serve.service import CloudService, ServiceThread
+from relayinfer.device.profiles import DeviceProfile
+from relayinfer.protocol.messages import Generate, Grammar, decode, encode
+from relayinfer.protocol.model.decoding import SamplingParams, generate
+from relayinfer.protocol.model.grammar import Guide, GrammarError, choice_grammar, json_schema_grammar
+from relayinfer.sdk import Client
+
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2-135m"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 12}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+ASK_CITY = [{"role": "user", "content": "Name a big city and its population, as JSON."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_guide_masks_and_ends(tokenizer):
+    g = Guide(choice_grammar(["yes", "no"]), tokenizer)
+    ok = g.allowed([])
+    assert 0 < ok.sum() < 10 and all(tokenizer.decode([int(t)]) in ("y", "ye", "yes", "n", "no") for t in ok.nonzero()[0])
+    yes = tokenizer.encode("yes", special=False)
+    g.sync(yes)
+    assert g.done and g.accepting and g.consumed == len(yes)
+    bad = Guide(choice_grammar(["yes", "no"]), tokenizer)
+    with pytest.raises(GrammarError, match="token .* at answer position 0"):
+        bad.sync(tokenizer.encode("maybe", special=False))
+    for grammar, what in ((Grammar("regex", "[a-"), "regex"), (Grammar("json_schema", "{no json"), "JSON schema"),
+                          (Grammar("lark", "start: undefined_rule"), "lark"), (Grammar("xml", "x"), "kind")):
+        with pytest.raises(GrammarError, match=what):
+            SamplingParams(grammar=grammar)
+
+
+def test_constrained_generation_on_the_engine_equals_the_batched_engine(torch_engine, tokenizer):
+    """The single-request loop and the batching engine give the same constrained answer (greedy),
+    valid under the schema, ended by the grammar ('stop', no EOS token)."""
+    ids = tokenizer.encode_chat(ASK_CITY)
+    p = SamplingParams(max_new_tokens=60, grammar=json_schema_grammar(CITY))
+    out = generate(torch_engine, ids, p)
+    text = tokenizer.decode(out.token_ids)
+    jsonschema.validate(json.loads(text), CITY)
+    assert out.finish_reason == "stop" and tokenizer.eos_id not in out.token_ids
+    eng = LLMEngine(torch_engine, kv_cache_bytes=16 << 20)
+    got = eng.generate([ids], p)[0]
+    assert got == out.token_ids
+
+
+def test_grammar_travels_in_generate():
+    g = json_schema_grammar(CITY)
+    msg = Generate("r", [1, 2], 8, grammar=g)
+    back = decode(encode(msg))
+    assert back.grammar == g and back.grammar.kind == "json_schema" and json.loads(back.grammar.spec) == CITY
+    assert decode(encode(Generate("r", [1], 4))).grammar is None
+
+
+@pytest.fixture(scope="module")
+def api(torch_engine, tokenizer):
+    """An OpenAI server (aiohttp, 127.0.0.1, free port) on the batching engine; yields a function
+    that runs a coroutine taking an `openai.AsyncOpenAI` client."""
+    def run(fn):
+        async def main():
+            engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))
+            runner = web.AppRunner(make_app(engine, tokenizer, MODEL))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                        timeout=120)
+            try:
+                return await fn(client), engine.engine.block_manager.num_used_blocks
+            finally:
+                await client.close()
+                await runner.cleanup()
+        return asyncio.run(main())
+    return run
+
+
+def test_response_format_on_chat_and_completions(api):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+
+    async def fn(c):
+        full = await c.chat.completions.create(model=MODEL, messages=ASK_CITY, temperature=0, max_tokens=60,
+                                               response_format=fmt)
+        parts = []
+        async for ch in await c.chat.completions.create(model=MODEL, messages=ASK_CITY, temperature=0,
+                                                        max_tokens=60, response_format=fmt, stream=True):
+            parts.append(ch.choices[0].delta.content or "" if ch.choices else "")
+        many = await c.chat.completions.create(model=MODEL, messages=ASK_CITY, temperature=0.7, seed=7, n=3,
+                                               max_tokens=120, response_format={"type": "json_object"})
+        regex = await c.completions.create(model=MODEL, prompt="Call me at", max_tokens=20,
+                                           extra_body={"guided_regex": r" \d{3}-\d{4}"})
+        choice = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is fire hot?"}],
+                                                 max_tokens=5, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        lark = await c.completions.create(model=MODEL, prompt="Count:", max_tokens=20, temperature=0,
+                                          extra_body={"guided_grammar": 'start: " " NUM ("," NUM)~2\nNUM: /[0-9]/'})
+        return full, "".join(parts), many, regex, choice, lark
+
+    (full, streamed, many, regex, choice, lark), used = api(fn)
+    c0 = full.choices[0]
+    jsonschema.validate(json.loads(c0.message.content), CITY)
+    assert c0.finish_reason == "stop" and streamed == c0.message.content
+    assert len(many.choices) == 3 and len({ch.message.content for ch in many.choices}) > 1
+    done = [ch for ch in many.choices if ch.finish_reason == "stop"]  # "length": cut by max_tokens
+    assert done and all(isinstance(json.loads(ch.message.content), dict) for ch in done)
+    import re
+    assert re.fullmatch(r" \d{3}-\d{4}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
+    assert choice.choices[0].message.content in ("yes", "no")
+    assert re.fullmatch(r" [0-9](,[0-9]){2}", lark.choices[0].text)
+    assert used == 0
+
+
+def test_structured_output_errors_name_the_field(api):
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+         "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_regex": "[a-"}, "guided_regex"),
+        ({"guided_json": CITY, "guided_regex": "a+"}, "guided_regex"),
+        ({"structured_outputs": {"json": CITY, "regex": "a"}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ]
+
+    async def fn(c):
+        out = []
+        for extra, _ in cases:
+            try:
+                await c.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4, extra_body=extra)
+                out.append(None)
+            except openai.BadRequestError as e:
+                out.append(e.body.get("param"))
+        try:
+            await c.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"tools": [WEATHER]})
+        except openai.BadRequestError as e:
+            out.append(e.body.get("param"))
+        return out
+
+    got, _ = api(fn)
+    assert got == [p for _, p in cases] + ["tools"]
+
+
+def test_tool_calls_required_named_auto_and_results(api):
+    async def fn(c):
+        req = await c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=80,
+                                              tools=[WEATHER, TIME], tool_choice="required")
+        named = await c.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=60, tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+        chunks = [ch async for ch in await c.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=60, tools=[WEATHER],
+            tool_choice="required", parallel_tool_calls=False, stream=True)]
+        auto = await c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=20,
+                                               tools=[WEATHER])
+        call = named.choices[0].message.tool_calls[0]
+        back = await c.chat.completions.create(model=MODEL, temperature=0, max_tokens=20, tools=[WEATHER, TIME], messages=[
+            *ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "12:00"}], tool_choice="none")
+        return req, named, chunks, auto, back
+
+    (req, named, chunks, auto, back), used = api(fn)
+    m = req.choices[0].message
+    assert req.choices[0].finish_reason == "tool_calls" and m.content is None and m.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in m.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        assert call.id.startswith("call_") and call.type == "function"
+    nc = named.choices[0].message.tool_calls
+    assert len(nc) == 1 and nc[0].function.name == "get_time"
+    jsonschema.validate(json.loads(nc[0].function.arguments), schemas["get_time"])
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    calls = [d.tool_calls for d in deltas if d.tool_calls]
+    assert len(calls) == 1 and calls[0][0].index == 0 and calls[0][0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0][0].function.arguments), schemas["get_weather"])
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    assert not any(d.content for d in deltas)  # the call was held, not streamed as text
+    a = auto.choices[0]  # auto: free text here (the model does not answer in the call format)
+    assert (a.finish_reason == "tool_calls") == bool(a.message.tool_calls)
+    assert a.message.tool_calls or a.message.content
+    assert back.choices[0].message.content and back.choices[0].message.tool_calls is None
+    assert used == 0
+
+
+SLOW_DEVICE = DeviceProfile("test-slow", prefill_ms_per_token=40.0)
+
+
+@pytest.fixture(scope="module")
+def cloud(torch_engine, device_model_dir):
+    svc = CloudService(torch_engine, torch_engine.fingerprint, device_model_dir=device_model_dir,
+                       step_delay_ms=20.0, max_frame_bytes=1 << 20)
+    with ServiceThread(svc) as running:
+        yield running
+
+
+@pytest.mark.parametrize("kv_handoff", [False, True])
+def test_split_answer_keeps_the_schema_and_equals_cloud_only(cloud, onnx_engine, tokenizer, kv_handoff):
+    """The cloud streams the first tokens under the grammar, the device feeds them to its own
+    matcher and masks its tokens: the split answer is valid and, greedy, equal to cloud-only and
+    device-only token for token."""
+    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=6,
+               kv_handoff=kv_handoff)
+    ids = tokenizer.encode_chat(ASK_CITY)
+    split = c.complete(ids, max_new_tokens=60, json_schema=CITY)
+    cloud_only = c.complete(ids, max_new_tokens=60, json_schema=CITY, mode="cloud-only")
+    device_only = c.complete(ids, max_new_tokens=60, json_schema=CITY, mode="device-only")
+    assert split.mode == "split" and split.cloud_tokens > 0 and split.device_tokens > 0
+    assert split.token_ids == cloud_only.token_ids == device_only.token_ids
+    jsonschema.validate(json.loads(split.text), CITY)
+    assert split.finish_reason == "stop"
+
+
+_leaf = st.sampled_from([{"type": "integer"}, {"type": "boolean"}, {"type": "string", "maxLength": 8},
+                         {"enum": ["red", "green", "blue"]}, {"type": "number"}, {"type": "null"}])
+_schema = st.recursive(_leaf, lambda inner: st.one_of(
+    st.dictionaries(st.sampled_from(["a", "b", "name", "id", "x"]), inner, min_size=1, max_size=3).map(
+        lambda props: {"type": "object", "properties": props, "required": sorted(props),
+                       "additionalProperties": False}),
+    inner.map(lambda s: {"type": "array", "items": s, "minItems": 1, "maxItems": 3})), max_leaves=5)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=_schema, seed=st.integers(0, 1000))
+def test_every_answer_validates_under_random_schemas(torch_engine, tokenizer, schema, seed):
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Answer in JSON."}])
+    out = generate(torch_engine, ids, SamplingParams(max_new_tokens=96, temperature=1.0, seed=seed,
+                                                     grammar=json_schema_grammar(schema)))
+    if out.finish_reason == "length":  # cut by max_tokens: a prefix of a valid answer, nothing to validate
+        return
+    assert out.finish_reason in ("stop", "eos")
+    jsonschema.validate(json.loads(tokenizer.decode(out.token_ids, skip_special=True)), schema)
