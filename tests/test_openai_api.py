@@ -93,3 +93,31 @@ def test_openai_client_against_server(torch_engine, tokenizer):
     status, body = res["badjson"]
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     assert res["used_blocks"] == 0
+
+
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(torch_engine, tokenizer):
+    """The second turn of a chat reuses the first turn's cached blocks: its usage says how many
+    prompt tokens came from the cache (OpenAI's `prompt_tokens_details.cached_tokens`)."""
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))
+        runner = web.AppRunner(make_app(engine, tokenizer, MODEL))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        try:
+            turn = [{"role": "user", "content": QUESTION}]
+            first = await client.chat.completions.create(model=MODEL, messages=turn, temperature=0, max_tokens=8)
+            turn += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Another one."}]
+            second = await client.chat.completions.create(model=MODEL, messages=turn, temperature=0, max_tokens=8)
+            return first.usage, second.usage
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    first, second = asyncio.run(main())
+    n1 = len(tokenizer.encode_chat([{"role": "user", "content": QUESTION}]))
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert second.prompt_tokens_details.cached_tokens == (n1 // 16) * 16 > 0  # the first prompt's full blocks

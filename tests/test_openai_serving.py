@@ -133,8 +133,11 @@ def test_chat_greedy_equals_reference_stream_and_http(torch_engine, tokenizer):
     assert choice["message"]["content"] == ref_text and ref_text.strip()
     assert choice["finish_reason"] == ("stop" if ref[-1] == tokenizer.eos_id else "length")
     assert whole["usage"] == {"prompt_tokens": len(tokenizer.encode_chat(HI)), "completion_tokens": len(ref),
-                              "total_tokens": len(tokenizer.encode_chat(HI)) + len(ref)}
-    assert http["choices"] == whole["choices"] and http["usage"] == whole["usage"]
+                              "total_tokens": len(tokenizer.encode_chat(HI)) + len(ref),
+                              "prompt_tokens_details": {"cached_tokens": 0}}  # the first request: nothing cached
+    full_blocks = len(tokenizer.encode_chat(HI)) // 16 * 16  # the same prompt again: its full blocks are cached
+    cached = {**whole["usage"], "prompt_tokens_details": {"cached_tokens": full_blocks}}
+    assert http["choices"] == whole["choices"] and http["usage"] == cached and full_blocks > 0
     assert whole["object"] == "chat.completion" and http["id"] != whole["id"]
     # streamed: the role first, deltas that join to the whole text, the finish, the usage, [DONE]
     assert events[-1] == b"data: [DONE]\n\n"
@@ -142,7 +145,7 @@ def test_chat_greedy_equals_reference_stream_and_http(torch_engine, tokenizer):
     assert chunks[0]["choices"][0]["delta"] == {"content": "", "role": "assistant"}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == ref_text
     assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == cached
     assert llm.block_manager.num_used_blocks == 0
 
 

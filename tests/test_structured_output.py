@@ -257,3 +257,30 @@ def test_every_answer_validates_under_random_schemas(torch_engine, tokenizer, sc
         return
     assert out.finish_reason in ("stop", "eos")
     jsonschema.validate(json.loads(tokenizer.decode(out.token_ids, skip_special=True)), schema)
+
+
+def test_bad_grammar_in_generate_gets_bad_request_naming_it(cloud, torch_engine):
+    from relayinfer.protocol.errors import ErrorCode
+    from relayinfer.protocol.transport import ws as proto_ws
+
+    async def main():
+        ch = await proto_ws.open_channel(cloud.url, torch_engine.fingerprint)
+        out = []
+        for rid, g in (("regex", Grammar("regex", "(unclosed")), ("kind", Grammar("yaml", "a: 1"))):
+            await ch.send(Generate(rid, [1, 2, 3], 8, grammar=g))
+            out.append(await asyncio.wait_for(ch.recv(), 30))
+        await ch.close()
+        return out
+
+    for err in asyncio.run(main()):
+        assert err.code == ErrorCode.BAD_REQUEST.value and err.message.startswith("grammar must be")
+
+
+def test_conversation_turns_keep_the_schema(cloud, onnx_engine):
+    """Multi-turn (the device keeps the previous turn's KV): every turn's split answer validates."""
+    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=4)
+    conv = c.conversation(max_new_tokens=60, json_schema=CITY)
+    for q in ("Name a big city and its population, as JSON.", "Another city, please."):
+        r = conv.send(q)
+        jsonschema.validate(json.loads(r.text), CITY)
+        assert r.finish_reason == "stop" and r.cloud_tokens > 0

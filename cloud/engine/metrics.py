@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # (a whole 8,192-token context at CPU speed is minutes), so no observation lands in +Inf unseen.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                    320.0, 640.0, 1200.0, 1800.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+"""Edges (s) of the time-between-tokens histograms (engine and P/D gateway)."""
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # finish reason -> OpenAI finish_reason label (stop: EOS, stop id or stop string; length: max_tokens or budget)
 _SUCCESS = {"eos": "stop", "stop": "stop", "length": "length", "budget": "length"}
@@ -75,7 +77,7 @@ class _StepMetrics:
         self.ttft = Histogram("relayinfer_engine_ttft_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("relayinfer_engine_tpot_seconds", "Time between consecutive output tokens of a request",
-                              registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5))
+                              registry=r, buckets=TPOT_BUCKETS)
         self.queue = Histogram("relayinfer_engine_queue_seconds", "Arrival to first scheduling", registry=r,
                                buckets=LATENCY_BUCKETS)
         self.batch_seqs = Histogram("relayinfer_engine_batch_size", "Sequences per step", registry=r,

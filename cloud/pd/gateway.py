@@ -56,7 +56,7 @@ from typing import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayinfer.cloud.engine.llm_engine import RequestFailed, RequestStats, StepOutput
-from relayinfer.cloud.engine.metrics import LATENCY_BUCKETS, EngineMetrics
+from relayinfer.cloud.engine.metrics import LATENCY_BUCKETS, TPOT_BUCKETS
 from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import RelayInferError
 from relayinfer.protocol.messages import Cancel, Done, Error, ExtendBudget, Generate, Token
@@ -201,18 +201,6 @@ def local_groups(model, specs: list[GroupSpec], config=None) -> list[Group]:
     return groups
 
 
-def _cloud_buckets(name: str) -> tuple[float, ...]:
-    """The bucket edges (s) of the cloud engine's histogram `name` (`cloud.engine.metrics`), read
-    from a throwaway registry: the P/D series use the cloud's layout, not a copy of its numbers."""
-    r = CollectorRegistry()
-    EngineMetrics(registry=r)
-    edges = [float(s.labels["le"]) for m in r.collect() if m.name == name for s in m.samples
-             if s.name == name + "_bucket" and s.labels["le"] != "+Inf"]
-    if not edges:
-        raise RuntimeError(f"the cloud engine has no histogram {name!r}")
-    return tuple(edges)
-
-
 class GatewayMetrics:
     """The `relayinfer_pd_*` series. TTFT and KV transfer times use the cloud's latency buckets
     (`cloud.engine.metrics.LATENCY_BUCKETS`, 5 ms .. 30 min), TPOT the cloud engine's TPOT buckets."""
@@ -237,7 +225,7 @@ class GatewayMetrics:
         self.ttft = Histogram("relayinfer_pd_ttft_seconds", "Time to first token", ["group"], registry=r,
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("relayinfer_pd_tpot_seconds", "Time between output tokens", ["group"], registry=r,
-                              buckets=_cloud_buckets("relayinfer_engine_tpot_seconds"))
+                              buckets=TPOT_BUCKETS)
         self.prompt_tokens = Counter("relayinfer_pd_prompt_tokens", "Prompt tokens prefilled on prefill instances",
                                      ["group"], registry=r)
         self.prefix_hit_tokens = Counter("relayinfer_pd_prefix_hit_tokens", "Of those, tokens reused from the "

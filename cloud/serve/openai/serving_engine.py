@@ -71,6 +71,7 @@ class TextRun:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.finish_reason = "length"
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens taken from the prefix cache (the engine's request_stats)
 
     async def deltas(self) -> AsyncIterator[tuple[str, list]]:
         """The answer's text in pieces, each with the `StepOutput`s behind it; the first
@@ -79,6 +80,9 @@ class TextRun:
         text, sent, pending = "", 0, []
         kw = {"ignore_eos": True} if self.ignore_eos else {}  # only AsyncLLMEngine takes it (checked before)
         async for o in self.engine.generate(self.request_id, self.ids, self.params, **kw):
+            if not self.completion_tokens:
+                stats = self.engine.request_stats(self.request_id)
+                self.cached_tokens = stats.prefix_hit_tokens if stats is not None else 0
             self.completion_tokens += 1
             pending.append(o)
             if not ends_silently(o, self.params):
@@ -126,10 +130,14 @@ class Choices:
                 yield d
 
     def usage(self) -> dict:
-        """OpenAI's usage: each prompt counted once, every choice's generated tokens."""
+        """OpenAI's usage: each prompt counted once, every choice's generated tokens, and in
+        `prompt_tokens_details.cached_tokens` the prompt tokens of each prompt's first choice that
+        came from the prefix cache."""
         c = sum(r.completion_tokens for r in self.runs)
         p = sum(len(ids) for ids in self.prompts)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = sum(r.cached_tokens for r in self.runs[::self.n])
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def aclose(self) -> None:
         """Leave every choice's generator (idempotent): what still runs is aborted in the engine."""
