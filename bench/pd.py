@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("transfer", "perf", "sim")
+PARTS = ("transfer", "perf", "sim", "prefix")
 sys.path.insert(0, str(HERE))
 
 
@@ -216,9 +216,87 @@ def bench_perf(quick: bool = False, model: str | None = None) -> dict:
                     "decode_a_ms": round(a, 3), "decode_c_ms": round(c, 3)}}
 
 
+# --- prefix hit rate of multi-turn chats ----------------------------------------------------------------
+
+def bench_prefix(quick: bool = False, model: str | None = None, conversations: int = 8, turns: int = 4,
+                 max_new: int = 16) -> dict:
+    """Prompt tokens reused from the prefix cache over `conversations` chitchat chats of `turns`
+    user turns each (all conversations in flight at once, turn by turn; greedy, `max_new` tokens
+    per answer): one batching engine vs the P/D gateway (2 prefill + 2 decode in-process
+    instances) with prefix-aware routing and without it (round-robin prefill, fewest-in-flight
+    decode). Hit rate = cached prompt tokens / prompt tokens."""
+    import asyncio
+
+    from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.pd.gateway import Gateway, GroupSpec, Scenario, local_groups
+    from relayinfer.cloud.pd.instance import InstanceConfig
+    from relayinfer.cloud.pd.service import PDEngine
+    from relayinfer.protocol.model.decoding import SamplingParams
+    from relayinfer.sdk.datasets import chitchat_prompt
+
+    conversations, turns = (4, 3) if quick else (conversations, turns)
+    te = TorchEngine(model, threads=1)
+    tok = te.tokenizer
+    chats, i = [], 0
+    while len(chats) < conversations:
+        users = [m["content"] for m in chitchat_prompt(i, max_turns=2 * turns) if m["role"] == "user"]
+        i += 1
+        if len(users) >= turns:
+            chats.append(users[:turns])
+    kv = 64 << 20
+
+    async def drive(engine) -> dict:
+        msgs = [[] for _ in chats]
+        prompt = cached = 0
+
+        async def one(c: int, t: int):
+            nonlocal prompt, cached
+            msgs[c].append({"role": "user", "content": chats[c][t]})
+            ids = tok.encode_chat(msgs[c])
+            rid = f"c{c}-t{t}"
+            out = [o.token_id async for o in engine.generate(rid, ids, SamplingParams(max_new_tokens=max_new))]
+            st = engine.request_stats(rid)
+            prompt += len(ids)
+            cached += st.prefix_hit_tokens if st is not None else 0
+            msgs[c].append({"role": "assistant", "content": tok.decode(out, skip_special=True)})
+
+        t0 = time.perf_counter()
+        for t in range(turns):
+            await asyncio.gather(*(one(c, t) for c in range(len(chats))))
+        return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": round(cached / prompt, 4),
+                "wall_s": round(time.perf_counter() - t0, 2)}
+
+    async def pd(prefix_routing: bool) -> dict:
+        gw = Gateway(local_groups(te, [GroupSpec(Scenario("chat", 60000, 5000), 2, 2)],
+                                  InstanceConfig(kv_cache_bytes=kv)), prefix_routing=prefix_routing)
+        blocks = kv // (16 * te.cfg.kv_bytes_per_token)
+        engine = PDEngine(gw, te.cfg, min(te.context_length, blocks * 16), blocks, model=te.model)
+        await gw.start()
+        try:
+            return await drive(engine)
+        finally:
+            await gw.stop()
+
+    async def single() -> dict:
+        engine = AsyncLLMEngine(LLMEngine(te, kv_cache_bytes=kv))
+        try:
+            return await drive(engine)
+        finally:
+            engine.shutdown()
+
+    rows = {"one engine": asyncio.run(single()), "P/D, prefix-aware routing": asyncio.run(pd(True)),
+            "P/D, round-robin": asyncio.run(pd(False))}
+    print("prefix hit rate:", {k: v["hit_rate"] for k, v in rows.items()}, flush=True)
+    return {"what": f"real: {conversations} chitchat conversations x {turns} user turns, all in flight at once, "
+                    f"greedy {max_new} tokens per answer, {te.model_path.name}; one AsyncLLMEngine vs the P/D "
+                    "gateway over 2 prefill + 2 decode in-process instances (one machine)",
+            "load_average": os.getloadavg(), "rows": rows}
+
+
 def run(parts: list[str], out_dir: str = "bench/results", quick: bool = False, seed: int = 0,
         command: str | None = None, model: str | None = None) -> dict:
-    """Run the named parts ('transfer', 'perf', 'sim') and write their JSON under `out_dir`;
+    """Run the named parts ('transfer', 'perf', 'sim', 'prefix') and write their JSON under `out_dir`;
     `model` (GGUF path or installed name; default SmolLM2-135M-Instruct) sets the KV geometry of the
     transfer and the engine of the perf fit (the simulation has no model)."""
     bad = [p for p in parts if p not in PARTS]
@@ -241,6 +319,11 @@ def run(parts: list[str], out_dir: str = "bench/results", quick: bool = False, s
         res["command"] = command
         (out / "pd-perf.json").write_text(json.dumps(res, indent=1))
         summary["perf"] = res["fit"]
+    if "prefix" in parts:
+        res = bench_prefix(quick, model)
+        res["command"] = command
+        (out / "pd-prefix.json").write_text(json.dumps(res, indent=1))
+        summary["prefix"] = {k: v["hit_rate"] for k, v in res["rows"].items()}
     if "sim" in parts:
         import pd_sim
 

@@ -721,13 +721,15 @@ def bench_split(
         kw = dict(pool_size=min(prompts, 3), rates=(0.05, 0.4), duration_s=20.0, max_requests=12, warmup_s=5.0,
                   validate_rates=(0.0, 0.4), validate_per_rate=1) if quick else dict(pool_size=prompts)
         try:
+            out = out or "bench/results/goodput.json"
             res = bench_module("goodput").run_goodput_bench(
-                profiles, out or "bench/results/goodput.json", seed=seed, max_new_tokens=max_new_tokens,
+                profiles, out, seed=seed, max_new_tokens=max_new_tokens,
                 time_limit_s=time_limit_s, command=command, model=model, quantize=quantize, **kw)
         except (RelayInferError, ValueError) as e:
             fail(e)
         print(json.dumps({"goodput": res["goodput"], "validation": (res["validation"] or {}).get("summary")},
                          indent=1, default=str))
+        wrote(out, Path(out).with_suffix(".md"), Path(out).with_suffix(".png"))
         return
     if per_bucket is not None:
         if links and capacity:
@@ -740,10 +742,10 @@ def bench_split(
                 raise ValueError(f"--bucket-targets must be prompt lengths >= 1 token, got {bucket_targets!r}")
         except ValueError as e:
             fail(ValueError(f"--bucket-targets: a comma list of token counts, got {bucket_targets!r} ({e})"))
+        out = out or ("bench/results/split-handoff-links.json" if links else "bench/results/split-handoff.json")
         try:
             res = bench_module("split").run_handoff_bench(
-                profiles, per_bucket, out or ("bench/results/split-handoff-links.json" if links else
-                                              "bench/results/split-handoff.json"), seed=seed,
+                profiles, per_bucket, out, seed=seed,
                 max_new_tokens=max_new_tokens, capacity=capacity, time_limit_s=time_limit_s, command=command,
                 links=links or None, model=model, quantize=quantize, **({"bucket_targets": targets} if targets else {}))
         except (RelayInferError, ValueError) as e:
@@ -751,16 +753,21 @@ def bench_split(
         print(json.dumps({"buckets": {k: {m: v[m] for m in ("handed_off_fraction", "ttft_p50_over_device_only",
                                                              "stalls", "tpot_ms_max", "result_modes")}
                                       for k, v in res["buckets"].items()}, "goals": res["goals"]}, indent=1, default=str))
+        wrote(out, Path(out).with_suffix(".md"))
         return
     run_split_bench = bench_module("split").run_split_bench
     if not links:
-        res = run_split_bench(profile, prompts, out or f"bench/results/split-{profile}.json", quick=quick, seed=seed,
+        out = out or f"bench/results/split-{profile}.json"
+        res = run_split_bench(profile, prompts, out, quick=quick, seed=seed,
                               pin_cores=bool(pin_cores), command=command, model=model, quantize=quantize)
         print(json.dumps(res.get("summary", res), indent=1, default=str))
+        wrote(out, Path(out).with_suffix(".md"))
         return
     table = []
+    written = []
     for name in links:
-        res = run_split_bench(profile, prompts, out or f"bench/results/split-link-{name}.json", quick=quick, seed=seed,
+        written.append(out or f"bench/results/split-link-{name}.json")
+        res = run_split_bench(profile, prompts, written[-1], quick=quick, seed=seed,
                               capacity=False, link=name, pin_cores=pin_cores is not False, command=command,
                               model=model, quantize=quantize)
         for mode, s in res["summary"]["link"]["per_mode"].items():
@@ -769,6 +776,7 @@ def bench_split(
                          f"{s['tpot_ms_max']:7.0f} {s['fallbacks']:5d}  {s['result_modes']} {s['faults']}")
     print("link     mode         TTFTp50  TTFTp99  /dev  stalls TPOTp50 TPOTmax fallb  modes faults")
     print("\n".join(table))
+    wrote(*written)
 
 
 @bench_app.command("soak")
@@ -806,7 +814,7 @@ def bench_soak(
     except (RelayInferError, ValueError, RuntimeError, TimeoutError) as e:
         fail(e)
     print(table(res))
-    print(f"results: {out}")
+    wrote(out)
     if not res["passed"]["all"]:
         raise typer.Exit(1)
 
@@ -831,7 +839,11 @@ def pd_serve(
     threads: int = typer.Option(1, min=1, help="torch threads per instance."),
     actor_cpus: float = typer.Option(1.0, min=0, help="Ray CPUs each instance reserves."),
     spread: bool = typer.Option(False, help="Spread instances across the cluster's nodes."),
-    ratio_control: bool = typer.Option(False, help="Move instances between P and D from measured TTFT/TPOT."),
+    ratio_control: bool = typer.Option(False, help="Move instances between P and D (and lend idle ones across "
+                                       "groups) from measured TTFT/TPOT."),
+    prefix_routing: bool = typer.Option(True, help="Route a request to the instance that caches the longest prefix "
+                                        "of its prompt (within a load slack); --no-prefix-routing: round-robin "
+                                        "prefill, fewest-in-flight decode."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token (devices and HTTP)."),
     duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
     export: bool = typer.Option(True, help="Serve the device model (exported once) on /v1/device-model."),
@@ -866,7 +878,8 @@ def pd_serve(
         model_dir = ensure_device_model(model) if export else None
         svc = make_pd_service(engine, specs, InstanceConfig(kv_cache_bytes=kv_cache_mb << 20, transfer=transfer),
                               ray_address=ray_address, forwarding=forwarding, threads=threads, actor_cpus=actor_cpus,
-                              spread=spread, ratio_control=ratio_control, auth_token=token,
+                              spread=spread, ratio_control=ratio_control, prefix_routing=prefix_routing,
+                              auth_token=token,
                               device_model_dir=model_dir, limits=limits, memory_bytes=memory_mb << 20)
     except (RelayInferError, ValueError) as e:
         fail(e)
@@ -886,7 +899,8 @@ def pd_serve(
 def bench_pd(
     parts: str = typer.Option("transfer,perf,sim", help="Comma list: transfer (KV hand-off 1k/4k/8k between two "
                               "Ray actors, real), perf (the engine's prefill and decode speeds here, real, fitted "
-                              "for the simulator), sim (discrete-event, 8-64 instances, simulated)."),
+                              "for the simulator), sim (discrete-event, 8-64 instances, simulated), prefix (prefix hit rate of "
+                              "multi-turn chats: one engine vs P/D with and without prefix-aware routing, real)."),
     out_dir: str = typer.Option("bench/results", help="Where pd-*.json and the plots go."),
     quick: bool = typer.Option(False, help="Smoke run: fewer sizes, requests and simulated instances."),
     seed: int = typer.Option(0),
@@ -904,6 +918,7 @@ def bench_pd(
     except (RelayInferError, ValueError, OSError) as e:
         fail(e)
     print(json.dumps(res, indent=1, default=str))
+    wrote(*(Path(out_dir) / f"pd-{part}.json" for part in res))
 
 
 @bench_app.command("refine")
@@ -929,35 +944,24 @@ def bench_refine(
                            plot=str(Path(out).with_suffix(".png")), workers=workers, seed=seed,
                            command=shlex.join(["relayinfer", *sys.argv[1:]]), model=model)
     print(json.dumps(res["summary"], indent=1))
+    wrote(out, Path(out).with_suffix(".png"))
 
 
 _FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def relay_bench(out: Path = typer.Option(None, help="results JSON (plot written beside it); default "
-                                                   "bench/results/relay.json, or relay_production.json for --shape "
-                                                   "production"),
-                quick: bool = typer.Option(False, help="shorter sweep and fewer requests"),
-                live: bool = typer.Option(True, help="also run the live check through instance processes"),
-                shape: str = typer.Option("trained", help="trained: the shipped ML-100K checkpoint; production: an "
-                                                          "8-layer d=256 HSTU with random weights (timing study)")
-                ) -> None:
-    """Cascade benchmark: baseline vs relay under one ranking P99 budget (the driver is bench/relay.py
-    of a source checkout; exit 2 naming it when it is not there)."""
-    run = bench_module("relay").run
-    if shape not in ("trained", "production"):
-        raise typer.BadParameter("--shape must be trained or production")
-    out = out or Path("bench/results") / ("relay.json" if shape == "trained" else "relay_production.json")
-    run(out, quick=quick, live=live, log=typer.echo, shape=shape)
+def wrote(*paths) -> None:
+    """Say on stderr where a benchmark's results went (absolute paths of those that exist), as
+    every `relayinfer bench` command ends."""
+    for p in paths:
+        if Path(p).exists():
+            typer.echo(f"wrote {Path(p).resolve()}", err=True)
 
 
 def _run_relay(args: list[str]) -> None:
     """Run `relayinfer relay ARGS` (sdk/relay_cli.py, loaded only now, after the cloud side it runs:
-    it needs torch), with `relay bench` added here: its driver is in bench/, which the library does
-    not import."""
+    it needs torch; its `bench` runs the driver bench/relay.py of a source checkout)."""
     mod = _need_cloud("`relayinfer relay`", "relayinfer.sdk.relay_cli", "relayinfer.cloud.relay.server")
-    if not any(c.name == "bench" for c in mod.relay_app.registered_commands):
-        mod.relay_app.command("bench")(relay_bench)
     typer.main.get_command(mod.relay_app).main(args=args, prog_name="relayinfer relay")
 
 

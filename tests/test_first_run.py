@@ -354,8 +354,6 @@ def _cli_flags() -> set[str]:
             walk(sub)
 
     walk(typer.main.get_command(cli.app))
-    if not any(c.name == "bench" for c in relay_cli.relay_app.registered_commands):
-        relay_cli.relay_app.command("bench")(cli.relay_bench)  # as `relayinfer relay` adds it
     walk(typer.main.get_command(relay_cli.relay_app))
     return names
 
