@@ -219,7 +219,10 @@ export class Connection {
   }
 
   /** Stop following a request (its later frames are dropped). */
-  release(requestId: string): void { this.queues.delete(requestId); }
+  release(requestId: string): void {
+    this.queues.get(requestId)?.fail(new ChannelClosed(`request ${requestId} released`));
+    this.queues.delete(requestId);
+  }
 
   /** Close normally (1000), bounded by `timeoutMs`. */
   async close(timeoutMs = 1000): Promise<void> {

@@ -1,0 +1,411 @@
+/**
+ * The split loop (docs/PROTOCOL.md section 5; reference: relayinfer.device.split): the cloud
+ * prefills and streams the first tokens, the device prefills the prompt and then, batch by batch,
+ * the cloud tokens received so far; when it has covered every received token it fixes the
+ * hand-off index h, sends Stop{h} and decodes h, h+1, ... itself. Faults (cloud unreachable,
+ * refused, lost mid-answer, request error, stall) end with the device answering alone.
+ */
+import { randomBytes } from "node:crypto";
+import { RemoteError, RelayInferError } from "./errors.js";
+import type { Generate } from "./messages.js";
+import { Connection, deviceModelBase, TimeoutError, type RequestEvent } from "./session.js";
+import { argmax, OnnxEngine, type KV, type Pace } from "./engine.js";
+import { cachedDeviceModel } from "./model.js";
+import { Tokenizer, type ChatMessage } from "./tokenizer.js";
+
+export type Mode = "split" | "device-only" | "cloud-only";
+
+export interface TokenEvent { text: string; tokenId: number; source: "cloud" | "device"; shownAtMs: number; index: number }
+
+/** As relayinfer.device.split.GenerationResult (snake_case, the same names). */
+export interface GenerationResult {
+  text: string;
+  token_ids: number[];
+  mode: Mode;
+  handoff_index: number | null;
+  cloud_tokens: number;
+  device_tokens: number;
+  ttft_ms: number;
+  tpot_ms_p50: number;
+  tpot_ms_max: number;
+  finish_reason: string;
+  fault: string | null;
+  error: string | null;
+  cloud_streamed: number;
+  prompt_ids: number[];
+  request_id: string;
+  cloud_budget: number | null;
+  plan: Mode;
+  ready_ms: number[];
+}
+
+export interface GenerateOptions {
+  maxNewTokens?: number;
+  /** 0 = greedy (the only setting for which split == device-only token for token here). */
+  temperature?: number;
+  topP?: number;
+  topK?: number;
+  stopIds?: number[];
+  /** most tokens the cloud streams (null: until the device's Stop). */
+  cloudBudget?: number | null;
+  mode?: Mode;
+  onToken?: (ev: TokenEvent) => void;
+}
+
+export interface ClientOptions {
+  /** ws:// or wss:// URL of `relayinfer cloud serve` (null: device-only). */
+  cloudUrl?: string | null;
+  token?: string | null;
+  /** a folder with the device model; default: fetched from the cloud into `cacheDir`. */
+  modelDir?: string;
+  cacheDir?: string;
+  threads?: number;
+  targetTpotMs?: number;
+  connectTimeoutMs?: number;
+  prefillChunk?: number;
+  /** pace the device engine like a slower device (tests, demos): relayinfer's DeviceProfile. */
+  pace?: Pace | null;
+  progressFloorMs?: number;
+  progressFactor?: number;
+}
+
+const SEND_TIMEOUT_MS = 1000;
+
+/** Released at max(ready, previous shown + interval); the first token as soon as it is ready
+ * (relayinfer.device.speed.release_time). */
+export function releaseTime(readyMs: number, prevShownMs: number | null, intervalMs: number): number {
+  return prevShownMs === null ? readyMs : Math.max(readyMs, prevShownMs + intervalMs);
+}
+
+function median(x: number[]): number {
+  if (!x.length) return 0;
+  const s = [...x].sort((a, b) => a - b), m = s.length >> 1;
+  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
+}
+
+/** Sample with temperature / top-k / top-p from Math.random (NOT numpy's PCG64: a seeded split
+ * answer does not continue the cloud's; see README). Greedy below 1e-5. */
+export function sampleToken(logits: Float32Array, temperature: number, topK: number, topP: number): number {
+  if (temperature < 1e-5) return argmax(logits);
+  const x = Array.from(logits, (v) => v / temperature);
+  let idx = x.map((_, i) => i).sort((a, b) => x[b] - x[a]);
+  if (topK > 0 && topK < idx.length) idx = idx.slice(0, topK);
+  const top = x[idx[0]];
+  let p = idx.map((i) => Math.exp(x[i] - top));
+  const z = p.reduce((a, b) => a + b, 0);
+  p = p.map((v) => v / z);
+  if (topP < 1) {
+    let c = 0, k = 0;
+    while (k < p.length && c < topP) { c += p[k]; k++; }
+    idx = idx.slice(0, k); p = p.slice(0, k);
+    const z2 = p.reduce((a, b) => a + b, 0);
+    p = p.map((v) => v / z2);
+  }
+  let r = Math.random(), i = 0;
+  for (; i < p.length - 1; i++) { r -= p[i]; if (r < 0) break; }
+  return idx[i];
+}
+
+export class DeviceClient {
+  readonly engine: OnnxEngine;
+  readonly tokenizer: Tokenizer;
+  readonly opt: ClientOptions;
+  private conn: Connection | null = null;
+  private retryAt = 0;
+  private ttftEstMs = 1000;
+  private tpotEstMs = 100;
+
+  private constructor(engine: OnnxEngine, tokenizer: Tokenizer, opt: ClientOptions) {
+    this.engine = engine; this.tokenizer = tokenizer; this.opt = opt;
+    engine.pace = opt.pace ?? null;
+  }
+
+  /** Load the device model (from `modelDir`, else fetched from the cloud the Welcome names). */
+  static async create(opt: ClientOptions): Promise<DeviceClient> {
+    let dir = opt.modelDir;
+    if (!dir) {
+      if (!opt.cloudUrl) throw new Error("no modelDir and no cloudUrl to fetch the device model from");
+      // an empty fingerprint asks only where the device model is: the cloud answers Welcome and closes
+      const c = await Connection.connect(opt.cloudUrl, { fingerprint: "", token: opt.token, connectTimeoutMs: opt.connectTimeoutMs });
+      const base = deviceModelBase(c.welcome.device_model_url ?? "", opt.cloudUrl);
+      await c.close();
+      if (!base) throw new Error(`the cloud at ${opt.cloudUrl} serves no device model`);
+      dir = (await cachedDeviceModel(base, { token: opt.token, cacheDir: opt.cacheDir })).dir;
+    }
+    const engine = await OnnxEngine.load(dir, { threads: opt.threads });
+    return new DeviceClient(engine, Tokenizer.load(dir), opt);
+  }
+
+  async close(): Promise<void> {
+    const c = this.conn;
+    this.conn = null;
+    if (c) await c.close();
+  }
+
+  private async link(): Promise<Connection> {
+    if (this.conn && !this.conn.closed) return this.conn;
+    this.conn = await Connection.connect(this.opt.cloudUrl!, {
+      fingerprint: this.engine.fingerprint, token: this.opt.token, connectTimeoutMs: this.opt.connectTimeoutMs ?? 5000,
+    });
+    return this.conn;
+  }
+
+  /** Generate an answer to a user string or chat messages (or prompt ids). */
+  async generate(prompt: string | ChatMessage[] | number[], g: GenerateOptions = {}): Promise<GenerationResult> {
+    const ids = Array.isArray(prompt) && typeof prompt[0] === "number" ? (prompt as number[]) : this.tokenizer.encodeChat(prompt as string | ChatMessage[]);
+    return new Run(this, ids, g).go();
+  }
+
+  /** @internal */ _link(): Promise<Connection> { return this.link(); }
+  /** @internal */ _drop(): void { const c = this.conn; this.conn = null; c?.terminate(); }
+  /** @internal */ get _retryAt(): number { return this.retryAt; }
+  /** @internal */ _backOff(ms: number | null): void { this.retryAt = performance.now() + Math.min(ms ?? 1000, 600000); }
+  /** @internal */ _learn(ttft: number | null, tpot: number | null): void {
+    if (ttft !== null) this.ttftEstMs = ttft;
+    if (tpot !== null) this.tpotEstMs = tpot;
+  }
+  /** @internal */ _progressTimeoutMs(first: boolean): number {
+    return (this.opt.progressFloorMs ?? 3000) + (this.opt.progressFactor ?? 5) * (first ? this.ttftEstMs : this.tpotEstMs);
+  }
+}
+
+type Phase = "connecting" | "cloud" | "handed-off" | "device-alone" | "fault" | "done";
+
+class Run {
+  readonly id = randomBytes(6).toString("hex");
+  private t0 = performance.now();
+  private ids: number[] = [];
+  private source: ("cloud" | "device")[] = [];
+  private readyMs: number[] = [];
+  private finish: string | null = null;
+  private phase: Phase = "connecting";
+  private endedIn: Phase | null = null;
+  private handoff: number | null = null;
+  private fault: string | null = null;
+  private error: string | null = null;
+  private conn: Connection | null = null;
+  private streamed = 0;
+  private deviceBusy = false;
+  private wake: (() => void)[] = [];
+  private mode: Mode;
+  private budget: number | null;
+  private maxNew: number;
+
+  constructor(private c: DeviceClient, private prompt: number[], private g: GenerateOptions) {
+    this.mode = g.mode ?? (c.opt.cloudUrl ? "split" : "device-only");
+    if (!c.opt.cloudUrl) this.mode = "device-only";
+    this.budget = this.mode === "split" ? (g.cloudBudget ?? null) : null;
+    this.maxNew = g.maxNewTokens ?? 256;
+  }
+
+  private now(): number { return performance.now() - this.t0; }
+  private notify(): void { for (const w of this.wake.splice(0)) w(); }
+  private changed(): Promise<void> { return new Promise((r) => this.wake.push(r)); }
+  private get done(): boolean { return this.finish !== null; }
+
+  private finishReason(tok: number, n: number): string | null {
+    if (tok === this.c.engine.eosId) return "eos";
+    if ((this.g.stopIds ?? []).includes(tok)) return "stop";
+    if (n >= this.maxNew) return "length";
+    return null;
+  }
+
+  private append(tok: number, src: "cloud" | "device", reason: string | null | undefined): void {
+    this.ids.push(tok); this.source.push(src); this.readyMs.push(this.now());
+    if (reason) this.end(reason);
+    this.notify();
+  }
+
+  private end(reason: string): void {
+    if (this.finish !== null) return;
+    this.endedIn = this.phase;
+    this.finish = reason;
+    this.phase = "done";
+    this.notify();
+  }
+
+  private generateMsg(): Generate {
+    return {
+      type: "generate", request_id: this.id, prompt_ids: this.prompt, max_new_tokens: this.maxNew,
+      temperature: this.g.temperature ?? 0, top_p: this.g.topP ?? 1, top_k: this.g.topK ?? 0,
+      cloud_budget: this.budget, stop_ids: this.g.stopIds ?? [],
+    };
+  }
+
+  /** The cloud stream ended early: the device takes over (cloud-only mode: the answer ends). */
+  private cloudFault(kind: string, error: string): void {
+    if (this.phase !== "cloud" && this.phase !== "connecting") return;
+    this.fault = kind; this.error = error;
+    if (this.mode === "cloud-only") { this.end("error"); return; }
+    this.phase = "fault";
+    this.notify();
+  }
+
+  async go(): Promise<GenerationResult> {
+    const c = this.c;
+    if (this.mode !== "device-only") {
+      try {
+        if (performance.now() < c._retryAt) throw new RemoteError("overloaded", "the cloud asked to retry later", null, c._retryAt - performance.now());
+        this.conn = await c._link();
+        this.conn.start(this.generateMsg());
+        this.phase = "cloud";
+      } catch (e) {
+        const overloaded = e instanceof RemoteError && e.code === "overloaded";
+        if (overloaded && performance.now() >= c._retryAt) c._backOff((e as RemoteError).retryAfterMs);
+        if (this.mode === "cloud-only") throw e;
+        this.fault = overloaded ? "cloud-overloaded" : e instanceof RelayInferError && !(e.code === "connection_closed") ? "cloud-refused" : "cloud-unreachable";
+        this.error = `${(e as Error).name}: ${(e as Error).message}`;
+        this.conn = null;
+        this.mode = "device-only";
+      }
+    }
+    if (this.mode === "device-only") this.phase = "device-alone";
+    const shown: TokenEvent[] = [];
+    const tasks: Promise<void>[] = [];
+    if (this.conn) tasks.push(this.receive());
+    if (this.mode !== "cloud-only") tasks.push(this.device());
+    const display = this.display(shown);
+    await display;
+    this.notify();
+    if (this.conn) this.conn.release(this.id); // ends the receiver's wait; later frames of the request are dropped
+    await Promise.allSettled(tasks);
+    if (this.conn) {
+      if (this.fault === "connection-lost" || this.fault === "cloud-stalled" || this.fault === "cloud-error") c._drop();
+    }
+    return this.result(shown);
+  }
+
+  private async receive(): Promise<void> {
+    const conn = this.conn!;
+    let firstAt: number | null = null;
+    try {
+      while (!this.done && this.phase === "cloud") {
+        let ev: RequestEvent;
+        try {
+          ev = await conn.next(this.id, this.c._progressTimeoutMs(this.streamed === 0));
+        } catch (e) {
+          if (e instanceof TimeoutError) {
+            if (this.deviceBusy) continue; // working towards a hand-off on its own: no harm yet
+            this.cloudFault("cloud-stalled", `no frame from the cloud: ${e.message}`);
+            this.sendQuietly({ type: "cancel", request_id: this.id });
+            return;
+          }
+          throw e;
+        }
+        if (ev.kind === "violation") {
+          this.cloudFault("cloud-error", `protocol violation: ${ev.reason}`);
+          this.sendQuietly({ type: "cancel", request_id: this.id });
+          return;
+        }
+        if (ev.ignored) continue;
+        const m = ev.message;
+        if (m.type === "token") {
+          this.streamed++;
+          if (firstAt === null) firstAt = this.now();
+          if (this.phase === "cloud") this.append(m.token_id, "cloud", m.finish_reason);
+          const arr = this.readyMs.filter((_, i) => this.source[i] === "cloud");
+          this.c._learn(firstAt, arr.length > 1 ? (arr[arr.length - 1] - arr[0]) / (arr.length - 1) : null);
+        } else if (m.type === "done") {
+          if (this.phase !== "cloud" || this.done) return;
+          if (m.reason === "budget" && this.mode === "split") { this.phase = "fault"; this.notify(); return; } // as planned: take over
+          if (this.mode === "cloud-only" && ["eos", "stop", "length"].includes(m.reason)) { this.end(m.reason); return; }
+          this.cloudFault("cloud-error", `the cloud ended the stream early (${m.reason})`);
+          return;
+        } else if (m.type === "error") {
+          const overloaded = m.code === "overloaded";
+          if (overloaded) this.c._backOff(m.retry_after_ms ?? null);
+          this.cloudFault(overloaded ? "cloud-overloaded" : "cloud-error", `cloud error [${m.code}]: ${m.message}`);
+          return;
+        }
+      }
+    } catch (e) {
+      if (this.done || this.phase !== "cloud") return; // released after the answer or the hand-off
+      if (e instanceof RemoteError && e.code === "overloaded") this.c._backOff(e.retryAfterMs);
+      this.cloudFault("connection-lost", (e as Error).message);
+    }
+  }
+
+  private sendQuietly(msg: Parameters<Connection["send"]>[0]): boolean {
+    try { return this.conn !== null && !this.conn.closed && this.conn.send(msg); } catch { return false; }
+  }
+
+  private async device(): Promise<void> {
+    try {
+      await this.deviceWork();
+    } catch (e) {
+      this.fault = "device-error"; this.error = `device runtime failed: ${(e as Error).message}`;
+      if (this.phase === "cloud" && this.sendQuietly({ type: "extend_budget", request_id: this.id, cloud_budget: this.maxNew })) return;
+      this.end("error");
+    }
+  }
+
+  private async deviceWork(): Promise<void> {
+    const eng = this.c.engine, chunk = this.c.opt.prefillChunk ?? 256;
+    this.deviceBusy = true;
+    let kv: KV | null = null;
+    let logits: Float32Array | null = null;
+    for (let i = 0; i < this.prompt.length; i += chunk) {
+      if (this.done) return;
+      ({ logits, kv } = await eng.prefill(this.prompt.slice(i, i + chunk), kv));
+    }
+    // catch up on the cloud tokens received, batch by batch, until covered; then hand off
+    let covered = 0;
+    for (;;) {
+      if (this.done) return;
+      const received = this.ids.length;
+      if (received > covered) {
+        ({ logits, kv } = await eng.prefill(this.ids.slice(covered, received), kv));
+        covered = received;
+        continue;
+      }
+      break; // covered == received, checked with no await before the hand-off below
+    }
+    const before = this.phase;
+    this.handoff = covered;
+    this.phase = covered === 0 && before !== "fault" ? "device-alone" : "handed-off";
+    if (before === "cloud") this.sendQuietly({ type: "stop", request_id: this.id, handoff_index: covered });
+    this.notify();
+    for (let i = covered; i < this.maxNew; i++) {
+      const tok = sampleToken(logits!, this.g.temperature ?? 0, this.g.topK ?? 0, this.g.topP ?? 1);
+      this.append(tok, "device", this.finishReason(tok, i + 1));
+      if (this.done) return;
+      ({ logits, kv } = await eng.decode(tok, kv!));
+    }
+    if (!this.done) this.end("length");
+  }
+
+  private async display(shown: TokenEvent[]): Promise<void> {
+    const interval = this.c.opt.targetTpotMs ?? 50;
+    const dec = this.c.tokenizer.streamDecoder();
+    let k = 0;
+    for (;;) {
+      while (k >= this.ids.length) {
+        if (this.done) return;
+        await this.changed();
+      }
+      const at = releaseTime(this.readyMs[k], shown.length ? shown[shown.length - 1].shownAtMs : null, interval);
+      const delay = at - this.now();
+      if (delay > 0) await new Promise((r) => setTimeout(r, delay));
+      const ev: TokenEvent = { text: dec.push(this.ids[k]), tokenId: this.ids[k], source: this.source[k], shownAtMs: this.now(), index: k };
+      shown.push(ev);
+      this.g.onToken?.(ev);
+      k++;
+    }
+  }
+
+  private result(shown: TokenEvent[]): GenerationResult {
+    const cloud = this.source.filter((s) => s === "cloud").length;
+    const gaps = shown.slice(1).map((e, i) => e.shownAtMs - shown[i].shownAtMs);
+    const ended = this.endedIn ?? this.phase;
+    const mode: Mode = ended === "handed-off" ? "split" : ended === "device-alone" ? "device-only" : "cloud-only";
+    return {
+      text: shown.map((e) => e.text).join(""), token_ids: [...this.ids], mode,
+      handoff_index: cloud && this.ids.length > cloud ? this.handoff : null,
+      cloud_tokens: cloud, device_tokens: this.ids.length - cloud,
+      ttft_ms: shown.length ? shown[0].shownAtMs : NaN, tpot_ms_p50: median(gaps), tpot_ms_max: gaps.length ? Math.max(...gaps) : 0,
+      finish_reason: this.finish ?? "length", fault: this.fault, error: this.error, cloud_streamed: this.streamed,
+      prompt_ids: this.prompt, request_id: this.id, cloud_budget: this.budget,
+      plan: this.c.opt.cloudUrl ? (this.g.mode ?? "split") : "device-only", ready_ms: [...this.readyMs],
+    };
+  }
+}

@@ -1,0 +1,157 @@
+"""The TypeScript device client (clients/js, npm `relayinfer-device`) against a real Python cloud on
+loopback: the tokenizer, greedy answers equal to the Python device's token for token, a split run
+that hands off, and a cloud stopped mid-answer. Skipped without `node` or `clients/js/node_modules`
+(run `npm ci` in clients/js)."""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+JS = Path(__file__).resolve().parent.parent / "clients" / "js"
+NODE = shutil.which("node")
+pytestmark = [
+    pytest.mark.skipif(NODE is None, reason="node is not installed (the JS client needs Node >= 20)"),
+    pytest.mark.skipif(not (JS / "node_modules").is_dir(), reason="clients/js/node_modules is missing: run `npm ci` in clients/js"),
+]
+
+MAX_NEW = 24
+BUDGET = 8
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """clients/js built (tsc) once; the path of its CLI."""
+    subprocess.run([NODE, str(JS / "node_modules" / "typescript" / "bin" / "tsc"), "-p", str(JS)],
+                   check=True, timeout=180, capture_output=True)
+    return JS / "dist" / "src" / "cli.js"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from relayinfer.sdk.datasets import chitchat_prompt
+
+    return [chitchat_prompt(i) for i in range(3)]
+
+
+def _cloud(torch_engine, device_model_dir, step_delay_ms: float):
+    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+
+    svc = CloudService(torch_engine, torch_engine.fingerprint, device_model_dir=device_model_dir,
+                       step_delay_ms=step_delay_ms, max_frame_bytes=1 << 20)
+    return ServiceThread(svc)  # 127.0.0.1, free ports (never 8765)
+
+
+@pytest.fixture(scope="module")
+def cloud(torch_engine, device_model_dir):
+    with _cloud(torch_engine, device_model_dir, 20.0) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def js_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("js-cache")
+
+
+@pytest.fixture(scope="module")
+def reference(onnx_engine, tokenizer, prompts):
+    """The Python device's greedy answers (device-only)."""
+    from relayinfer.sdk import Client
+
+    c = Client(engine=onnx_engine, mode="device-only")
+    return [c.complete(tokenizer.encode_chat(p), max_new_tokens=MAX_NEW).token_ids for p in prompts]
+
+
+def run_js(cli, tmp_path, prompts, *args, timeout_s: float = 240.0) -> list[dict]:
+    f = tmp_path / f"prompts-{time.monotonic_ns()}.json"
+    f.write_text(json.dumps(prompts))
+    r = subprocess.run([NODE, str(cli), "--prompts", str(f), *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout_s)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def test_js_fetches_model_and_tokenizes_as_python(cli, cloud, js_cache, tmp_path, tokenizer, prompts, torch_engine):
+    """The JS client asks the cloud where its device model is (empty-fingerprint Hello), downloads and
+    verifies it, and its tokenizer gives the Python tokenizer's prompt ids."""
+    extra = ["Write a haiku about the sea.", "émoji 🤖 <|im_end|> 12345  x\n\ny"]
+    out = run_js(cli, tmp_path, prompts + extra, "--cloud", cloud.url, "--cache", js_cache, "--tokenize-only")
+    assert [o["prompt_ids"] for o in out] == [tokenizer.encode_chat(p) for p in prompts + extra]
+    manifest = json.loads(next(js_cache.rglob("manifest.json")).read_text())
+    assert manifest["model_fingerprint"] == torch_engine.fingerprint
+
+
+def test_js_greedy_equals_python_device(cli, cloud, js_cache, tmp_path, prompts, reference):
+    """Device-only greedy answers of onnxruntime-node == the Python device's, token for token, and the
+    split answers (cloud first, then the device) too."""
+    dev = run_js(cli, tmp_path, prompts, "--cloud", cloud.url, "--cache", js_cache, "--mode", "device-only",
+                 "--max-new", MAX_NEW, "--tpot", 1)
+    assert [r["token_ids"] for r in dev] == reference
+    assert all(r["mode"] == "device-only" and r["cloud_tokens"] == 0 for r in dev)
+    split = run_js(cli, tmp_path, prompts, "--cloud", cloud.url, "--cache", js_cache, "--max-new", MAX_NEW,
+                   "--tpot", 1, "--budget", BUDGET, "--prefill-ms-per-token", 40)
+    assert [r["token_ids"] for r in split] == reference
+
+
+def test_js_split_hands_off(cli, cloud, js_cache, tmp_path, prompts, reference):
+    """A device slower at prefill than the cloud (40 ms a token) gets the first tokens from the cloud
+    and takes over: cloud_tokens > 0, device_tokens > 0, hand-off index = cloud tokens."""
+    (r,) = run_js(cli, tmp_path, prompts[2:], "--cloud", cloud.url, "--cache", js_cache, "--max-new", MAX_NEW,
+                  "--tpot", 1, "--budget", BUDGET, "--prefill-ms-per-token", 40)
+    assert r["mode"] == "split" and r["fault"] is None, r
+    assert r["cloud_tokens"] > 0 and r["device_tokens"] > 0
+    assert r["handoff_index"] == r["cloud_tokens"] <= BUDGET
+    assert r["token_ids"] == reference[2] and r["ttft_ms"] > 0
+    print(f"split: handoff_index {r['handoff_index']}, cloud {r['cloud_tokens']}, device {r['device_tokens']}, "
+          f"ttft {r['ttft_ms']:.0f} ms")
+
+
+def test_js_cloud_killed_mid_answer(cli, torch_engine, device_model_dir, js_cache, tmp_path, prompts, reference):
+    """The cloud stops while it streams the answer (no budget, a slow device still prefilling): the
+    device finishes alone from the tokens it received, and the answer is still the greedy one."""
+    f = tmp_path / "one.json"
+    f.write_text(json.dumps(prompts[2:]))
+    svc = _cloud(torch_engine, device_model_dir, 150.0)
+    running = svc.__enter__()
+    stopped = False
+    proc = subprocess.Popen([NODE, str(cli), "--prompts", str(f), "--cloud", running.url, "--cache", str(js_cache),
+                             "--max-new", str(MAX_NEW), "--tpot", "1", "--prefill-ms-per-token", "100", "--events"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline, lines, cloud_seen = time.monotonic() + 120, [], 0
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(json.loads(line))
+            ev = lines[-1].get("event")
+            if ev and ev["source"] == "cloud":
+                cloud_seen += 1
+                if cloud_seen == 2 and not stopped:  # mid-answer: stop the cloud (closes every session)
+                    svc.__exit__(None, None, None)
+                    stopped = True
+            if "token_ids" in lines[-1]:
+                break
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if not stopped:
+            svc.__exit__(None, None, None)
+    assert stopped, f"the cloud never streamed 2 tokens: {lines[-3:]}"
+    r = lines[-1]
+    assert r["fault"] == "connection-lost", r
+    assert r["cloud_tokens"] >= 2 and r["device_tokens"] > 0
+    assert r["token_ids"] == reference[2] and r["finish_reason"] in ("eos", "length")
+    print(f"cloud stopped: cloud {r['cloud_tokens']}, device {r['device_tokens']}, fault {r['fault']}")
