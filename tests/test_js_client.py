@@ -155,3 +155,17 @@ def test_js_cloud_killed_mid_answer(cli, torch_engine, device_model_dir, js_cach
     assert r["cloud_tokens"] >= 2 and r["device_tokens"] > 0
     assert r["token_ids"] == reference[2] and r["finish_reason"] in ("eos", "length")
     print(f"cloud stopped: cloud {r['cloud_tokens']}, device {r['device_tokens']}, fault {r['fault']}")
+
+
+def test_js_refused_handshake_goes_device_only(cli, torch_engine, device_model_dir, tmp_path, prompts, reference):
+    """A cloud that requires a token the device does not send refuses the Hello (unauthorized): the
+    JS device answers alone (device-only, fault cloud-refused) with the same greedy answer."""
+    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+
+    svc = CloudService(torch_engine, torch_engine.fingerprint, auth_token="s3cret", device_model_dir=device_model_dir)
+    with ServiceThread(svc) as running:
+        (r,) = run_js(cli, tmp_path, prompts[:1], "--cloud", running.url, "--model-dir", device_model_dir,
+                      "--max-new", MAX_NEW, "--tpot", 1)
+    assert r["mode"] == "device-only" and r["fault"] == "cloud-refused", r
+    assert "unauthorized" in r["error"]
+    assert r["cloud_tokens"] == 0 and r["token_ids"] == reference[0]

@@ -1,0 +1,19 @@
+// Decode tok/s of onnxruntime-node on the device model (1 intra-op thread), greedy, after a prompt prefill.
+//   node dist/bench/decode.js MODEL_DIR [tokens=128] [reps=3]
+import { OnnxEngine, argmax } from "../src/engine.js";
+import { Tokenizer } from "../src/tokenizer.js";
+
+const [dir, nArg, repArg] = process.argv.slice(2);
+const n = Number(nArg ?? 128), reps = Number(repArg ?? 3);
+const eng = await OnnxEngine.load(dir, { threads: 1 });
+const ids = Tokenizer.load(dir).encodeChat("Tell me a short story about a robot who learns to paint.");
+const rates: number[] = [];
+for (let r = 0; r < reps; r++) {
+  let { logits, kv } = await eng.prefill(ids);
+  const t0 = performance.now();
+  for (let i = 0; i < n; i++) ({ logits, kv } = await eng.decode(argmax(logits), kv));
+  rates.push(n / ((performance.now() - t0) / 1e3));
+}
+rates.sort((a, b) => a - b);
+console.log(JSON.stringify({ runtime: "onnxruntime-node", tokens: n, reps, prompt_tokens: ids.length, tok_s_median: rates[reps >> 1], tok_s: rates }));
+await eng.release();
