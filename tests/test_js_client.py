@@ -169,3 +169,13 @@ def test_js_refused_handshake_goes_device_only(cli, torch_engine, device_model_d
     assert r["mode"] == "device-only" and r["fault"] == "cloud-refused", r
     assert "unauthorized" in r["error"]
     assert r["cloud_tokens"] == 0 and r["token_ids"] == reference[0]
+
+
+def test_js_unit_tests_pass(cli):
+    """The client's own node:test suite (clients/js/test: every golden frame decodes to its JSON and
+    re-encodes to its bytes, the handshake and request state machine against a scripted server)."""
+    r = subprocess.run([NODE, "--test", str(JS / "dist" / "test")], capture_output=True, text=True, timeout=180,
+                       cwd=JS)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    passed = [int(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("# pass")]
+    assert passed and passed[0] >= 40 and "# fail 0" in r.stdout
