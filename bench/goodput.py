@@ -256,18 +256,50 @@ async def rate_point(url: str, fingerprint: str, pool: Sequence[dict], rate_rps:
     return out
 
 
+def refine_rates(points: Sequence[tuple[float, Sequence[float | None]]], n_slos: int, done: set,
+                 min_ratio: float = 1.25) -> list[float]:
+    """The next rates to measure between each SLO pair's goodput and the first rate that fails it
+    (their geometric mean), where the two are more than `min_ratio` apart and the mean was not
+    measured yet (`done`); `points`: (rate, attainment per SLO pair). A doubling grid alone puts
+    the goodput anywhere in [r, 2r)."""
+    out = []
+    for j in range(n_slos):
+        ordered = sorted((r, a[j]) for r, a in points)
+        lo = goodput_rps(ordered)
+        hi = next((r for r, a in ordered if r > lo and (a is None or a < ATTAINMENT_GOAL)), None)
+        if lo > 0 and hi is not None and hi / lo > min_ratio:
+            mid = round(math.sqrt(lo * hi), 3)
+            if mid not in done and mid not in out:
+                out.append(mid)
+    return sorted(out)
+
+
 async def sweep(url: str, fingerprint: str, pool, mode: str, timing, rates: Sequence[float], deadline: float,
-                slos=SLOS, settle_s: float = 2.0, seed: int = 0, **kw) -> dict:
+                slos=SLOS, settle_s: float = 2.0, seed: int = 0, refine: int = 2, **kw) -> dict:
     """Rate points of `mode` at increasing `rates` until every SLO pair fails at one point (or
-    `deadline`, a time.perf_counter() value, has passed: the sweep is then marked 'cut'). Returns
-    {'mode', 'points': [...], 'goodput_rps': [per SLO pair], 'cut': bool}."""
+    `deadline`, a time.perf_counter() value, has passed: the sweep is then marked 'cut'), then up
+    to `refine` rounds of `refine_rates` between each pair's goodput and its first failing rate.
+    Returns {'mode', 'points': [...], 'goodput_rps': [per SLO pair], 'cut': bool}."""
     points, cut = [], False
-    for i, rate in enumerate(rates):
+    grid = list(rates)
+    refined = 0
+    i = 0
+    while True:
+        if i >= len(grid):
+            if refined >= refine:
+                break
+            grid += refine_rates([(p["offered_rps"], [s["attainment"] for s in p["slo"]]) for p in points],
+                                 len(slos), {p["offered_rps"] for p in points})
+            refined += 1
+            if i >= len(grid):
+                break
+        rate = grid[i]
         if time.perf_counter() > deadline:
             cut = True
             break
         p = await rate_point(url, fingerprint, pool, rate, mode, timing, seed=seed * 1000 + i,
                              slos=slos, **kw)
+        i += 1
         points.append(p)
         atts = [s["attainment"] for s in p["slo"]]
         print(f"[bench goodput] {mode:10s} {rate:6.3f} rps: {p['measured']:3d} measured, attainment "
@@ -275,8 +307,8 @@ async def sweep(url: str, fingerprint: str, pool, mode: str, timing, rates: Sequ
               f"TPOT p90 {p['tpot_ms_p90'] or 0:5.0f} ms, cloud CPU {p['cloud_cpu_busy'] or 0:.2f} + wait "
               f"{p['cloud_cpu_wait'] or 0:.2f}, "
               f"held {p['cloud_concurrency'] or 0:.1f}", flush=True)
-        if all(a is None or a < ATTAINMENT_GOAL for a in atts):
-            break
+        if all(a is None or a < ATTAINMENT_GOAL for a in atts) and not refined:  # the grid ends here
+            grid = grid[:i]
         await asyncio.sleep(settle_s)
     gp = [goodput_rps([(p["offered_rps"], p["slo"][j]["attainment"]) for p in points]) for j in range(len(slos))]
     return {"mode": mode, "points": points, "goodput_rps": gp, "cut": cut}
@@ -515,9 +547,11 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
                       max_requests: int = 200, warmup_s: float = 20.0, slos=SLOS, target_tpot_ms: float = 50.0,
                       timeout_s: float = 120.0, time_limit_s: float = 3600.0, validate_rates: Sequence[float] = (0.0, 0.4),
                       validate_per_rate: int = 4, kv_cache_mb: int = 256, plot: bool = True,
-                      command: str | None = None, model: str | None = None, quantize: str | None = None) -> dict:
+                      command: str | None = None, model: str | None = None, quantize: str | None = None,
+                      refine: int = 2) -> dict:
     """The goodput benchmark (module docstring): reference pass, then per mode (cloud-only once, split
-    per device profile of `profiles`) a sweep over `rates`, then the validation against real
+    per device profile of `profiles`) a sweep over `rates` (plus `refine` bisection rounds,
+    `refine_rates`), then the validation against real
     `SplitSession`s (`validate_per_rate` requests at each of `validate_rates`, first profile; none
     when 0). Sweeps stop adding rate points once `time_limit_s` s have passed since the start (the
     sweep is marked 'cut'). Writes `out` (JSON), and beside it the .md table and the .png plot
@@ -563,7 +597,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
               flush=True)
         zero_ttft = _mean([p["zero_load_ttft_ms"] for p in pool])
         kw = dict(duration_s=duration_s, max_requests=max_requests, warmup_s=warmup_s, max_new_tokens=max_new_tokens,
-                  target_tpot_ms=target_tpot_ms, timeout_s=timeout_s, cloud_pid=cloud.pid)
+                  target_tpot_ms=target_tpot_ms, timeout_s=timeout_s, cloud_pid=cloud.pid, refine=refine)
         sweeps = {}
         zero = Timing(0, 0, 0, 0, 0)
         if rates:

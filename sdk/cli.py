@@ -719,7 +719,7 @@ def bench_split(
                                 "cloud and load driver always pinned to two cores)"))
         profiles = [x.strip() for x in profile.split(",") if x.strip()]
         kw = dict(pool_size=min(prompts, 3), rates=(0.05, 0.4), duration_s=20.0, max_requests=12, warmup_s=5.0,
-                  validate_rates=(0.0, 0.4), validate_per_rate=1) if quick else dict(pool_size=prompts)
+                  validate_rates=(0.0, 0.4), validate_per_rate=1, refine=0) if quick else dict(pool_size=prompts)
         try:
             out = out or "bench/results/goodput.json"
             res = bench_module("goodput").run_goodput_bench(

@@ -54,6 +54,16 @@ def test_goodput_is_the_highest_rate_below_the_first_failing_one():
     assert gp.goodput_rps([]) == 0.0
 
 
+def test_refined_rates_bisect_between_the_goodput_and_the_first_failing_rate():
+    pts = [(0.1, [1.0, 1.0]), (0.2, [0.95, 1.0]), (0.4, [0.5, 0.92]), (0.8, [0.1, 0.3])]
+    # pair 0: 0.2 passes, 0.4 fails -> 0.283; pair 1: 0.4 passes, 0.8 fails -> 0.566
+    assert gp.refine_rates(pts, 2, set()) == [0.283, 0.566]
+    assert gp.refine_rates(pts, 2, {0.283}) == [0.566]
+    assert gp.refine_rates([(0.2, [0.9]), (0.24, [0.5])], 1, set()) == []  # already within 1.25x
+    assert gp.refine_rates([(0.1, [0.5])], 1, set()) == []  # no passing rate: nothing to bisect
+    assert gp.refine_rates([(0.1, [1.0]), (0.2, [None])], 1, set()) == [0.141]
+
+
 def test_display_times_follow_the_speed_controller_and_its_interval_change():
     ready = [0.0, 0.0, 0.0, 0.0, 400.0, 410.0]
     ctl = SpeedController(target_tpot_ms=50.0)

@@ -284,3 +284,15 @@ def test_conversation_turns_keep_the_schema(cloud, onnx_engine):
         r = conv.send(q)
         jsonschema.validate(json.loads(r.text), CITY)
         assert r.finish_reason == "stop" and r.cloud_tokens > 0
+
+
+def test_split_answer_the_cloud_completes_before_the_hand_off(cloud, onnx_engine, tokenizer):
+    """A grammar the cloud completes within its budget ends the answer at the cloud ('stop', no
+    device token), as cloud-only does."""
+    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=8)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Is fire hot? Answer yes or no."}])
+    g = choice_grammar(["yes", "no"])
+    split = c.complete(ids, max_new_tokens=16, grammar=g)
+    cloud_only = c.complete(ids, max_new_tokens=16, grammar=g, mode="cloud-only")
+    assert split.text in ("yes", "no") and split.finish_reason == "stop" and split.fault is None
+    assert split.token_ids == cloud_only.token_ids and split.device_tokens == 0
