@@ -1,12 +1,13 @@
 // Decode tok/s of onnxruntime-node on the device model (1 intra-op thread), greedy, after a prompt prefill.
 //   node dist/bench/decode.js MODEL_DIR [tokens=128] [reps=3]
-import { OnnxEngine, argmax } from "../src/engine.js";
-import { Tokenizer } from "../src/tokenizer.js";
+import { argmax } from "../src/engine.js";
+import { loadEngine } from "../src/engine-node.js";
+import { loadTokenizer } from "../src/node.js";
 
 const [dir, nArg, repArg] = process.argv.slice(2);
 const n = Number(nArg ?? 128), reps = Number(repArg ?? 3);
-const eng = await OnnxEngine.load(dir, { threads: 1 });
-const ids = Tokenizer.load(dir).encodeChat("Tell me a short story about a robot who learns to paint.");
+const eng = await loadEngine(dir, { threads: 1 });
+const ids = loadTokenizer(dir).encodeChat("Tell me a short story about a robot who learns to paint.");
 const rates: number[] = [];
 for (let r = 0; r < reps; r++) {
   let { logits, kv } = await eng.prefill(ids);

@@ -10,7 +10,8 @@
  * prompts.json: a JSON array; each item a user string, a list of {role, content} messages, or token ids.
  */
 import fs from "node:fs";
-import { DeviceClient, type Mode } from "./split.js";
+import { DeviceClient } from "./node.js";
+import type { Mode } from "./split.js";
 
 function args(argv: string[]): Record<string, string | boolean> {
   const out: Record<string, string | boolean> = {};

@@ -1,5 +1,7 @@
 /**
- * The device runtime: the exported Llama (format 4) on onnxruntime-node.
+ * The device runtime: the exported Llama (format 4) on ONNX Runtime (onnxruntime-node in Node,
+ * onnxruntime-web's WASM backend in the browser: the module is passed in, see engine-node.ts and
+ * web/src/runtime.ts).
  *
  * Inputs: input_ids int64 [1, S], position_ids int64 [1, S], seqlens_k int32 [1] (= total - 1),
  * total_sequence_length int32 [] (= cached + S), past_key.i / past_value.i float32
@@ -8,10 +10,8 @@
  * `capacity` slots (GroupQueryAttention's shared buffer); here past is the exact cached length and
  * ORT returns present = past + the new tokens (a copy per step, simpler and the same numbers).
  */
-import fs from "node:fs";
-import path from "node:path";
-import * as ort from "onnxruntime-node";
-import { DEFAULT_ONNX } from "./model.js";
+import type { InferenceSession, Tensor } from "onnxruntime-common";
+import type { OrtModule } from "./platform.js";
 
 export interface ModelConfig {
   n_layers: number; n_kv_heads: number; dim: number; n_heads: number; vocab_size: number;
@@ -19,7 +19,7 @@ export interface ModelConfig {
 }
 
 /** The cache after `length` tokens: per layer (key, value) tensors [1, kv_heads, length, head_dim]. */
-export interface KV { tensors: ort.Tensor[]; length: number }
+export interface KV { tensors: Tensor[]; length: number }
 
 /** A device profile's pacing (relayinfer.device.profiles.PacedEngine): each call lasts at least
  * prefillMsBase + prefillMsPerToken x tokens (ms). */
@@ -32,7 +32,7 @@ export class OnnxEngine {
   readonly contextLength: number;
   readonly fingerprint: string;
   pace: Pace | null = null;
-  private constructor(private session: ort.InferenceSession, cfg: ModelConfig, fingerprint: string) {
+  constructor(private ort: OrtModule, private session: InferenceSession, cfg: ModelConfig, fingerprint: string) {
     this.cfg = cfg;
     this.headDim = cfg.head_dim_kv || cfg.dim / cfg.n_heads;
     this.eosId = cfg.eos_id;
@@ -40,25 +40,22 @@ export class OnnxEngine {
     this.fingerprint = fingerprint;
   }
 
-  static async load(dir: string, opt: { onnx?: string; threads?: number } = {}): Promise<OnnxEngine> {
-    const cfg = JSON.parse(fs.readFileSync(path.join(dir, "config.json"), "utf8")) as ModelConfig;
-    const mf = path.join(dir, "manifest.json");
-    const manifest = fs.existsSync(mf) ? JSON.parse(fs.readFileSync(mf, "utf8")) : {};
-    const file = path.join(dir, opt.onnx ?? manifest.default_onnx ?? DEFAULT_ONNX);
-    const session = await ort.InferenceSession.create(file, {
-      intraOpNumThreads: opt.threads ?? 1, interOpNumThreads: 1, graphOptimizationLevel: "all", executionProviders: ["cpu"],
-    });
+  /** An engine over a session created from `ort` (`model`: the ONNX file's bytes or path). */
+  static async create(ort: OrtModule, model: Uint8Array | string, cfg: ModelConfig, fingerprint: string,
+    options: InferenceSession.SessionOptions, name = "the device model"): Promise<OnnxEngine> {
+    const session = typeof model === "string" ? await ort.InferenceSession.create(model, options) : await ort.InferenceSession.create(model, options);
     if (!session.inputNames.includes("position_ids") || !session.inputNames.includes("past_key.0")) {
-      throw new Error(`${file} is not a format-4 device model; export it again`);
+      await session.release();
+      throw new Error(`${name} is not a format-4 device model; export it again`);
     }
-    return new OnnxEngine(session, cfg, manifest.model_fingerprint ?? "");
+    return new OnnxEngine(ort, session, cfg, fingerprint);
   }
 
   get vocabSize(): number { return this.cfg.vocab_size; }
 
   newCache(): KV {
-    const t: ort.Tensor[] = [];
-    for (let i = 0; i < 2 * this.cfg.n_layers; i++) t.push(new ort.Tensor("float32", new Float32Array(0), [1, this.cfg.n_kv_heads, 0, this.headDim]));
+    const t: Tensor[] = [];
+    for (let i = 0; i < 2 * this.cfg.n_layers; i++) t.push(new this.ort.Tensor("float32", new Float32Array(0), [1, this.cfg.n_kv_heads, 0, this.headDim]));
     return { tensors: t, length: 0 };
   }
 
@@ -69,7 +66,8 @@ export class OnnxEngine {
     const cache = kv ?? this.newCache();
     const s = ids.length, total = cache.length + s;
     if (total > this.contextLength) throw new Error(`${cache.length} cached + ${s} new tokens exceed the context length ${this.contextLength}`);
-    const feeds: Record<string, ort.Tensor> = {
+    const ort = this.ort;
+    const feeds: Record<string, Tensor> = {
       input_ids: new ort.Tensor("int64", BigInt64Array.from(ids, (x) => BigInt(x)), [1, s]),
       position_ids: new ort.Tensor("int64", BigInt64Array.from({ length: s }, (_, j) => BigInt(cache.length + j)), [1, s]),
       seqlens_k: new ort.Tensor("int32", Int32Array.of(total - 1), [1]),
@@ -82,7 +80,7 @@ export class OnnxEngine {
     const out = await this.session.run(feeds);
     const lg = out.logits.data as Float32Array;
     const logits = lg.length === this.vocabSize ? lg : lg.subarray(lg.length - this.vocabSize);
-    const tensors: ort.Tensor[] = [];
+    const tensors: Tensor[] = [];
     for (let i = 0; i < this.cfg.n_layers; i++) tensors.push(out[`present_key.${i}`], out[`present_value.${i}`]);
     if (this.pace) {
       const want = (this.pace.prefillMsBase ?? 0) + this.pace.prefillMsPerToken * s;

@@ -3,13 +3,13 @@
  * messages only, no permessage-deflate), the Hello/Welcome handshake, auto Pong, and the requests
  * multiplexed by request_id, each checked against the device's request table.
  */
-import WebSocket from "ws";
 import { ChannelClosed, ProtocolError, RelayInferError, RemoteError, CLOSE_CODES } from "./errors.js";
 import {
   decode, encode, HANDSHAKE_MAX_BYTES, MAX_FRAME_BYTES, PROTOCOL_VERSION,
   type Generate, type Message, type Welcome,
 } from "./messages.js";
 import { RequestTable } from "./requests.js";
+import type { Dialer, Socket } from "./platform.js";
 
 export interface ConnectOptions {
   /** sha256 hex of the model file the device runs ("" = only ask where the device model is). */
@@ -20,6 +20,9 @@ export interface ConnectOptions {
   connectTimeoutMs?: number;
   /** largest frame accepted after the handshake (bytes). */
   maxFrameBytes?: number;
+  /** opens the websocket (default `Connection.defaultDial`: `ws` once socket-node.js is imported,
+   * the page's WebSocket in the browser build). */
+  dial?: Dialer;
 }
 
 /** One event of a request: a cloud message (`ignored`: legal but crossed the request's end), or a
@@ -44,7 +47,7 @@ class Queue<T> {
     if (this.items.length) return Promise.resolve(this.items.shift() as T);
     if (this.failure) return Promise.reject(this.failure);
     return new Promise<T>((resolve, reject) => {
-      let timer: NodeJS.Timeout | undefined;
+      let timer: ReturnType<typeof setTimeout> | undefined;
       const w = (v: T | Error) => { if (timer) clearTimeout(timer); if (v instanceof Error) reject(v); else resolve(v); };
       this.waiters.push(w);
       if (timeoutMs !== undefined && Number.isFinite(timeoutMs)) {
@@ -77,22 +80,30 @@ export function deviceModelBase(deviceModelUrl: string, dialledUrl: string): str
 
 /** A handshaken connection to the cloud. */
 export class Connection {
+  /** The dialer used when ConnectOptions.dial is not given (set by socket-node.js / the browser build). */
+  static defaultDial: Dialer | null = null;
   readonly welcome: Welcome;
   readonly url: string;
-  private ws: WebSocket;
+  private ws: Socket;
   private table = new RequestTable();
   private queues = new Map<string, Queue<RequestEvent>>();
   private closedError: RelayInferError | null = null;
   private maxFrameBytes: number;
+  private closeWaiters: (() => void)[] = [];
 
-  private constructor(url: string, ws: WebSocket, welcome: Welcome, maxFrameBytes: number) {
+  private constructor(url: string, ws: Socket, welcome: Welcome, maxFrameBytes: number) {
     this.url = url;
     this.ws = ws;
     this.welcome = welcome;
     this.maxFrameBytes = maxFrameBytes;
-    ws.on("message", (data, isBinary) => this.onFrame(data as Buffer, isBinary));
-    ws.on("close", (code, reason) => this.onClosed(new ChannelClosed(`the connection closed (${code}${reason.length ? " " + reason.toString() : ""})`, code)));
-    ws.on("error", (e) => this.onClosed(new ChannelClosed(`transport error: ${e.message}`)));
+    ws.setHandlers({
+      message: (data, isBinary) => this.onFrame(data, isBinary),
+      close: (code, reason) => {
+        for (const w of this.closeWaiters.splice(0)) w();
+        this.onClosed(new ChannelClosed(`the connection closed (${code}${reason.length ? " " + reason : ""})`, code));
+      },
+      error: (e) => this.onClosed(new ChannelClosed(`transport error: ${e.message}`)),
+    });
   }
 
   /** Dial `url`, send Hello, wait for Welcome. Throws RemoteError (the server's refusal, with its
@@ -101,26 +112,27 @@ export class Connection {
   static async connect(url: string, opt: ConnectOptions): Promise<Connection> {
     const timeout = opt.connectTimeoutMs ?? 5000;
     const maxFrame = opt.maxFrameBytes ?? MAX_FRAME_BYTES;
-    const ws = new WebSocket(url, { perMessageDeflate: false, handshakeTimeout: timeout, maxPayload: maxFrame + Math.max(maxFrame / 4, 65536) });
-    ws.binaryType = "nodebuffer";
+    const dial = opt.dial ?? Connection.defaultDial;
+    if (!dial) throw new Error("no websocket dialer: import socket-node.js (Node) or pass ConnectOptions.dial");
+    const ws = await dial(url, { timeoutMs: timeout, maxPayload: maxFrame + Math.max(maxFrame / 4, 65536) });
     try {
-      await new Promise<void>((resolve, reject) => {
-        ws.once("open", () => resolve());
-        ws.once("error", reject);
-        ws.once("unexpected-response", (_req, res) => reject(new ChannelClosed(`websocket upgrade refused: HTTP ${res.statusCode}`)));
-      });
       const first = new Promise<Message>((resolve, reject) => {
         const timer = setTimeout(() => reject(new TimeoutError(`no welcome within ${timeout} ms`)), timeout);
-        ws.once("message", (data, isBinary) => {
-          clearTimeout(timer);
-          try {
-            if (!isBinary) throw new ProtocolError("bad_frame", "a text websocket message");
-            const buf = data as Buffer;
-            if (buf.length > HANDSHAKE_MAX_BYTES) throw new ProtocolError("frame_too_large", `a ${buf.length}-byte frame before the handshake`);
-            resolve(decode(new Uint8Array(buf.buffer, buf.byteOffset, buf.byteLength)));
-          } catch (e) { reject(e); }
+        let got = false;
+        ws.setHandlers({
+          message: (data, isBinary) => {
+            if (got) return;
+            got = true;
+            clearTimeout(timer);
+            try {
+              if (!isBinary) throw new ProtocolError("bad_frame", "a text websocket message");
+              if (data.length > HANDSHAKE_MAX_BYTES) throw new ProtocolError("frame_too_large", `a ${data.length}-byte frame before the handshake`);
+              resolve(decode(data));
+            } catch (e) { reject(e); }
+          },
+          close: (code) => { clearTimeout(timer); reject(new ChannelClosed(`the server closed (${code}) before its welcome`, code)); },
+          error: (e) => { clearTimeout(timer); reject(new ChannelClosed(`transport error: ${e.message}`)); },
         });
-        ws.once("close", (code) => { clearTimeout(timer); reject(new ChannelClosed(`the server closed (${code}) before its welcome`, code)); });
       });
       ws.send(encode({ type: "hello", protocol_version: PROTOCOL_VERSION, model_fingerprint: opt.fingerprint, token: opt.token ?? null, client: opt.client ?? "relayinfer-device-js" }));
       const msg = await first;
@@ -134,7 +146,7 @@ export class Connection {
       }
       return new Connection(url, ws, msg, maxFrame);
     } catch (e) {
-      if (e instanceof ProtocolError && ws.readyState === WebSocket.OPEN) {
+      if (e instanceof ProtocolError && ws.open) {
         try { ws.send(encode({ type: "error", code: e.code, message: e.message })); } catch { /* best effort */ }
         ws.close(CLOSE_CODES[e.code] ?? 1008, e.code);
       } else {
@@ -152,13 +164,13 @@ export class Connection {
     for (const q of this.queues.values()) q.fail(e);
   }
 
-  private onFrame(data: Buffer, isBinary: boolean): void {
+  private onFrame(data: Uint8Array, isBinary: boolean): void {
     if (this.closedError) return;
     let msg: Message;
     try {
       if (!isBinary) throw new ProtocolError("bad_frame", "a text websocket message");
       if (data.length > this.maxFrameBytes) throw new ProtocolError("frame_too_large", `frame of ${data.length} bytes`);
-      msg = decode(new Uint8Array(data.buffer, data.byteOffset, data.byteLength));
+      msg = decode(data);
     } catch (e) {
       const pe = e as ProtocolError;
       this.failLocal(pe);
@@ -226,10 +238,10 @@ export class Connection {
 
   /** Close normally (1000), bounded by `timeoutMs`. */
   async close(timeoutMs = 1000): Promise<void> {
-    if (this.ws.readyState === WebSocket.CLOSED) return;
+    if (this.ws.closed) return;
     await new Promise<void>((resolve) => {
       const t = setTimeout(() => { this.ws.terminate(); resolve(); }, timeoutMs);
-      this.ws.once("close", () => { clearTimeout(t); resolve(); });
+      this.closeWaiters.push(() => { clearTimeout(t); resolve(); });
       this.ws.close(1000);
     });
     this.onClosed(new ChannelClosed("closed by this side", 1000));

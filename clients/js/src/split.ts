@@ -5,13 +5,12 @@
  * hand-off index h, sends Stop{h} and decodes h, h+1, ... itself. Faults (cloud unreachable,
  * refused, lost mid-answer, request error, stall) end with the device answering alone.
  */
-import { randomBytes } from "node:crypto";
 import { RemoteError, RelayInferError } from "./errors.js";
 import type { Generate } from "./messages.js";
 import { Connection, deviceModelBase, TimeoutError, type RequestEvent } from "./session.js";
 import { argmax, OnnxEngine, type KV, type Pace } from "./engine.js";
-import { cachedDeviceModel } from "./model.js";
-import { Tokenizer, type ChatMessage } from "./tokenizer.js";
+import { randomHex, type Dialer } from "./platform.js";
+import type { Tokenizer, ChatMessage } from "./tokenizer.js";
 
 export type Mode = "split" | "device-only" | "cloud-only";
 
@@ -56,10 +55,12 @@ export interface ClientOptions {
   /** ws:// or wss:// URL of `relayinfer cloud serve` (null: device-only). */
   cloudUrl?: string | null;
   token?: string | null;
-  /** a folder with the device model; default: fetched from the cloud into `cacheDir`. */
+  /** a folder with the device model (Node); default: fetched from the cloud into `cacheDir`. */
   modelDir?: string;
   cacheDir?: string;
   threads?: number;
+  /** opens the websocket (default: Connection.defaultDial). */
+  dial?: Dialer;
   targetTpotMs?: number;
   connectTimeoutMs?: number;
   prefillChunk?: number;
@@ -106,7 +107,19 @@ export function sampleToken(logits: Float32Array, temperature: number, topK: num
   return idx[i];
 }
 
-export class DeviceClient {
+/** Where the cloud at `cloudUrl` serves its device model (`http(s)://HOST:PORT`, null: it serves
+ * none): a Hello with an empty fingerprint, answered by a Welcome naming it, then closed. */
+export async function askDeviceModelBase(opt: ClientOptions): Promise<string | null> {
+  if (!opt.cloudUrl) throw new Error("no cloudUrl to fetch the device model from");
+  const c = await Connection.connect(opt.cloudUrl, { fingerprint: "", token: opt.token, connectTimeoutMs: opt.connectTimeoutMs, dial: opt.dial });
+  const base = deviceModelBase(c.welcome.device_model_url ?? "", opt.cloudUrl);
+  await c.close();
+  return base;
+}
+
+/** The split loop over an engine and a tokenizer, the same in Node (DeviceClient.create in node.ts)
+ * and in the browser (web/src/client.ts). */
+export class SplitClient {
   readonly engine: OnnxEngine;
   readonly tokenizer: Tokenizer;
   readonly opt: ClientOptions;
@@ -115,25 +128,9 @@ export class DeviceClient {
   private ttftEstMs = 1000;
   private tpotEstMs = 100;
 
-  private constructor(engine: OnnxEngine, tokenizer: Tokenizer, opt: ClientOptions) {
+  constructor(engine: OnnxEngine, tokenizer: Tokenizer, opt: ClientOptions) {
     this.engine = engine; this.tokenizer = tokenizer; this.opt = opt;
     engine.pace = opt.pace ?? null;
-  }
-
-  /** Load the device model (from `modelDir`, else fetched from the cloud the Welcome names). */
-  static async create(opt: ClientOptions): Promise<DeviceClient> {
-    let dir = opt.modelDir;
-    if (!dir) {
-      if (!opt.cloudUrl) throw new Error("no modelDir and no cloudUrl to fetch the device model from");
-      // an empty fingerprint asks only where the device model is: the cloud answers Welcome and closes
-      const c = await Connection.connect(opt.cloudUrl, { fingerprint: "", token: opt.token, connectTimeoutMs: opt.connectTimeoutMs });
-      const base = deviceModelBase(c.welcome.device_model_url ?? "", opt.cloudUrl);
-      await c.close();
-      if (!base) throw new Error(`the cloud at ${opt.cloudUrl} serves no device model`);
-      dir = (await cachedDeviceModel(base, { token: opt.token, cacheDir: opt.cacheDir })).dir;
-    }
-    const engine = await OnnxEngine.load(dir, { threads: opt.threads });
-    return new DeviceClient(engine, Tokenizer.load(dir), opt);
   }
 
   async close(): Promise<void> {
@@ -145,7 +142,7 @@ export class DeviceClient {
   private async link(): Promise<Connection> {
     if (this.conn && !this.conn.closed) return this.conn;
     this.conn = await Connection.connect(this.opt.cloudUrl!, {
-      fingerprint: this.engine.fingerprint, token: this.opt.token, connectTimeoutMs: this.opt.connectTimeoutMs ?? 5000,
+      fingerprint: this.engine.fingerprint, token: this.opt.token, connectTimeoutMs: this.opt.connectTimeoutMs ?? 5000, dial: this.opt.dial,
     });
     return this.conn;
   }
@@ -172,7 +169,7 @@ export class DeviceClient {
 type Phase = "connecting" | "cloud" | "handed-off" | "device-alone" | "fault" | "done";
 
 class Run {
-  readonly id = randomBytes(6).toString("hex");
+  readonly id = randomHex(6);
   private t0 = performance.now();
   private ids: number[] = [];
   private source: ("cloud" | "device")[] = [];
@@ -191,7 +188,7 @@ class Run {
   private budget: number | null;
   private maxNew: number;
 
-  constructor(private c: DeviceClient, private prompt: number[], private g: GenerateOptions) {
+  constructor(private c: SplitClient, private prompt: number[], private g: GenerateOptions) {
     this.mode = g.mode ?? (c.opt.cloudUrl ? "split" : "device-only");
     if (!c.opt.cloudUrl) this.mode = "device-only";
     this.budget = this.mode === "split" ? (g.cloudBudget ?? null) : null;

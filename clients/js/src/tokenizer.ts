@@ -4,12 +4,12 @@
  * (trim_blocks, lstrip_blocks), only the template's own markup matched as added tokens, message
  * contents encoded as plain text, BPE by @huggingface/tokenizers.
  */
-import fs from "node:fs";
-import path from "node:path";
 import { Tokenizer as HFTokenizer } from "@huggingface/tokenizers";
 import { Template } from "@huggingface/jinja";
 
 export interface ChatMessage { role: string; content: string }
+
+export interface TokenizerMeta { chat_template?: string | null; bos_id: number; eos_id: number; add_bos?: boolean; add_eos?: boolean }
 
 interface AddedToken { id: number; content: string; special: boolean }
 
@@ -43,7 +43,8 @@ export class Tokenizer {
   private table: Uint8Array[] | null = null;
   private json: Record<string, unknown>;
 
-  constructor(tokenizerJson: Record<string, unknown>, meta: { chat_template?: string | null; bos_id: number; eos_id: number; add_bos?: boolean; add_eos?: boolean }) {
+  /** From what `relayinfer export` wrote: tokenizer.json and tokenizer_meta.json, parsed (Node: loadTokenizer(dir)). */
+  constructor(tokenizerJson: Record<string, unknown>, meta: TokenizerMeta) {
     this.json = tokenizerJson;
     this.tok = new HFTokenizer(tokenizerJson as never, {} as never);
     this.plain = new HFTokenizer({ ...tokenizerJson, added_tokens: [] } as never, {} as never);
@@ -58,12 +59,6 @@ export class Tokenizer {
     for (const t of this.added) this.addedId.set(t.content, t.id);
     const names = this.added.map((t) => t.content).sort((a, b) => b.length - a.length);
     this.addedRe = names.length ? new RegExp(names.map(escapeRe).join("|"), "g") : null;
-  }
-
-  /** Load what `relayinfer export` wrote (tokenizer.json, tokenizer_meta.json) from `dir`. */
-  static load(dir: string): Tokenizer {
-    return new Tokenizer(JSON.parse(fs.readFileSync(path.join(dir, "tokenizer.json"), "utf8")),
-      JSON.parse(fs.readFileSync(path.join(dir, "tokenizer_meta.json"), "utf8")));
   }
 
   get vocabSize(): number {

@@ -3,6 +3,7 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { WebSocketServer, type WebSocket as WS } from "ws";
 import { Connection, deviceModelBase } from "../src/session.js";
+import "../src/socket-node.js"; // the default dialer: ws
 import { decode, encode, type Message } from "../src/messages.js";
 import { RemoteError, ProtocolError, RelayInferError } from "../src/errors.js";
 import { RequestTable } from "../src/requests.js";
