@@ -727,7 +727,8 @@ def markdown(res: dict) -> str:
     lines = [f"`{res['command']}` (commit {s['git_commit']}; load average {s['load_avg_start'][0]:.1f} at the start, "
              f"{s['load_avg_end'][0]:.1f} at the end, on a shared {s['cores']}-core machine; rate points of "
              f"{res['rate_point']['duration_s']:g} s or {res['rate_point']['max_requests']} requests, first "
-             f"{res['rate_point']['warmup_s']:g} s not measured; {_priority_line(s.get('priority'))})", "",
+             f"{res['rate_point']['warmup_s']:g} s not measured; speed controller target TPOT "
+             f"{res.get('target_tpot_ms', 50):g} ms; {_priority_line(s.get('priority'))})", "",
              "| SLO (TTFT / TPOT p90) | " + " | ".join(f"{m} goodput (rps)" for m in res["sweeps"]) +
              " | " + " | ".join(f"{m} / cloud-only" for m in res["sweeps"] if m != "cloud-only") + " | bound |",
              "|" + "---|" * (2 + 2 * (len(res["sweeps"]) - 1) + 1)]

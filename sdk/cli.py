@@ -687,6 +687,11 @@ def bench_split(
                                  "capped at --max-new-tokens, then real SplitSessions against virtual twins; out default "
                                  "bench/results/goodput.json (+ .md, .png). With --quick: two 20 s rate points, one "
                                  "validation request per rate."),
+    target_tpot_ms: Optional[float] = typer.Option(None, min=1.0, help="With --goodput: the speed controller's "
+                                                   "target TPOT of every virtual device, both modes (ms; default 50). "
+                                                   "An SLO-aware choice is just under the TPOT SLO (e.g. 90 for 100): "
+                                                   "the display then runs behind a faster cloud and its buffer absorbs "
+                                                   "the cloud's step-time spikes."),
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); "
                                         "default SmolLM2-135M-Instruct."),
     quantize: Optional[str] = typer.Option(None, help="The device model's weights: gguf (default, the GGUF's own "
@@ -709,6 +714,9 @@ def bench_split(
         fail(ValueError(f"unknown link profile {bad[0]!r}; choose from {', '.join(PROFILES)}"))
     if bucket_targets is not None and per_bucket is None:
         fail(ValueError("--bucket-targets applies to --per-bucket only"))
+    if target_tpot_ms is not None and not goodput:
+        fail(ValueError("--target-tpot-ms applies to --goodput only (the other split benchmarks take the "
+                        "profile's and the settings algorithm's pace)"))
     if out and len(links) > 1 and per_bucket is None:
         fail(ValueError("--out names one file: give one --link, or none and get split-link-<link>.json each"))
     if goodput:
@@ -720,6 +728,8 @@ def bench_split(
         profiles = [x.strip() for x in profile.split(",") if x.strip()]
         kw = dict(pool_size=min(prompts, 3), rates=(0.05, 0.4), duration_s=20.0, max_requests=12, warmup_s=5.0,
                   validate_rates=(0.0, 0.4), validate_per_rate=1, refine=0) if quick else dict(pool_size=prompts)
+        if target_tpot_ms is not None:
+            kw["target_tpot_ms"] = target_tpot_ms
         try:
             out = out or "bench/results/goodput.json"
             res = bench_module("goodput").run_goodput_bench(
