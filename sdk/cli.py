@@ -284,6 +284,10 @@ def cloud_serve(
     max_connections_per_client: int = OPT_MAX_PER_CLIENT,
     header_timeout_s: float = OPT_HEADER_TIMEOUT,
     idle_timeout_s: float = OPT_IDLE_TIMEOUT,
+    web: bool = typer.Option(False, "--web", help="Serve the browser demo page on the HTTP port under /web/ "
+                             "(built by `npm ci && npm run build:web` in clients/js)."),
+    web_dir: Optional[str] = typer.Option(None, help="The built page folder for --web (default: clients/js/web/dist "
+                                          "of this checkout)."),
 ):
     """Run the cloud prefill service until Ctrl-C (or --duration-s). Requests share a continuously
     batched engine; the HTTP side also serves the OpenAI-compatible API (/v1/chat/completions).
@@ -300,6 +304,7 @@ def cloud_serve(
     if memory_mb is not None and memory_mb < (kv_cache_mb or 0):
         fail(ValueError(f"--memory-mb {memory_mb} is below --kv-cache-mb {kv_cache_mb}: the budget holds the KV pool"))
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
+    page = _web_page(web_dir) if web or web_dir else None
     _log_to_stderr()
     typer.echo("loading the model (torch)...", err=True)
     try:
@@ -312,6 +317,7 @@ def cloud_serve(
                              kv_piece_bytes=kv_piece_kib << 10)
     except (RelayInferError, ValueError) as e:
         fail(ValueError(f"--kv-piece-kib {kv_piece_kib}: {e}") if str(e).startswith("kv_piece_bytes") else e)
+    svc.http.web_dir = page
 
     async def up():
         try:
@@ -328,8 +334,21 @@ def cloud_serve(
         typer.echo(f"cloud service: ws{s}://{host}:{svc.ws_port}  http{s}://{host}:{svc.http_port}  "
                    f"model {svc.fingerprint[:16]}" + ("" if token else "  (no --token: open to anyone who can connect)"),
                    err=True)
+        if page is not None:
+            typer.echo(f"demo page: http{s}://{host}:{svc.http_port}/web/" + ("#token=<the token>" if token else ""), err=True)
 
     serve_for(svc, duration_s, up)
+
+
+def _web_page(web_dir: str | None) -> Path:
+    """The built demo page folder of `cloud serve --web` (exit 2 naming what to build when it is missing)."""
+    js = Path(__file__).resolve().parent.parent / "clients" / "js"
+    d = Path(web_dir) if web_dir else js / "web" / "dist"
+    missing = [f for f in ("index.html", "app.js", "ort-wasm-simd-threaded.wasm") if not (d / f).is_file()]
+    if missing:
+        fail(ValueError(f"--web: {d} has no built page ({', '.join(missing)} missing); build it with "
+                        f"`cd {js} && npm ci && npm run build:web`" + (" or give --web-dir" if not web_dir else "")))
+    return d
 
 
 def _print_stream(stream, tty: bool) -> None:

@@ -284,7 +284,11 @@ def _check_fields(msg: Generate, vocab: int) -> None:
 class HttpSide:
     """The HTTP port: `/healthz`, `/metrics`, `/v1/device-model*` and (with a batching engine) the
     OpenAI API, every route but `/healthz` (and `/metrics` with `metrics_public`) behind the token.
-    Health and engine details come from `service` (`health_response`)."""
+    Health and engine details come from `service` (`health_response`). With `web_dir` (`cloud serve
+    --web`) the demo page's static folder is served, without the token, on `/web/` (the page sends
+    the token itself), and `/web/config.json` names the websocket port."""
+
+    web_dir: Path | None = None
 
     def __init__(self, service: "CloudService", auth_token: str | None, metrics_public: bool,
                  device_model_dir: str | Path | None):
@@ -304,6 +308,7 @@ class HttpSide:
         @web.middleware
         async def auth(request: web.Request, handler):
             public = request.path == "/healthz" or (self.metrics_public and request.path == "/metrics")
+            public = public or (self.web_dir is not None and (request.path + "/").startswith("/web/"))
             if public or self.authorized(request):
                 return await handler(request)
             return _unauthorized(request)
@@ -314,6 +319,11 @@ class HttpSide:
         app.router.add_get("/v1/device-model", self._device_model)
         app.router.add_get("/v1/device-model/manifest", self._manifest_handler)
         app.router.add_get("/v1/device-model/{name}", self._device_model)
+        if self.web_dir is not None:
+            app.router.add_get("/web/config.json", self._web_config)
+            app.router.add_get("/web", self._web_index)
+            app.router.add_get("/web/", self._web_index)
+            app.router.add_static("/web/", self.web_dir)
         svc = self.service
         if svc.llm is not None:
             from relayinfer.cloud.serve.openai.api_server import openai_routes
@@ -328,6 +338,15 @@ class HttpSide:
     async def _healthz(self, request):
         body, status = self.service.health_response(self.authorized(request))
         return web.json_response(body, status=status)
+
+    async def _web_index(self, request):
+        if request.path == "/web":
+            raise web.HTTPFound("/web/")
+        return web.FileResponse(self.web_dir / "index.html")
+
+    async def _web_config(self, request):
+        svc = self.service
+        return web.json_response({"ws_port": svc.ws_port, "ws_scheme": "wss" if svc._net.ssl is not None else "ws"})
 
     async def _metrics(self, request):
         svc = self.service
