@@ -309,6 +309,8 @@ def cloud_serve(
     typer.echo("loading the model (torch)...", err=True)
     try:
         _ensure_device_model(model)
+        if page is not None:  # the page runs model.fp32.onnx on WASM (MatMulNBits is ~8x slower there)
+            _ensure_device_model(model, "fp32")
         svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
                              metrics_public=metrics_public, max_sessions=max_sessions,
                              max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms,

@@ -27,7 +27,7 @@ try {
   await page.goto(a.url, { waitUntil: "load", timeout: left() });
   const t0 = Date.now();
   await page.waitForFunction(() => globalThis.relayinfer && (globalThis.relayinfer.ready || globalThis.relayinfer.error), { timeout: left(), polling: 100 });
-  const boot = await page.evaluate(() => ({ error: relayinfer.error, threads: relayinfer.threads, load_ms: relayinfer.loadMs, fingerprint: relayinfer.fingerprint, ws_url: relayinfer.wsUrl, status: document.getElementById("status").textContent }));
+  const boot = await page.evaluate(() => ({ error: relayinfer.error, threads: relayinfer.threads, load_ms: relayinfer.loadMs, fingerprint: relayinfer.fingerprint, onnx: relayinfer.onnx, ws_url: relayinfer.wsUrl, status: document.getElementById("status").textContent }));
   boot.ready_ms = Date.now() - t0;
   if (boot.error) throw new Error(`the page failed: ${boot.error}`);
   await page.type("#prompt", a.prompt);

@@ -3,7 +3,7 @@
  * the model fingerprint from /healthz (the token: `#token=...` in the URL), the device model from
  * the cloud, then a chat box whose answers show cloud tokens and device tokens in two colours, with
  * TTFT, TPOT and the hand-off index. Query parameters preset the controls: mode, max, budget, pace,
- * tpot, threads. For tests: `window.relayinfer` ({ready, error, results, last, busy, bench}) and the
+ * tpot, threads, onnx (the device file; default model.fp32.onnx when served, see client.ts). For tests: `window.relayinfer` ({ready, error, results, last, busy, bench}) and the
  * last answer's token ids in `#log[data-token-ids]`.
  */
 import type { GenerationResult, Mode, TokenEvent, SplitClient } from "../../src/split.js";
@@ -12,10 +12,10 @@ import { createBrowserClient } from "./client.js";
 
 interface PageState {
   ready: boolean; busy: boolean; error: string | null; results: GenerationResult[]; last: GenerationResult | null;
-  fingerprint: string | null; threads: number | null; loadMs: number | null; wsUrl: string | null;
-  bench?: (tokens?: number, reps?: number) => Promise<{ runtime: string; tokens: number; reps: number; prompt_tokens: number; threads: number; tok_s_median: number; tok_s: number[] }>;
+  fingerprint: string | null; onnx: string | null; threads: number | null; loadMs: number | null; wsUrl: string | null;
+  bench?: (tokens?: number, reps?: number) => Promise<{ runtime: string; onnx: string | null; tokens: number; reps: number; prompt_tokens: number; threads: number; tok_s_median: number; tok_s: number[] }>;
 }
-const state: PageState = { ready: false, busy: false, error: null, results: [], last: null, fingerprint: null, threads: null, loadMs: null, wsUrl: null };
+const state: PageState = { ready: false, busy: false, error: null, results: [], last: null, fingerprint: null, onnx: null, threads: null, loadMs: null, wsUrl: null };
 (globalThis as unknown as { relayinfer: PageState }).relayinfer = state;
 
 const $ = <T extends HTMLElement>(id: string) => document.getElementById(id) as T;
@@ -39,8 +39,9 @@ async function start(): Promise<SplitClient> {
   if (!hz.model_fingerprint) throw new Error("/healthz names no model fingerprint: this cloud wants a token (open the page as /web/#token=...)");
   state.fingerprint = hz.model_fingerprint;
   let last = 0;
-  const { client, model, threads, loadMs } = await createBrowserClient({
+  const { client, model, onnx, threads, loadMs } = await createBrowserClient({
     cloudUrl: wsUrl, token, httpBase: location.origin, threads: params.has("threads") ? Number(params.get("threads")) : undefined,
+    onnx: params.get("onnx") ?? undefined,
     progress: (name, done, total, cached) => {
       const now = performance.now();
       if (now - last > 200 || done === total) { last = now; status(`${cached ? "from the cache" : "downloading"} ${name}: ${(done / 1e6).toFixed(0)}${total ? ` / ${(total / 1e6).toFixed(0)}` : ""} MB`); }
@@ -49,8 +50,8 @@ async function start(): Promise<SplitClient> {
   if (model.manifest.model_fingerprint !== hz.model_fingerprint) {
     throw new Error(`the device model's fingerprint ${model.manifest.model_fingerprint.slice(0, 16)} is not the cloud's ${hz.model_fingerprint.slice(0, 16)}`);
   }
-  state.threads = threads; state.loadMs = loadMs;
-  status(`ready: model ${hz.model_fingerprint.slice(0, 16)} (${model.manifest.default_onnx}), onnxruntime-web WASM, ${threads} thread${threads > 1 ? "s" : ""}${globalThis.crossOriginIsolated ? "" : " (not cross-origin isolated)"}, session in ${loadMs.toFixed(0)} ms; cloud ${wsUrl}`);
+  state.threads = threads; state.loadMs = loadMs; state.onnx = onnx;
+  status(`ready: model ${hz.model_fingerprint.slice(0, 16)} (${onnx}), onnxruntime-web WASM, ${threads} thread${threads > 1 ? "s" : ""}${globalThis.crossOriginIsolated ? "" : " (not cross-origin isolated)"}, session in ${loadMs.toFixed(0)} ms; cloud ${wsUrl}`);
   return client;
 }
 
@@ -115,7 +116,7 @@ try {
       }
     } finally { eng.pace = pace; }
     rates.sort((x, y) => x - y);
-    return { runtime: "onnxruntime-web (wasm)", tokens, reps, prompt_tokens: ids.length, threads: state.threads!, tok_s_median: rates[reps >> 1], tok_s: rates };
+    return { runtime: "onnxruntime-web (wasm)", onnx: state.onnx, tokens, reps, prompt_tokens: ids.length, threads: state.threads!, tok_s_median: rates[reps >> 1], tok_s: rates };
   };
 } catch (e) {
   state.error = e instanceof Error ? `${e.name}: ${e.message}` : String(e);
