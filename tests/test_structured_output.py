@@ -149,13 +149,31 @@ def test_structured_output_errors_name_the_field(api):
          "response_format"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        ({"guided_json": False}, "guided_json"),
+        ({"guided_json": {"type": "integer", "maximum": 10 ** 30}}, "guided_json"),
+        ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+         "guided_json"),
+        ({"response_format": {"type": "json_object", "schema": CITY}}, "response_format.schema"),
+        ({"tools": [{"type": "function", "function": {"name": "n", "parameters": {"type": "integer"}}}],
+          "tool_choice": "required"}, "tools[0].function.parameters"),
+        ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True, "extra": 1}}]},
+         "tools[0].function.extra"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+         "tool_choice.function.name"),
+        ({"messages": [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": [1], "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]},
+         "messages[1].tool_calls[0]"),
+        ({"messages": [*ASK_WEATHER, {"role": "tool", "tool_call_id": "call_nope", "content": "sunny"}]},
+         "messages[1].tool_call_id"),
     ]
 
     async def fn(c):
         out = []
         for extra, _ in cases:
+            body = dict(extra)
+            msgs = body.pop("messages", ASK_CITY)
             try:
-                await c.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4, extra_body=extra)
+                await c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, extra_body=body)
                 out.append(None)
             except openai.BadRequestError as e:
                 out.append(e.body.get("param"))
@@ -236,6 +254,7 @@ def test_split_answer_keeps_the_schema_and_equals_cloud_only(cloud, onnx_engine,
     assert split.token_ids == cloud_only.token_ids == device_only.token_ids
     jsonschema.validate(json.loads(split.text), CITY)
     assert split.finish_reason == "stop"
+    c.close()
 
 
 _leaf = st.sampled_from([{"type": "integer"}, {"type": "boolean"}, {"type": "string", "maxLength": 8},
@@ -266,14 +285,21 @@ def test_bad_grammar_in_generate_gets_bad_request_naming_it(cloud, torch_engine)
     async def main():
         ch = await proto_ws.open_channel(cloud.url, torch_engine.fingerprint)
         out = []
-        for rid, g in (("regex", Grammar("regex", "(unclosed")), ("kind", Grammar("yaml", "a: 1"))):
+        for rid, g in (("regex", Grammar("regex", "(unclosed")), ("kind", Grammar("yaml", "a: 1")),
+                       ("false", Grammar("json_schema", "false")),
+                       ("big", Grammar("json_schema", '{"type":"integer","maximum":1000000000000000000000000000000}')),
+                       ("loop", Grammar("json_schema", '{"$ref":"#"}'))):
             await ch.send(Generate(rid, [1, 2, 3], 8, grammar=g))
             out.append(await asyncio.wait_for(ch.recv(), 30))
+        await ch.send(Generate("good", [1, 2, 3], 2, grammar=choice_grammar(["yes", "no"])))  # the session lives on
+        frames = [await asyncio.wait_for(ch.recv(), 60) for _ in range(2)]
         await ch.close()
-        return out
+        return out, frames
 
-    for err in asyncio.run(main()):
-        assert err.code == ErrorCode.BAD_REQUEST.value and err.message.startswith("grammar must be")
+    errors, frames = asyncio.run(main())
+    for err in errors:
+        assert err.code == ErrorCode.BAD_REQUEST.value and err.message.startswith("grammar must be"), err
+    assert frames[0].request_id == "good" and type(frames[0]).__name__ == "Token"
 
 
 def test_conversation_turns_keep_the_schema(cloud, onnx_engine):
@@ -284,6 +310,7 @@ def test_conversation_turns_keep_the_schema(cloud, onnx_engine):
         r = conv.send(q)
         jsonschema.validate(json.loads(r.text), CITY)
         assert r.finish_reason == "stop" and r.cloud_tokens > 0
+    c.close()
 
 
 def test_split_answer_the_cloud_completes_before_the_hand_off(cloud, onnx_engine, tokenizer):
@@ -296,3 +323,38 @@ def test_split_answer_the_cloud_completes_before_the_hand_off(cloud, onnx_engine
     cloud_only = c.complete(ids, max_new_tokens=16, grammar=g, mode="cloud-only")
     assert split.text in ("yes", "no") and split.finish_reason == "stop" and split.fault is None
     assert split.token_ids == cloud_only.token_ids and split.device_tokens == 0
+    c.close()
+
+
+def test_any_json_and_text_that_looks_like_a_control_token(api, tokenizer):
+    """`true` is any JSON value; a regex whose only text is a control token's (the end-of-turn
+    marker, which ends answers) is refused before any work, naming the field."""
+    async def fn(c):
+        anyjson = await c.chat.completions.create(model=MODEL, messages=ASK_CITY, temperature=0, max_tokens=40,
+                                                  extra_body={"guided_json": True})
+        try:
+            await c.chat.completions.create(model=MODEL, messages=ASK_CITY, temperature=0, max_tokens=16,
+                                            extra_body={"guided_regex": r"<\|im_end\|>"})
+            marker = None
+        except openai.BadRequestError as e:
+            marker = e.body
+        return anyjson, marker
+
+    (anyjson, marker), used = api(fn)
+    if anyjson.choices[0].finish_reason == "stop":
+        json.loads(anyjson.choices[0].message.content)
+    assert marker["param"] == "guided_regex" and "control token" in marker["message"]
+    assert used == 0
+
+
+def test_tool_calls_of_a_free_answer_are_checked_against_the_parameters():
+    from relayinfer.cloud.serve.openai.structured import parse_tools
+
+    one = parse_tools({"tools": [WEATHER], "parallel_tool_calls": False})
+    many = parse_tools({"tools": [WEATHER]})
+    good = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+    assert one.calls(good)[0]["function"]["name"] == "get_weather"
+    assert one.calls('{"name": "get_weather", "arguments": {}}') is None  # required city/unit missing
+    assert one.calls('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "k"}}') is None
+    assert one.calls(f"[{good}, {good}]") is None and len(many.calls(f"[{good}, {good}]")) == 2
+    assert one.calls('{"name": "other", "arguments": {}}') is None and one.calls("Paris is sunny.") is None

@@ -21,6 +21,7 @@ still valid JSON for any parser.
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Sequence
 
@@ -47,14 +48,30 @@ class GrammarError(FieldError):
 
 
 def grammar_text(grammar: Grammar, field: str = "grammar") -> str:
-    """llguidance's grammar text (a JSON document) for `grammar`.
+    """llguidance's grammar text (a JSON document) for `grammar`, compiled once per distinct
+    grammar (the last 128 are kept) and checked on a byte-level probe vocabulary: a grammar that
+    llguidance refuses, or that leaves its matcher in an error state before the first token (a
+    schema whose `$ref`s only refer to each other), fails here, at every entry point alike.
 
     Raises:
         GrammarError: unknown kind, text over MAX_GRAMMAR_CHARS, a JSON schema that is not JSON
-            (or not an object / boolean), or any grammar llguidance refuses (its message kept).
+            (or not an object; `true` means any JSON value, `false` nothing), or any grammar
+            llguidance refuses (its message kept).
     """
+    if not isinstance(grammar.kind, str) or not isinstance(grammar.spec, str):
+        raise GrammarError(field, "a kind and a spec, both strings", grammar)
+    try:
+        return _compiled(grammar.kind, grammar.spec)
+    except GrammarError as e:
+        raise GrammarError(field, e.allowed, e.value) from None
+
+
+@functools.lru_cache(maxsize=128)
+def _compiled(kind: str, spec: str) -> str:
     import llguidance as llg
 
+    grammar = Grammar(kind, spec)
+    field = "grammar"
     if grammar.kind not in GRAMMAR_KINDS:
         raise GrammarError(field, f"a kind among {', '.join(GRAMMAR_KINDS)}", grammar.kind)
     if not isinstance(grammar.spec, str) or not grammar.spec or len(grammar.spec) > MAX_GRAMMAR_CHARS:
@@ -65,21 +82,49 @@ def grammar_text(grammar: Grammar, field: str = "grammar") -> str:
             schema = json.loads(grammar.spec)
         except ValueError as e:
             raise GrammarError(field, "a JSON schema (JSON text)", f"{grammar.spec[:80]!r}: {e}") from None
+        if schema is False:
+            raise GrammarError(field, "a JSON schema some value satisfies", "false")
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(field, "a JSON schema (an object or a boolean)", grammar.spec[:80])
-        text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-    elif grammar.kind == "regex":
-        text = llg.LLMatcher.grammar_from_regex(grammar.spec)
-    else:
-        text = llg.LLMatcher.grammar_from_lark(grammar.spec)
-    bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
+    try:
+        if grammar.kind == "json_schema":
+            text = llg.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=JSON_DEFAULTS)
+        elif grammar.kind == "regex":
+            text = llg.LLMatcher.grammar_from_regex(grammar.spec)
+        else:
+            text = llg.LLMatcher.grammar_from_lark(grammar.spec)
+        bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
+    except Exception as e:  # llguidance's own refusal (a value it cannot serialize, an option it cannot apply)
+        raise GrammarError(field, f"a valid {grammar.kind} grammar", f"{type(e).__name__}: {e}") from None
     if bad:
         raise GrammarError(field, f"a valid {grammar.kind} grammar", "; ".join(m.strip() for m in messages)[:500])
+    probe = llg.LLMatcher(_probe_tokenizer(), text)
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise GrammarError(field, f"a {grammar.kind} grammar some answer satisfies (a schema of $refs to each other "
+                           "has none)", f"llguidance: {probe.get_error().splitlines()[0][:300]}")
     return text
 
 
+@functools.lru_cache(maxsize=1)
+def _probe_tokenizer():
+    """A 256-byte vocabulary (byte-level BPE, no merges) plus EOS: enough for llguidance to run a
+    grammar's first step without the model's tokenizer (`grammar_text`'s check)."""
+    import llguidance as llg
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    eos = vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    return llg.LLTokenizer(tok.to_str(), eos_token=eos)
+
+
 def json_schema_grammar(schema: dict | bool) -> Grammar:
-    """The Grammar of a JSON schema (a dict, or True for any JSON value)."""
+    """The Grammar of a JSON schema (a dict, or True for any JSON value; False, which nothing
+    satisfies, is refused when compiled)."""
     return Grammar("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
@@ -93,6 +138,20 @@ def choice_grammar(choices: Sequence[str], field: str = "guided_choice") -> Gram
 
 
 _LL_TOKENIZERS: dict[int, object] = {}
+_PROTOTYPES: dict = {}  # (kind, spec, id(tokenizer)) -> a fresh matcher to copy, the last 32
+
+
+def _prototype(grammar: Grammar, tokenizer):
+    import llguidance as llg
+
+    key = (grammar.kind, grammar.spec, id(tokenizer))
+    hit = _PROTOTYPES.pop(key, None)
+    if hit is None or hit[0] is not tokenizer:
+        hit = (tokenizer, llg.LLMatcher(ll_tokenizer(tokenizer), grammar_text(grammar)))
+    _PROTOTYPES[key] = hit  # most recent last
+    while len(_PROTOTYPES) > 32:
+        _PROTOTYPES.pop(next(iter(_PROTOTYPES)))
+    return hit[1]
 
 
 def ll_tokenizer(tokenizer):
@@ -124,13 +183,12 @@ class Guide:
     """
 
     def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None):
-        import llguidance as llg
-
         self.grammar = grammar
-        self._m = llg.LLMatcher(ll_tokenizer(tokenizer), grammar_text(grammar))
+        self._m = _prototype(grammar, tokenizer).deep_copy()  # one compile per grammar and vocabulary
         if self._m.is_error():
             raise GrammarError("grammar", f"a valid {grammar.kind} grammar", self._m.get_error()[:500])
         self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.eos_id = tokenizer.eos_id
         self.consumed = 0  # answer tokens fed to the matcher
 
     def sync(self, answer_ids: Sequence[int]) -> None:
@@ -142,9 +200,14 @@ class Guide:
         """bool [vocab_size]: the tokens the grammar allows after `answer_ids` (synced first)."""
         self.sync(answer_ids)
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        if self._m.is_error():  # a limit of the grammar engine reached mid-answer: an error, never an empty "stop"
+            raise GrammarError("grammar", "a grammar within the grammar engine's limits",
+                               self._m.get_error().split("\n")[0][:300])
         ok = np.zeros(self.vocab_size, dtype=bool)
         n = min(self.vocab_size, bits.size * 8)
         ok[:n] = np.unpackbits(bits, bitorder="little")[:n].astype(bool)
+        if 0 <= self.eos_id < n and not self._m.is_accepting():
+            ok[self.eos_id] = False  # EOS ends the answer only where the grammar is complete, even if its text matches
         return ok
 
     def mask(self, logits: np.ndarray, answer_ids: Sequence[int]) -> np.ndarray:

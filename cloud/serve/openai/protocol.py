@@ -137,6 +137,7 @@ class GenerationRequest:
     logprobs: int | None = None
     ignore_eos: bool = False  # vLLM's: EOS does not end the answer (it runs to max_tokens or a stop)
     grammar: Grammar | None = None  # structured output (`structured.parse_structured`), or a forced tool call
+    grammar_field: str | None = None  # the request field that set `grammar` (errors name it)
 
     @classmethod
     def from_json(cls, body: Any, served: ServedModel) -> Self:
@@ -148,7 +149,7 @@ class GenerationRequest:
         """
         _check_body(body, served, cls.chat)
         common = _common_fields(body, served.vocab_size)
-        common["grammar"] = parse_structured(body)[0]
+        common["grammar"], common["grammar_field"] = parse_structured(body)
         own = cls._own_fields(body, served.vocab_size)
         return cls(**{**common, **own}, ignore_eos=_bool(body, "ignore_eos"))
 
@@ -213,7 +214,7 @@ class ChatCompletionRequest(GenerationRequest):
                 if field is not None:
                     raise FieldError(field, f"left out when tool_choice is {tools.choice!r} (the call's "
                                      "format constrains the answer)", "given")
-                own["grammar"] = forced
+                own["grammar"], own["grammar_field"] = forced, "tool_choice"
         return {**own, "messages": tuple(messages), "tools": tools}
 
 
@@ -437,9 +438,11 @@ def _check_tool_calls(calls: Any, p: str, role: str) -> None:
     for j, c in enumerate(calls):
         q = f"{p}.tool_calls[{j}]"
         f = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
-            raise APIError(400, f"'{q}' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
-                           q, "invalid_value")
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str) \
+                or not isinstance(c.get("id"), str) or c.get("type", "function") != "function" \
+                or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", f["name"]):
+            raise APIError(400, f"'{q}' must be {{'id': a string, 'type': 'function', 'function': {{'name': 1-64 letters, "
+                           "digits, '_' or '-', 'arguments': JSON text}}}}", q, "invalid_value")
         try:
             args = json.loads(f["arguments"] or "{}")
         except ValueError:

@@ -20,6 +20,7 @@ from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine
 from relayinfer.cloud.serve.openai.protocol import APIError, GenerationRequest, error_body, unsupported
 from relayinfer.cloud.serve.openai.serving_models import OpenAIServingModels
 from relayinfer.protocol.model.decoding import SamplingParams
+from relayinfer.protocol.model.grammar import GrammarError, Guide
 from relayinfer.protocol.model.errors import PromptTooLongError
 
 log = logging.getLogger("relayinfer.openai")
@@ -46,6 +47,20 @@ def token_str(tokenizer, tid: int) -> str:
 def lp_entries(outs) -> list[Entry]:
     """The logprob entries of the `StepOutput`s `outs` that carry logprobs."""
     return [(o.token_id, o.logprobs[0], o.logprobs[1]) for o in outs if o.logprobs is not None]
+
+
+def check_first_token(grammar, tokenizer, field: str) -> None:
+    """Raises APIError(400) naming `field` when `grammar` allows no first token of this model's
+    vocabulary (e.g. a regex whose only text is a control token's, which ends answers), before any
+    engine work: the request could only fail mid-answer."""
+    try:
+        ok = Guide(grammar, tokenizer).allowed([]).any()
+    except GrammarError as e:
+        raise APIError(400, str(e).replace("grammar must", f"{field} must", 1), field, "invalid_value") from None
+    if not ok:
+        raise APIError(400, f"{field}: no token of this model can begin an answer under it (a text that only a "
+                       "control token spells, such as the end-of-turn marker, cannot be written)", field,
+                       "invalid_value")
 
 
 def ends_silently(o, params: SamplingParams) -> bool:
@@ -212,6 +227,8 @@ class OpenAIServing:
                  params: list[str]) -> Choices:
         """The `req.n` choices of every prompt (`params[i]`: the field naming prompt i), each
         admitted: raises APIError(400, `context_length_exceeded`) when one cannot fit."""
+        if req.grammar is not None:
+            check_first_token(req.grammar, self.tokenizer, req.grammar_field or "grammar")
         runs: list[TextRun] = []
         for i, ids in enumerate(prompts):
             for j in range(req.n):

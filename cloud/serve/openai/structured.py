@@ -64,9 +64,17 @@ def _guided(field: str, v: Any) -> Grammar:
     return Grammar("regex" if field == "guided_regex" else "lark", v)
 
 
+def _known_keys(v: dict, keys: tuple[str, ...], field: str) -> None:
+    """Raises FieldError naming the first key of `v` outside `keys` (never silently ignored)."""
+    extra = sorted(k for k in v if k not in keys)
+    if extra:
+        raise FieldError(f"{field}.{extra[0]}", f"left out (the keys here are {', '.join(keys)})", v[extra[0]])
+
+
 def _response_format(rf: Any) -> Grammar | None:
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
         raise FieldError("response_format", "an object whose type is 'text', 'json_object' or 'json_schema'", rf)
+    _known_keys(rf, ("type", "json_schema") if rf["type"] == "json_schema" else ("type",), "response_format")
     if rf["type"] == "text":
         return None
     if rf["type"] == "json_object":
@@ -74,6 +82,7 @@ def _response_format(rf: Any) -> Grammar | None:
     js = rf.get("json_schema")
     if not isinstance(js, dict) or "schema" not in js:
         raise FieldError("response_format.json_schema", "an object with 'name' and 'schema'", js)
+    _known_keys(js, ("name", "schema", "strict", "description"), "response_format.json_schema")
     if not isinstance(js.get("name"), str) or not _NAME.fullmatch(js["name"]):
         raise FieldError("response_format.json_schema.name", "a name of 1-64 letters, digits, '_' or '-'",
                          js.get("name"))
@@ -125,6 +134,22 @@ class Tools:
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions}
 
+    def _valid(self, name: str, arguments: dict) -> bool:
+        """Whether `arguments` validate under function `name`'s parameters (jsonschema): a call
+        the grammar did not force is checked before it becomes `tool_calls`."""
+        import jsonschema
+
+        params = next(f["parameters"] for f in self.functions if f["name"] == name)
+        if params is None:
+            return True
+        try:
+            jsonschema.validate(arguments, params)
+        except jsonschema.ValidationError:
+            return False
+        except jsonschema.SchemaError:  # a schema llguidance takes and jsonschema does not: trust neither
+            return False
+        return True
+
     def system_text(self) -> str:
         """The system message that describes the functions and `TOOL_FORMAT`."""
         spec = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None}
@@ -151,11 +176,13 @@ class Tools:
             v = json.loads(text)
         except ValueError:
             return None
+        if isinstance(v, list) and not self.parallel:
+            return None  # a list of calls where at most one is asked for: the text stays the answer
         items = v if isinstance(v, list) and v else [v]
         out = []
         for c in items:
             if not (isinstance(c, dict) and set(c) <= {"name", "arguments"} and c.get("name") in self.names()
-                    and isinstance(c.get("arguments", {}), dict)):
+                    and isinstance(c.get("arguments", {}), dict) and self._valid(c["name"], c.get("arguments", {}))):
                 return None
             out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                         "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}))}})
@@ -185,7 +212,11 @@ def parse_tools(body: dict) -> Tools | None:
         p = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise FieldError(p, "{'type': 'function', 'function': {...}}", t)
+        _known_keys(t, ("type", "function"), p)
         f = t["function"]
+        _known_keys(f, ("name", "description", "parameters", "strict"), f"{p}.function")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise FieldError(f"{p}.function.strict", "a boolean", f["strict"])
         name = f.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise FieldError(f"{p}.function.name", "a name of 1-64 letters, digits, '_' or '-'", name)
@@ -197,13 +228,16 @@ def parse_tools(body: dict) -> Tools | None:
         params = f.get("parameters")
         if params is not None:
             params = _schema(params, f"{p}.function.parameters")
+            if not isinstance(params, dict) or params.get("type", "object") != "object":
+                raise FieldError(f"{p}.function.parameters", "a JSON schema of an object (type 'object': the "
+                                 "arguments are named)", params)
             grammar_text(json_schema_grammar(params), f"{p}.function.parameters")
         funcs.append({"name": name, "description": f.get("description"), "parameters": params})
     if choice is None or choice in ("auto", "required", "none"):
         choice = choice or "auto"
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         choice = choice["function"].get("name")
-        if choice not in seen:
+        if not isinstance(choice, str) or choice not in seen:
             raise FieldError("tool_choice.function.name", f"one of the tools' names ({', '.join(sorted(seen))})",
                              choice)
     else:
@@ -218,10 +252,14 @@ def render_tool_messages(messages: list[dict], raw: list) -> list[dict]:
     """`messages` (parsed, one per `raw` entry) with the tool parts of the conversation as text:
     an assistant message's `tool_calls` become its content in `TOOL_FORMAT`, and a `tool` message
     (`tool_call_id`, content) a user message "Result of <function> (<id>): <content>" (the served
-    models' templates know only system, user and assistant)."""
+    models' templates know only system, user and assistant).
+
+    Raises:
+        FieldError: a tool message whose `tool_call_id` names no call of an earlier assistant message.
+    """
     names: dict[str, str] = {}
     out = []
-    for m, r in zip(messages, raw):
+    for i, (m, r) in enumerate(zip(messages, raw)):
         calls = r.get("tool_calls") if isinstance(r, dict) else None
         if m["role"] == "assistant" and calls:
             items = []
@@ -233,8 +271,10 @@ def render_tool_messages(messages: list[dict], raw: list) -> list[dict]:
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + text})
         elif m["role"] == "tool":
             cid = r.get("tool_call_id")
-            out.append({"role": "user", "content": f"Result of {names.get(cid, 'the function')} ({cid}): "
-                        f"{m['content']}"})
+            if cid not in names:
+                raise FieldError(f"messages[{i}].tool_call_id", "the id of a tool call of an earlier assistant "
+                                 "message", cid)
+            out.append({"role": "user", "content": f"Result of {names[cid]} ({cid}): {m['content']}"})
         else:
             out.append(m)
     return out
