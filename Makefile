@@ -49,12 +49,14 @@ PYTEST = $(BIN)/python -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKER
 test: setup js
 	$(PYTEST) -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
-# The TypeScript device client's packages (clients/js, from its lockfile), for its tests in the suite;
+# The TypeScript device client's packages (clients/js, from its lockfile) and its browser page, for its
+# tests in the suite;
 # without Node the suite skips those tests and says why.
 JS_STAMP := clients/js/node_modules/.installed
 js: $(if $(shell command -v npm 2>/dev/null),$(JS_STAMP),)
-$(JS_STAMP): clients/js/package-lock.json
+$(JS_STAMP): clients/js/package-lock.json $(wildcard clients/js/src/*.ts clients/js/web/src/*.ts clients/js/web/index.html)
 	$(call step,installing the TypeScript client's packages (npm ci),cd clients/js && npm ci --no-audit --no-fund --loglevel=error)
+	$(call step,building its browser page (npm run build:web),cd clients/js && npm run build:web --silent)
 	@touch $@
 
 test-slow: setup
