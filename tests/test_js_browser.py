@@ -3,7 +3,8 @@ page's WebSocket, Cache Storage) on the demo page `cloud serve --web` serves, in
 driven by puppeteer-core: one chitchat prompt through the chat box, a split answer (a slow-device
 profile and a cloud budget make the hand-off deterministic) equal to the Python device-only greedy
 answer token for token. Skipped without node, clients/js/node_modules, the built page
-(`npm run build:web` in clients/js) or /usr/bin/chromium. Writes clients/js/web/screenshot.png.
+(`npm run build:web` in clients/js) or /usr/bin/chromium. RELAYINFER_SCREENSHOT=1 rewrites the
+committed clients/js/web/screenshot.png.
 RELAYINFER_BROWSER_BENCH=1 also prints the page's decode tok/s (128 tokens x 3, as bench/decode.ts; the
 figures kept are in clients/js/bench/result-browser.json)."""
 from __future__ import annotations
@@ -58,7 +59,7 @@ def fp32_engine(model_path, device_model_dir):
     return OnnxEngine(device_model_dir, quantize="fp32", threads=1)
 
 
-def test_browser_page_split_equals_python_device(cloud, fp32_engine, onnx_engine, tokenizer):
+def test_browser_page_split_equals_python_device(cloud, fp32_engine, onnx_engine, tokenizer, tmp_path):
     """The page loads the cloud's device model into onnxruntime-web, the prompt typed in the chat box
     gets cloud tokens, then device tokens (hand-off at the cloud's count), and the answer equals the
     Python device's device-only greedy answer on the same ONNX file; the page shows both kinds of
@@ -74,7 +75,8 @@ def test_browser_page_split_equals_python_device(cloud, fp32_engine, onnx_engine
     default_file = Client(engine=onnx_engine, mode="device-only").complete(ids, max_new_tokens=MAX_NEW).token_ids
     q = urlencode({"mode": "split", "max": MAX_NEW, "budget": BUDGET, "pace": PACE_MS, "tpot": 1})
     url = f"{cloud.http_url}/web/?{q}"
-    shot = JS / "web" / "screenshot.png"
+    # the committed clients/js/web/screenshot.png is rewritten only on request (a test leaves the tree clean)
+    shot = JS / "web" / "screenshot.png" if os.environ.get("RELAYINFER_SCREENSHOT") == "1" else tmp_path / "page.png"
     args = [NODE, str(JS / "web" / "drive.mjs"), "--url", url, "--prompt", prompt, "--screenshot", str(shot),
             "--chromium", CHROMIUM, "--timeout-ms", "100000"]
     bench = os.environ.get("RELAYINFER_BROWSER_BENCH") == "1"
