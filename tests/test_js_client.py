@@ -41,11 +41,9 @@ def prompts():
 
 
 def _cloud(torch_engine, device_model_dir, step_delay_ms: float):
-    from relayinfer.cloud.serve.service import CloudService, ServiceThread
+    from servers import split_cloud
 
-    svc = CloudService(torch_engine, torch_engine.fingerprint, device_model_dir=device_model_dir,
-                       step_delay_ms=step_delay_ms, max_frame_bytes=1 << 20)
-    return ServiceThread(svc)  # 127.0.0.1, free ports (never 8765)
+    return split_cloud(torch_engine, device_model_dir, step_delay_ms)  # 127.0.0.1, free ports (never 8765)
 
 
 @pytest.fixture(scope="module")

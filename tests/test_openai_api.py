@@ -7,11 +7,10 @@ import asyncio
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
-from relayinfer.cloud.serve.openai.api_server import make_app
 from relayinfer.protocol.model.decoding import SamplingParams
+from servers import openai_client
 
 openai = pytest.importorskip("openai")
 
@@ -27,15 +26,8 @@ def test_openai_client_against_server(torch_engine, tokenizer):
 
     async def main():
         engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))
-        runner = web.AppRunner(make_app(engine, tokenizer, MODEL))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        base = f"http://127.0.0.1:{port}/v1"
-        client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
         res = {}
-        try:
+        async with openai_client(engine, tokenizer, MODEL, 60) as (client, base):
             stream = await client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=N,
                 stream=True)
@@ -71,9 +63,6 @@ def test_openai_client_against_server(torch_engine, tokenizer):
             async with aiohttp.ClientSession() as s:
                 async with s.post(f"{base}/chat/completions", data=b"{not json") as r:
                     res["badjson"] = (r.status, await r.json())
-        finally:
-            await client.close()
-            await runner.cleanup()
         res["used_blocks"] = engine.engine.block_manager.num_used_blocks
         return res
 
@@ -100,22 +89,13 @@ def test_usage_reports_prompt_tokens_from_the_prefix_cache(torch_engine, tokeniz
     prompt tokens came from the cache (OpenAI's `prompt_tokens_details.cached_tokens`)."""
     async def main():
         engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))
-        runner = web.AppRunner(make_app(engine, tokenizer, MODEL))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        try:
+        async with openai_client(engine, tokenizer, MODEL, 60) as (client, _):
             turn = [{"role": "user", "content": QUESTION}]
             first = await client.chat.completions.create(model=MODEL, messages=turn, temperature=0, max_tokens=8)
             turn += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "Another one."}]
             second = await client.chat.completions.create(model=MODEL, messages=turn, temperature=0, max_tokens=8)
             return first.usage, second.usage
-        finally:
-            await client.close()
-            await runner.cleanup()
 
     first, second = asyncio.run(main())
     n1 = len(tokenizer.encode_chat([{"role": "user", "content": QUESTION}]))

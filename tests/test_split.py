@@ -20,6 +20,7 @@ from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode, RemoteError
 from relayinfer.protocol.messages import Generate, Token, encode
 from relayinfer.sdk import Client
+from servers import split_cloud
 
 # A device slower at prefill than the cloud, so the cloud's first tokens come before the device is
 # ready; with a cloud budget the hand-off index does not depend on how loaded this machine is.
@@ -30,9 +31,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def cloud(torch_engine, device_model_dir):
-    svc = CloudService(torch_engine, torch_engine.fingerprint, device_model_dir=device_model_dir,
-                       step_delay_ms=20.0, max_frame_bytes=1 << 20)
-    with ServiceThread(svc) as running:
+    with split_cloud(torch_engine, device_model_dir) as running:
         yield running
 
 

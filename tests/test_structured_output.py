@@ -8,17 +8,15 @@ import json
 
 import jsonschema
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
-from relayinfer.cloud.serve.openai.api_server import make_app
-from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.profiles import DeviceProfile
 from relayinfer.protocol.messages import Generate, Grammar, decode, encode
 from relayinfer.protocol.model.decoding import SamplingParams, generate
 from relayinfer.protocol.model.grammar import Guide, GrammarError, choice_grammar, json_schema_grammar
 from relayinfer.sdk import Client
+from servers import openai_client, split_cloud
 
 openai = pytest.importorskip("openai")
 
@@ -83,18 +81,9 @@ def api(torch_engine, tokenizer):
     def run(fn):
         async def main():
             engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))
-            runner = web.AppRunner(make_app(engine, tokenizer, MODEL))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]
-            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                                        timeout=120)
-            try:
-                return await fn(client), engine.engine.block_manager.num_used_blocks
-            finally:
-                await client.close()
-                await runner.cleanup()
+            async with openai_client(engine, tokenizer, MODEL) as (client, _):
+                answers = await fn(client)
+            return answers, engine.engine.block_manager.num_used_blocks
         return asyncio.run(main())
     return run
 
@@ -233,9 +222,7 @@ SLOW_DEVICE = DeviceProfile("test-slow", prefill_ms_per_token=40.0)
 
 @pytest.fixture(scope="module")
 def cloud(torch_engine, device_model_dir):
-    svc = CloudService(torch_engine, torch_engine.fingerprint, device_model_dir=device_model_dir,
-                       step_delay_ms=20.0, max_frame_bytes=1 << 20)
-    with ServiceThread(svc) as running:
+    with split_cloud(torch_engine, device_model_dir) as running:
         yield running
 
 
