@@ -857,8 +857,9 @@ app.add_typer(pd_app, name="pd")
 @pd_app.command("serve")
 def pd_serve(
     host: str = typer.Option("127.0.0.1", help="Listen address of the gateway."),
-    port: int = typer.Option(8765, help="Websocket (device stream) port."),
-    http_port: int = typer.Option(8766, help="HTTP port: OpenAI API, /healthz, /metrics, /v1/device-model."),
+    port: int = typer.Option(8765, help="Websocket (device stream) port; 0 = any free port."),
+    http_port: int = typer.Option(8766, help="HTTP port: OpenAI API, /healthz, /metrics, /v1/device-model; "
+                                  "0 = any free port."),
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
     scenario: Optional[list[str]] = typer.Option(None, help="A P/D group: NAME:N_PREFILL:N_DECODE:TTFT_MS:TPOT_MS"
                                                  "[:MAX_PROMPT_TOKENS] (repeatable; default chat:1:1:2000:300)."),
