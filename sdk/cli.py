@@ -9,6 +9,11 @@ from typing import Optional
 
 import typer
 
+if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped help: whole option names, not "--max-que…"
+    import typer.rich_utils
+
+    typer.rich_utils.MAX_WIDTH = 140
+
 from relayinfer.protocol.errors import RelayInferError
 from relayinfer.sdk.cli_common import bench_module, fail, serve_for  # noqa: F401  (also this module's API)
 from relayinfer.sdk.server_opts import server_tls as _server_tls
