@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped help: whole option names, not "--max-que…"
+if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped help: whole option names, none cut short
     import typer.rich_utils
 
     typer.rich_utils.MAX_WIDTH = 140
