@@ -1,5 +1,5 @@
 """Run inside the device-only venv by .ci/device_install.sh: a split generation whose device model is
-fetched from the cloud, then check that neither torch nor relayinfer.cloud was imported.
+fetched from the cloud, and one under a JSON schema (structured output on the device), then check that neither torch nor relayinfer.cloud was imported.
 
 usage: python device_check.py WS_URL HTTP_URL   (token in $RELAYINFER_TOKEN; cache in $RELAYINFER_CACHE)
 Exit 0 on success, 1 with a one-line reason otherwise.
@@ -23,10 +23,19 @@ client = Client(cloud_url=cloud_url, cloud_http_url=http_url, token=os.environ.g
                 cloud_budget=4, target_tpot_ms=30.0)
 load_s = time.perf_counter() - t0
 res = client.complete("Write a haiku about the sea.", max_new_tokens=16)
+# structured output on the device side too (llguidance, torch-free): the split answer follows the schema
+schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+          "additionalProperties": False}
+js = client.complete("Name a city, as JSON.", max_new_tokens=24, json_schema=schema)
+try:
+    js_ok = js.finish_reason == "stop" and isinstance(json.loads(js.text).get("city"), str)
+except ValueError:
+    js_ok = False
 leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "relayinfer.cloud")))
 report = {"import_s": round(import_s, 3), "fetch_and_load_s": round(load_s, 1), "model_dir": str(client.engine.model_dir),
           "mode": res.mode, "fault": res.fault, "cloud_tokens": res.cloud_tokens, "device_tokens": res.device_tokens,
-          "text": res.text, "leaked_modules": leaked}
+          "text": res.text, "json_schema": {"mode": js.mode, "device_tokens": js.device_tokens, "text": js.text},
+          "leaked_modules": leaked}
 print(json.dumps(report))
 problems = []
 if leaked:
@@ -34,6 +43,9 @@ if leaked:
 if res.mode != "split" or res.fault is not None or res.cloud_tokens < 1 or res.device_tokens < 1:
     problems.append(f"no split generation (mode {res.mode}, fault {res.fault}, cloud {res.cloud_tokens}, "
                     f"device {res.device_tokens})")
+if not js_ok or js.fault is not None:
+    problems.append(f"structured output on the device failed (finish {js.finish_reason}, fault {js.fault}, "
+                    f"text {js.text!r})")
 if problems:
     print("device check FAILED: " + "; ".join(problems), file=sys.stderr)
     sys.exit(1)
