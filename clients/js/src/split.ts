@@ -8,7 +8,8 @@
 import { RemoteError, RelayInferError } from "./errors.js";
 import type { Generate } from "./messages.js";
 import { Connection, deviceModelBase, TimeoutError, type RequestEvent } from "./session.js";
-import { argmax, OnnxEngine, type KV, type Pace } from "./engine.js";
+import { OnnxEngine, type KV, type Pace } from "./engine.js";
+import { sampleToken, seedKey } from "./sampling.js";
 import { randomHex, type Dialer } from "./platform.js";
 import type { Tokenizer, ChatMessage } from "./tokenizer.js";
 
@@ -40,15 +41,45 @@ export interface GenerationResult {
 
 export interface GenerateOptions {
   maxNewTokens?: number;
-  /** 0 = greedy (the only setting for which split == device-only token for token here). */
+  /** below 1e-5 (0 included): greedy. Sampling is decoding.sample's: with a `seed` the answer is
+   * the Python device's token for token, and a split answer continues the cloud's exactly. */
   temperature?: number;
   topP?: number;
   topK?: number;
+  /** request seed, an integer in [-2**63, 2**63-1] (null: not reproducible, Math.random). */
+  seed?: number | bigint | null;
+  /** Not applied on this device: a non-neutral value is refused (RangeError naming it), never ignored. */
+  presencePenalty?: number;
+  frequencyPenalty?: number;
+  repetitionPenalty?: number;
+  minTokens?: number;
+  logitBias?: [number, number][];
+  grammar?: unknown;
   stopIds?: number[];
   /** most tokens the cloud streams (null: until the device's Stop). */
   cloudBudget?: number | null;
   mode?: Mode;
   onToken?: (ev: TokenEvent) => void;
+}
+
+/** The sampling settings this device does not apply, by their GenerateOptions name and neutral value. */
+export const UNSUPPORTED_SAMPLING: [keyof GenerateOptions, unknown][] = [
+  ["presencePenalty", 0], ["frequencyPenalty", 0], ["repetitionPenalty", 1], ["minTokens", 0], ["logitBias", []], ["grammar", null],
+];
+
+/** Refuses (RangeError naming them) the settings the JS device cannot apply, and checks the others'
+ * ranges (protocol.validate's rules: temperature [0, 2], top_p [0, 1], top_k >= -1, seed 64-bit). */
+export function checkGenerateOptions(g: GenerateOptions): void {
+  const bad = UNSUPPORTED_SAMPLING.filter(([k, neutral]) => {
+    const v = g[k];
+    return v !== undefined && v !== null && !(Array.isArray(neutral) ? Array.isArray(v) && v.length === 0 : v === neutral);
+  }).map(([k]) => k);
+  if (bad.length) throw new RangeError(`not supported by the JS device (it would not apply them): ${bad.join(", ")}`);
+  const t = g.temperature ?? 0, tp = g.topP ?? 1, tk = g.topK ?? 0;
+  if (!(typeof t === "number" && t >= 0 && t <= 2)) throw new RangeError(`temperature must be a number in [0, 2], got ${t}`);
+  if (!(typeof tp === "number" && tp >= 0 && tp <= 1)) throw new RangeError(`topP must be a number in [0, 1], got ${tp}`);
+  if (!(Number.isInteger(tk) && tk >= -1)) throw new RangeError(`topK must be an integer >= -1, got ${tk}`);
+  if (g.seed !== undefined && g.seed !== null) seedKey(g.seed);
 }
 
 export interface ClientOptions {
@@ -82,29 +113,6 @@ function median(x: number[]): number {
   if (!x.length) return 0;
   const s = [...x].sort((a, b) => a - b), m = s.length >> 1;
   return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
-}
-
-/** Sample with temperature / top-k / top-p from Math.random (NOT numpy's PCG64: a seeded split
- * answer does not continue the cloud's; see README). Greedy below 1e-5. */
-export function sampleToken(logits: Float32Array, temperature: number, topK: number, topP: number): number {
-  if (temperature < 1e-5) return argmax(logits);
-  const x = Array.from(logits, (v) => v / temperature);
-  let idx = x.map((_, i) => i).sort((a, b) => x[b] - x[a]);
-  if (topK > 0 && topK < idx.length) idx = idx.slice(0, topK);
-  const top = x[idx[0]];
-  let p = idx.map((i) => Math.exp(x[i] - top));
-  const z = p.reduce((a, b) => a + b, 0);
-  p = p.map((v) => v / z);
-  if (topP < 1) {
-    let c = 0, k = 0;
-    while (k < p.length && c < topP) { c += p[k]; k++; }
-    idx = idx.slice(0, k); p = p.slice(0, k);
-    const z2 = p.reduce((a, b) => a + b, 0);
-    p = p.map((v) => v / z2);
-  }
-  let r = Math.random(), i = 0;
-  for (; i < p.length - 1; i++) { r -= p[i]; if (r < 0) break; }
-  return idx[i];
 }
 
 /** Where the cloud at `cloudUrl` serves its device model (`http(s)://HOST:PORT`, null: it serves
@@ -149,6 +157,7 @@ export class SplitClient {
 
   /** Generate an answer to a user string or chat messages (or prompt ids). */
   async generate(prompt: string | ChatMessage[] | number[], g: GenerateOptions = {}): Promise<GenerationResult> {
+    checkGenerateOptions(g);
     const ids = Array.isArray(prompt) && typeof prompt[0] === "number" ? (prompt as number[]) : this.tokenizer.encodeChat(prompt as string | ChatMessage[]);
     return new Run(this, ids, g).go();
   }
@@ -224,8 +233,8 @@ class Run {
   private generateMsg(): Generate {
     return {
       type: "generate", request_id: this.id, prompt_ids: this.prompt, max_new_tokens: this.maxNew,
-      temperature: this.g.temperature ?? 0, top_p: this.g.topP ?? 1, top_k: this.g.topK ?? 0,
-      cloud_budget: this.budget, stop_ids: this.g.stopIds ?? [],
+      temperature: this.g.temperature ?? 0, top_p: this.g.topP ?? 1, top_k: Math.max(0, this.g.topK ?? 0),
+      seed: this.g.seed ?? null, cloud_budget: this.budget, stop_ids: this.g.stopIds ?? [],
     };
   }
 
@@ -362,8 +371,9 @@ class Run {
     this.phase = covered === 0 && before !== "fault" ? "device-alone" : "handed-off";
     if (before === "cloud") this.sendQuietly({ type: "stop", request_id: this.id, handoff_index: covered });
     this.notify();
+    const so = { temperature: this.g.temperature ?? 0, topK: Math.max(0, this.g.topK ?? 0), topP: this.g.topP ?? 1, seed: this.g.seed ?? null };
     for (let i = covered; i < this.maxNew; i++) {
-      const tok = sampleToken(logits!, this.g.temperature ?? 0, this.g.topK ?? 0, this.g.topP ?? 1);
+      const tok = sampleToken(logits!, so, i); // answer position i: the cloud's generator for that index
       this.append(tok, "device", this.finishReason(tok, i + 1));
       if (this.done) return;
       ({ logits, kv } = await eng.decode(tok, kv!));
