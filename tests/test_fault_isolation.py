@@ -92,10 +92,10 @@ def test_stop_check_fault_ends_only_its_sequence(torch_engine, chat_prompt_ids, 
     real = scheduler_mod.finish_reason
     marked = SamplingParams(max_new_tokens=8)  # same rule as GREEDY, another object
 
-    def finish_reason(tok, n, params, eos, budget=None):
+    def finish_reason(tok, n, params, eos, budget=None, guide=None):
         if params is marked:
             raise RuntimeError("stop callback exploded")
-        return real(tok, n, params, eos, budget)
+        return real(tok, n, params, eos, budget, guide)
 
     monkeypatch.setattr(scheduler_mod, "finish_reason", finish_reason)
     engine = LLMEngine(torch_engine, kv_cache_bytes=16 << 20)

@@ -222,6 +222,7 @@ def test_js_refuses_settings_it_does_not_apply(cli, device_model_dir, tmp_path, 
     assert flag in r.stderr and "not supported" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # ~100 s: thousands of draws; the golden vectors (npm test) and the seeded answers cover the rule
 def test_js_sampler_on_real_logits(cli, onnx_engine, tokenizer, prompts, seeded_reference, tmp_path):
     """The JS sampler against decoding.sample on the device model's real logits (the 3 prompts' 72
     answer positions) for 3 settings x 40 seeds: how often the drawn token differs (Math.exp and

@@ -253,7 +253,7 @@ _schema = st.recursive(_leaf, lambda inner: st.one_of(
     inner.map(lambda s: {"type": "array", "items": s, "minItems": 1, "maxItems": 3})), max_leaves=5)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=_schema, seed=st.integers(0, 1000))
 def test_every_answer_validates_under_random_schemas(torch_engine, tokenizer, schema, seed):
     ids = tokenizer.encode_chat([{"role": "user", "content": "Answer in JSON."}])
