@@ -508,7 +508,7 @@ class _Run:
                  past: DeviceCache | None = None):
         self.s, self.prompt, self.params, self.on_token = s, prompt, params, on_token
         # the grammar's state (None without one): fed the cloud's tokens before the device's first mask
-        self.guide = new_guide(params, s.tokenizer, getattr(s.engine, "vocab_size", None))
+        self.guide = new_guide(params, s.tokenizer)
         past = past if past is not None and past.kv is not None else None
         reused = min(common_prefix(past.ids, prompt), len(prompt) - 1) if past else 0
         self.dev = _Device(past, reused, len(prompt) - reused, prompt_tokens=len(prompt) - reused)

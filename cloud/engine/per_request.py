@@ -229,7 +229,7 @@ class PerRequestEngine:
             for i in range(params.max_new_tokens):
                 if live.aborted:
                     break
-                tok = sample(logits, params, i, ids + out_ids if params.adjusts_logits else (), len(ids),
+                tok = sample(logits, params, i, ids + out_ids if params.needs_context else (), len(ids),
                              self.engine.eos_id, guide)
                 out_ids.append(tok)
                 live.generated = i + 1

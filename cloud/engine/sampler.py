@@ -31,7 +31,7 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_id: int | None)
     if logits.dim() != 2 or logits.shape[0] != len(seqs):
         raise ValueError(f"logits must be [{len(seqs)}, vocab], got {tuple(logits.shape)}")
     out = [0] * len(seqs)
-    greedy = [i for i, s in enumerate(seqs) if s.params.temperature < SAMPLING_EPS and not s.params.adjusts_logits]
+    greedy = [i for i, s in enumerate(seqs) if s.params.temperature < SAMPLING_EPS and not s.params.needs_context]
     if greedy:
         rows = logits if len(greedy) == len(seqs) else logits[greedy]
         for i, t in zip(greedy, rows.argmax(dim=-1).tolist()):
@@ -39,7 +39,7 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_id: int | None)
     if len(greedy) < len(seqs):
         arr: np.ndarray = logits.cpu().numpy()
         for i, s in enumerate(seqs):
-            if s.params.temperature < SAMPLING_EPS and not s.params.adjusts_logits:
+            if s.params.temperature < SAMPLING_EPS and not s.params.needs_context:
                 continue
             out[i] = sample(arr[i], s.params, s.num_output_tokens, s.token_ids, s.num_prompt_tokens, eos_id, s.guide)
     return out

@@ -94,10 +94,15 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when sampling changes the model's logits (`adjust_logits`, or a grammar's mask), so
-        the sampler needs the context: callers pass the prompt and answer ids only then."""
+        """True when `adjust_logits` changes anything (else sampling skips it)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias or self.grammar is not None)
+                    or self.min_tokens or self.logit_bias)
+
+    @property
+    def needs_context(self) -> bool:
+        """True when sampling reads the prompt and answer ids (`adjust_logits`, or a grammar's mask):
+        callers pass them only then, and only then is a greedy row more than an argmax."""
+        return self.adjusts_logits or self.grammar is not None
 
 
 def adjust_logits(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (), n_prompt: int = 0,
@@ -372,7 +377,7 @@ def generate(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams) 
     t1 = time.perf_counter()
     prompt = list(prompt_ids)
     for i in range(params.max_new_tokens):
-        tok = sample(logits, params, i, prompt + out.token_ids if params.adjusts_logits else (), len(prompt),
+        tok = sample(logits, params, i, prompt + out.token_ids if params.needs_context else (), len(prompt),
                      engine.eos_id, guide)
         out.token_ids.append(tok)
         reason = finish_reason(tok, i + 1, params, engine.eos_id, guide=guide)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -68,40 +69,40 @@ def grammar_text(grammar: Grammar, field: str = "grammar") -> str:
 
 @functools.lru_cache(maxsize=128)
 def _compiled(kind: str, spec: str) -> str:
+    """`grammar_text` of (kind, spec), str both; raises GrammarError naming 'grammar'."""
     import llguidance as llg
 
-    grammar = Grammar(kind, spec)
     field = "grammar"
-    if grammar.kind not in GRAMMAR_KINDS:
-        raise GrammarError(field, f"a kind among {', '.join(GRAMMAR_KINDS)}", grammar.kind)
-    if not isinstance(grammar.spec, str) or not grammar.spec or len(grammar.spec) > MAX_GRAMMAR_CHARS:
+    if kind not in GRAMMAR_KINDS:
+        raise GrammarError(field, f"a kind among {', '.join(GRAMMAR_KINDS)}", kind)
+    if not spec or len(spec) > MAX_GRAMMAR_CHARS:
         raise GrammarError(field, f"a non-empty grammar of at most {MAX_GRAMMAR_CHARS} characters",
-                           f"{len(grammar.spec)} characters" if isinstance(grammar.spec, str) else grammar.spec)
-    if grammar.kind == "json_schema":
+                           f"{len(spec)} characters")
+    if kind == "json_schema":
         try:
-            schema = json.loads(grammar.spec)
+            schema = json.loads(spec)
         except ValueError as e:
-            raise GrammarError(field, "a JSON schema (JSON text)", f"{grammar.spec[:80]!r}: {e}") from None
+            raise GrammarError(field, "a JSON schema (JSON text)", f"{spec[:80]!r}: {e}") from None
         if schema is False:
             raise GrammarError(field, "a JSON schema some value satisfies", "false")
         if not isinstance(schema, (dict, bool)):
-            raise GrammarError(field, "a JSON schema (an object or a boolean)", grammar.spec[:80])
+            raise GrammarError(field, "a JSON schema (an object or a boolean)", spec[:80])
     try:
-        if grammar.kind == "json_schema":
+        if kind == "json_schema":
             text = llg.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=JSON_DEFAULTS)
-        elif grammar.kind == "regex":
-            text = llg.LLMatcher.grammar_from_regex(grammar.spec)
+        elif kind == "regex":
+            text = llg.LLMatcher.grammar_from_regex(spec)
         else:
-            text = llg.LLMatcher.grammar_from_lark(grammar.spec)
+            text = llg.LLMatcher.grammar_from_lark(spec)
         bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
     except Exception as e:  # llguidance's own refusal (a value it cannot serialize, an option it cannot apply)
-        raise GrammarError(field, f"a valid {grammar.kind} grammar", f"{type(e).__name__}: {e}") from None
+        raise GrammarError(field, f"a valid {kind} grammar", f"{type(e).__name__}: {e}") from None
     if bad:
-        raise GrammarError(field, f"a valid {grammar.kind} grammar", "; ".join(m.strip() for m in messages)[:500])
+        raise GrammarError(field, f"a valid {kind} grammar", "; ".join(m.strip() for m in messages)[:500])
     probe = llg.LLMatcher(_probe_tokenizer(), text)
     probe.compute_bitmask()
     if probe.is_error():
-        raise GrammarError(field, f"a {grammar.kind} grammar some answer satisfies (a schema of $refs to each other "
+        raise GrammarError(field, f"a {kind} grammar some answer satisfies (a schema of $refs to each other "
                            "has none)", f"llguidance: {probe.get_error().splitlines()[0][:300]}")
     return text
 
@@ -137,36 +138,37 @@ def choice_grammar(choices: Sequence[str], field: str = "guided_choice") -> Gram
     return Grammar("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
 
 
-_LL_TOKENIZERS: dict[int, object] = {}
-_PROTOTYPES: dict = {}  # (kind, spec, id(tokenizer)) -> a fresh matcher to copy, the last 32
+PROTOTYPES_KEPT = 32
+"""Compiled matchers kept per tokenizer (the most recently used grammars)."""
+_VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Tokenizer -> (LLTokenizer, {(kind, spec): matcher})
+
+
+def _vocab(tokenizer) -> tuple:
+    """(the llguidance `LLTokenizer`, its compiled matchers by grammar) of a `Tokenizer`, built
+    once per Tokenizer object (~0.3 s for a 49k vocabulary) and dropped with it."""
+    import llguidance as llg
+
+    hit = _VOCABS.get(tokenizer)
+    if hit is None:
+        hit = _VOCABS[tokenizer] = (llg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size,
+                                                    eos_token=tokenizer.eos_id), {})
+    return hit
 
 
 def _prototype(grammar: Grammar, tokenizer):
+    """A fresh compiled matcher of `grammar` on `tokenizer`'s vocabulary, to copy (the last
+    `PROTOTYPES_KEPT` used are kept)."""
     import llguidance as llg
 
-    key = (grammar.kind, grammar.spec, id(tokenizer))
-    hit = _PROTOTYPES.pop(key, None)
-    if hit is None or hit[0] is not tokenizer:
-        hit = (tokenizer, llg.LLMatcher(ll_tokenizer(tokenizer), grammar_text(grammar)))
-    _PROTOTYPES[key] = hit  # most recent last
-    while len(_PROTOTYPES) > 32:
-        _PROTOTYPES.pop(next(iter(_PROTOTYPES)))
-    return hit[1]
-
-
-def ll_tokenizer(tokenizer):
-    """The llguidance `LLTokenizer` of a `protocol.model.tokenizer.Tokenizer` (its `tokenizers`
-    backend serialized; EOS = the tokenizer's eos_id), built once per Tokenizer object (~0.3 s for
-    a 49k vocabulary) and kept."""
-    import llguidance as llg
-
-    key = id(tokenizer)
-    hit = _LL_TOKENIZERS.get(key)
-    if hit is None or hit[0] is not tokenizer:
-        hit = _LL_TOKENIZERS[key] = (tokenizer, llg.LLTokenizer(tokenizer._tok.to_str(),
-                                                                  n_vocab=tokenizer.vocab_size,
-                                                                  eos_token=tokenizer.eos_id))
-    return hit[1]
+    lltok, matchers = _vocab(tokenizer)
+    key = (grammar.kind, grammar.spec)
+    m = matchers.pop(key, None)
+    if m is None:
+        m = llg.LLMatcher(lltok, grammar_text(grammar))
+    matchers[key] = m  # most recent last
+    while len(matchers) > PROTOTYPES_KEPT:
+        matchers.pop(next(iter(matchers)))
+    return m
 
 
 class Guide:
@@ -268,9 +270,3 @@ def new_guide(params, tokenizer, vocab_size: int | None = None) -> Guide | None:
     if tok is None:
         raise GrammarError("grammar", "used with an engine that has the model's tokenizer", "an engine without one")
     return Guide(params.grammar, tok, vocab_size)
-
-
-def check_grammar(grammar: Grammar | None, field: str = "grammar") -> None:
-    """Raises GrammarError (naming `field`) when `grammar` does not compile; None passes."""
-    if grammar is not None:
-        grammar_text(grammar, field)

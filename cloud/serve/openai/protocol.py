@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 
-from relayinfer.cloud.serve.openai.structured import GUIDED_FIELDS, Tools, parse_structured, parse_tools, \
-    render_tool_messages
+from relayinfer.cloud.serve.openai.structured import FUNCTION_NAME, GUIDED_FIELDS, Tools, parse_structured, \
+    parse_tools, render_tool_messages
 from relayinfer.protocol.messages import Grammar
 from relayinfer.protocol.validate import check_prompt_text
 from relayinfer.protocol.model.decoding import SamplingParams, seed_key
@@ -151,6 +151,9 @@ class GenerationRequest:
         common = _common_fields(body, served.vocab_size)
         common["grammar"], common["grammar_field"] = parse_structured(body)
         own = cls._own_fields(body, served.vocab_size)
+        if own.get("grammar") is not None and common["grammar"] is not None:  # a forced tool call and a format
+            raise FieldError(common["grammar_field"], f"left out when tool_choice is {own['tools'].choice!r} (the "
+                             "call's format constrains the answer)", "given")
         return cls(**{**common, **own}, ignore_eos=_bool(body, "ignore_eos"))
 
     @classmethod
@@ -209,11 +212,7 @@ class ChatCompletionRequest(GenerationRequest):
             else:
                 messages.insert(0, {"role": "system", "content": tools.system_text()})
             forced = tools.grammar()
-            if forced is not None:
-                _, field = parse_structured(body)
-                if field is not None:
-                    raise FieldError(field, f"left out when tool_choice is {tools.choice!r} (the call's "
-                                     "format constrains the answer)", "given")
+            if forced is not None:  # `from_json` refuses it beside a structured-output field
                 own["grammar"], own["grammar_field"] = forced, "tool_choice"
         return {**own, "messages": tuple(messages), "tools": tools}
 
@@ -440,7 +439,7 @@ def _check_tool_calls(calls: Any, p: str, role: str) -> None:
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str) \
                 or not isinstance(c.get("id"), str) or c.get("type", "function") != "function" \
-                or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", f["name"]):
+                or not FUNCTION_NAME.fullmatch(f["name"]):
             raise APIError(400, f"'{q}' must be {{'id': a string, 'type': 'function', 'function': {{'name': 1-64 letters, "
                            "digits, '_' or '-', 'arguments': JSON text}}}}", q, "invalid_value")
         try:

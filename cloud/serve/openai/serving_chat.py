@@ -66,7 +66,7 @@ class _ChatFormat(ChoiceFormat):
         return {"index": ci, "message": message, "finish_reason": "tool_calls" if calls else finish,
                 "logprobs": self._logprobs(entries)}
 
-    def delta(self, ci: int, text: str | None, finish: str | None, entries: list[Entry]) -> dict:
+    def delta(self, ci: int, text: str | None, finish: str | None, entries: list[Entry]) -> dict | None:
         d: dict = {} if text is None else {"content": text}
         if self.tools is not None and ci not in self.free:
             held = self.held.get(ci, "") + (text or "")
@@ -82,6 +82,8 @@ class _ChatFormat(ChoiceFormat):
                         d, finish = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, "tool_calls"
                     elif held:
                         d = {"content": held}
+        if not d and finish is None and not (entries and self.logprobs):
+            return None  # text held back (a tool call in the making): nothing to send yet
         return {"index": ci, "delta": d, "finish_reason": finish,
                 "logprobs": self._logprobs(entries) if entries else None}
 

@@ -171,9 +171,10 @@ class ChoiceFormat:
         """Choice `ci` of a whole response: its `text`, logprob `entries` and finish reason."""
         raise NotImplementedError
 
-    def delta(self, ci: int, text: str | None, finish: str | None, entries: list[Entry]) -> dict:
+    def delta(self, ci: int, text: str | None, finish: str | None, entries: list[Entry]) -> dict | None:
         """One streamed piece of choice `ci`: new `text` (None: none) and its `entries`, or its
-        `finish` reason (None while it runs; "error" when the request failed)."""
+        `finish` reason (None while it runs; "error" when the request failed); None when there is
+        nothing to send yet (text held back)."""
         raise NotImplementedError
 
 
@@ -308,7 +309,7 @@ class OpenAIServing:
                 text, outs = item
                 if text or lp_entries(outs):
                     c = fmt.delta(ci, text, None, lp_entries(outs))
-                    if c.get("delta", True) or c.get("logprobs"):  # chat text held back (a tool call in the making): nothing
+                    if c is not None:
                         yield chunk(c)
             if req.include_usage:
                 yield chunk(None, choices.usage())

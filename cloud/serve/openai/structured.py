@@ -33,7 +33,7 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 STRUCTURED_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
                    "grammar": "guided_grammar"}
 MAX_TOOLS = 128
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function name rule
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function name rule (tools, tool_calls)
 
 TOOL_FORMAT = (
     "You can call functions. To call one, answer with only a JSON object of the form "
@@ -83,7 +83,7 @@ def _response_format(rf: Any) -> Grammar | None:
     if not isinstance(js, dict) or "schema" not in js:
         raise FieldError("response_format.json_schema", "an object with 'name' and 'schema'", js)
     _known_keys(js, ("name", "schema", "strict", "description"), "response_format.json_schema")
-    if not isinstance(js.get("name"), str) or not _NAME.fullmatch(js["name"]):
+    if not isinstance(js.get("name"), str) or not FUNCTION_NAME.fullmatch(js["name"]):
         raise FieldError("response_format.json_schema.name", "a name of 1-64 letters, digits, '_' or '-'",
                          js.get("name"))
     if js.get("strict") is not None and not isinstance(js["strict"], bool):
@@ -218,7 +218,7 @@ def parse_tools(body: dict) -> Tools | None:
         if f.get("strict") is not None and not isinstance(f["strict"], bool):
             raise FieldError(f"{p}.function.strict", "a boolean", f["strict"])
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise FieldError(f"{p}.function.name", "a name of 1-64 letters, digits, '_' or '-'", name)
         if name in seen:
             raise FieldError(f"{p}.function.name", "unique among the tools", name)
