@@ -13,7 +13,7 @@ greedy tokens, for each runtime on the same GGUF:
   absolute values (`logprob_gap_abs_mean`).
 
 Runtimes: `onnx-gguf` (the device default: the GGUF's blocks, fp32 activations), `onnx-gguf-q8`
-(8-bit blocks and head on int8 activations), `onnx-fp32`, and `llama.cpp` (its `llama-server`
+(the MLP blocks, 8-bit blocks and head on int8 activations), `onnx-fp32`, and `llama.cpp` (its `llama-server`
 built by `bench/llamacpp.sh`, the same vendored source as llama-cpp-python's sdist, `/completion`
 with the prompt as token ids, temperature 0, one slot, 1 thread; its Q4/Q8 matmuls quantize the
 activations to Q8_1). A variant is *acceptable* when its median first divergence is at least

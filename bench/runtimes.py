@@ -3,7 +3,7 @@
 Engines (rows are engine x intra-op threads, 1 and 2): `transformers` generate on the GGUF (dequantized
 to fp32, the baseline), the torch engine (fp32), ONNX Runtime with fp32 weights (`onnx-fp32`) and with
 the GGUF file's own blocks (`onnx-gguf`, MatMulNBits; the device engine's default; `onnx-gguf-q8`, its
-8-bit blocks and head on int8 activations, only when asked for), and
+MLP blocks, 8-bit blocks and head on int8 activations, only when asked for), and
 llama.cpp on the GGUF as stored, through the `llama-bench` binary built by `bench/llamacpp.sh`
 (a subprocess per measurement; its own timer, random token ids of the same count). Prefill at 128,
 512, 2048 and 8192 tokens; decode (64 greedy steps at batch 1) at contexts 128 and 4096 (the context
@@ -275,7 +275,7 @@ def build_rows(wanted, model_path, log) -> tuple[list[Row], dict]:
                 eng, f = make_onnx(model_path, w, threads, log)
                 nbytes = fp32_bytes if w == "fp32" else onnx_weight_bytes(f)
                 desc = "fp32" if w == "fp32" else (f"GGUF blocks ({'/'.join(gguf_types)}) as MatMulNBits, "
-                                                   + ("8-bit ones and the head on int8 activations (level 4)"
+                                                   + ("the MLP's, the 8-bit ones and the head on int8 activations (level 4)"
                                                       if w == "gguf-q8" else "fp32 activations"))
                 rows.append(EngineRow(family, threads, desc, nbytes, kv32, eng))
             elif family == "llama.cpp":

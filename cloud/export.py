@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from relayinfer.cloud.onnx_graph import io_names, write_model  # noqa: F401  (io_names: public API)
-from relayinfer.protocol.model.device_model import (DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, device_model_dir,
-    onnx_file_name)
+from relayinfer.protocol.model.device_model import (DEFAULT_WEIGHTS, FORMAT_VERSION, WEIGHTS, WEIGHTS_REVISION,
+    device_model_dir, onnx_file_name)
 from relayinfer.protocol.model.model_file import file_sha256, fingerprint, read_config, open_gguf, resolve_model_path
 from relayinfer.protocol.model.tokenizer import Tokenizer
 from relayinfer.protocol.model.errors import ModelFileError
@@ -55,7 +55,13 @@ def device_model_ready(model_path: str | os.PathLike | None = None, quantize: st
         m = json.loads(manifest_path.read_text())
     except (ValueError, OSError):
         return False
-    return m.get("format_version") == FORMAT_VERSION and name in m.get("files", {})
+    return m.get("format_version") == FORMAT_VERSION and _current(m, name)
+
+
+def _current(manifest: dict, name: str) -> bool:
+    """True when the manifest lists the ONNX file `name` at its variant's `WEIGHTS_REVISION`."""
+    rev = WEIGHTS_REVISION[name.split(".")[1]]
+    return name in manifest.get("files", {}) and manifest.get("revisions", {}).get(name, 1) == rev
 
 
 def ensure_device_model(model_path: str | os.PathLike | None = None, quantize: str | None = None,
@@ -103,7 +109,7 @@ def _ensure_locked(path: Path, d: Path, name: str, say: Callable[[str], None]) -
     if manifest.get("format_version") != FORMAT_VERSION:
         manifest = {"files": {}}
     target = d / name
-    if target.is_file() and name in manifest["files"]:
+    if target.is_file() and _current(manifest, name):
         return d
     t0 = time.perf_counter()
     if not all((d / f).is_file() and f in manifest["files"] for f in SIDE_FILES):
@@ -120,6 +126,7 @@ def _ensure_locked(path: Path, d: Path, name: str, say: Callable[[str], None]) -
     finally:
         tmp.unlink(missing_ok=True)
     manifest["files"][name] = file_sha256(target)
+    manifest.setdefault("revisions", {})[name] = WEIGHTS_REVISION[name.split(".")[1]]
     manifest.update(model_fingerprint=fingerprint(path), model_file=path.name, format_version=FORMAT_VERSION,
                     default_onnx=onnx_file_name(DEFAULT_WEIGHTS))
     manifest_path.write_text(json.dumps(manifest, indent=1))

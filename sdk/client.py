@@ -173,7 +173,7 @@ class Client:
         mode: 'split' (default), 'device-only' or 'cloud-only'.
         threads: ONNX Runtime intra-op threads (device default 1).
         quantize: device weights of a locally exported model: None / 'gguf' (the GGUF's own blocks),
-            'gguf-q8' (8-bit blocks on int8 activations) or 'fp32' (`protocol.model.device_model.WEIGHTS`).
+            'gguf-q8' (the MLP and 8-bit blocks on int8 activations) or 'fp32' (`protocol.model.device_model.WEIGHTS`).
         cloud_budget: most tokens the cloud streams per request: 'auto' (the settings algorithm
             chooses it from the device timing and the cloud estimates), an int, or None (until the
             device takes over).

@@ -265,3 +265,42 @@ def test_built_graph_greedy_equals_torch(built_graph, tmp_path, device_model_dir
     params = SamplingParams(max_new_tokens=24)
     ids = chat_prompt_ids[0]
     assert eng.generate(ids, params).token_ids == torch_engine.generate(ids, params).token_ids
+
+
+def test_gguf_q8_levels_and_closeness(model_path, onnx_engine, chat_prompt_ids):
+    """'gguf-q8' (exported here: ~15 s): the MLP's Q4_1 blocks and the 8-bit head on int8 activations
+    (accuracy level 4), the attention projections on fp32 activations (level 0), recorded as revision
+    2 of the variant; its logits are close to the default variant's (not equal: int8 activations)
+    and pick the same first token on the chat prompts."""
+    import onnx
+
+    from relayinfer.cloud.export import ensure_device_model
+    from relayinfer.device.onnx_engine import OnnxEngine
+    from relayinfer.protocol.model.device_model import WEIGHTS_REVISION
+
+    d = ensure_device_model(model_path, "gguf-q8")
+    assert json.loads((d / "manifest.json").read_text())["revisions"]["model.gguf-q8.onnx"] == WEIGHTS_REVISION["gguf-q8"] == 2
+    g = onnx.load(str(d / "model.gguf-q8.onnx"), load_external_data=False).graph
+    levels = {n.name: next(a.i for a in n.attribute if a.name == "accuracy_level") for n in g.node if n.op_type == "MatMulNBits"}
+    cfg = onnx_engine.cfg
+    for i in range(cfg.n_layers):
+        assert (levels[f"l{i}.qkv"], levels[f"l{i}.wo"], levels[f"l{i}.gate_up"], levels[f"l{i}.down"]) == (0, 0, 4, 4)
+    assert levels["lm_head"] == 4 and len(levels) == 4 * cfg.n_layers + 1
+    eng = OnnxEngine(d, quantize="gguf-q8")
+    for ids in chat_prompt_ids:
+        a, _ = onnx_engine.prefill(ids)
+        b, _ = eng.prefill(ids)
+        assert 0 < np.abs(a - b).max() < 2.0 and np.corrcoef(a, b)[0, 1] > 0.998
+        assert int(a.argmax()) == int(b.argmax())
+
+
+def test_variant_revision_decides_reexport():
+    """A manifest entry is current only at its variant's revision (absent = 1): an older gguf-q8
+    export is re-made, the other variants' files are kept."""
+    from relayinfer.cloud.export import _current
+
+    files = {"model.gguf.onnx": "a", "model.gguf-q8.onnx": "b"}
+    assert _current({"files": files}, "model.gguf.onnx")
+    assert not _current({"files": files}, "model.gguf-q8.onnx")
+    assert _current({"files": files, "revisions": {"model.gguf-q8.onnx": 2}}, "model.gguf-q8.onnx")
+    assert not _current({"files": files, "revisions": {"model.gguf-q8.onnx": 2}}, "model.fp32.onnx")

@@ -61,6 +61,23 @@ def test_split_equals_cloud_only_and_device_only(cloud, onnx_engine, chat_prompt
         assert split.text == c.tokenizer.decode(ref, skip_special=True)
 
 
+def test_gguf_q8_device_takes_over_where_the_cloud_stopped(cloud, model_path, chat_prompt_ids, reference):
+    """A 'gguf-q8' device (int8 activations, not fp32-equal): the answer is the cloud's tokens up to
+    the hand-off, then exactly what that device decodes after the prompt and those tokens."""
+    from relayinfer.cloud.export import ensure_device_model
+    from relayinfer.device.onnx_engine import OnnxEngine
+
+    q8 = OnnxEngine(ensure_device_model(model_path, "gguf-q8"), quantize="gguf-q8")
+    c = client(cloud, q8)
+    for ids, ref in zip(chat_prompt_ids, reference):
+        split = c.complete(ids, max_new_tokens=MAX_NEW)
+        h = split.handoff_index
+        assert split.mode == "split" and 0 < h == split.cloud_tokens <= BUDGET and split.fault is None
+        assert split.token_ids[:h] == ref[:h]
+        rest = q8.generate(ids + ref[:h], SamplingParams(max_new_tokens=MAX_NEW - h)).token_ids
+        assert split.token_ids[h:] == rest
+
+
 def test_stream_events_have_no_gap_or_duplicate(cloud, onnx_engine, chat_prompt_ids, reference):
     c = client(cloud, onnx_engine)
     stream = c.generate(chat_prompt_ids[0], max_new_tokens=MAX_NEW)

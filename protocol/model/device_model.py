@@ -8,13 +8,18 @@ from pathlib import Path
 
 from relayinfer.protocol.model.model_file import model_cache_dir, resolve_model_path
 
-FORMAT_VERSION = 4  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV; v2: RoPE tables 1 ulp from the torch model; v4: the model description of every architecture in config.json)
+FORMAT_VERSION = 4  # of the exported graph; part of the cache directory (v1: torch-traced, concat KV; v2: RoPE tables 1 ulp from the torch model; v4: the model description of every architecture in config.json
 WEIGHTS = ("gguf", "gguf-q8", "fp32")
 """Device weight formats: 'gguf' the GGUF's own blocks with float32 activations (greedy tokens equal
-the fp32 model's); 'gguf-q8' the same blocks with the 8-bit ones (and the tied Q8_0 output head)
-run on int8-quantized activations, as llama.cpp runs Q8_0 (MatMulNBits accuracy level 4: much
-faster for 8-bit-heavy files such as Gemma 3's, not fp32-equal); 'fp32' dequantized."""
+the fp32 model's); 'gguf-q8' the same blocks with the 8-bit ones, the 4-bit MLP ones and the tied
+Q8_0 output head run on int8-quantized activations, as llama.cpp runs them on Q8_1 (MatMulNBits
+accuracy level 4: about 2x faster decode, not fp32-equal, as close to fp32 as llama.cpp by
+bench/fidelity.py); 'fp32' dequantized."""
 DEFAULT_WEIGHTS = "gguf"
+WEIGHTS_REVISION = {"gguf": 1, "gguf-q8": 2, "fp32": 1}
+"""Revision of each variant's export, kept per file in manifest.json (absent = 1): a change of what a
+variant computes (gguf-q8 2: the 4-bit MLP blocks on int8 activations too) re-exports that file only;
+the graph's inputs and outputs, which a device checks, are `FORMAT_VERSION`."""
 
 
 def check_weights(weights: str | None, what: str = "quantize") -> None:
