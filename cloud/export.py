@@ -68,8 +68,9 @@ def ensure_device_model(model_path: str | os.PathLike | None = None, quantize: s
                         progress: Callable[[str], None] | None = None) -> Path:
     """Export (once) and return the directory holding the device model files for `model_path`.
 
-    quantize: device weights, 'gguf' (MatMulNBits over the GGUF's own Q4_1/Q8_0 blocks), 'fp32'
-    (dequantized), or None for the default ('gguf'). Export takes about `EXPORT_SECONDS` on 2 CPU
+    quantize: device weights, 'gguf' (MatMulNBits over the GGUF's own Q4_1/Q8_0 blocks), 'gguf-q8'
+    (the same blocks, the MLP and 8-bit ones on int8 activations), 'fp32' (dequantized), or None for
+    the default ('gguf'). A file exported at an older `WEIGHTS_REVISION` of its variant is exported again. Export takes about `EXPORT_SECONDS` on 2 CPU
     cores and is skipped when the file is already in the cache (`device_model_ready`). `progress`
     receives one line per step.
 

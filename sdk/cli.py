@@ -93,6 +93,12 @@ class _PlainFormatter:
         return text
 
 
+def _default_weights() -> str:
+    from relayinfer.protocol.model.device_model import DEFAULT_WEIGHTS
+
+    return DEFAULT_WEIGHTS
+
+
 def _check_quantize(quantize: str | None) -> None:
     """Raise ValueError naming --quantize when it is not a device weights variant."""
     from relayinfer.protocol.model.device_model import check_weights
@@ -111,9 +117,15 @@ def _check_model(model: str | None) -> None:
 def _ensure_device_model(model, quantize: str | None = None, show: bool = True):
     """The exported device model's directory; when it must be exported first (once per model file),
     a rich progress bar on stderr shows the step and the time against the measured estimate
-    (`cloud.export.export_seconds`). Nothing is printed when the model is already in the cache."""
+    (`cloud.export.export_seconds`). Nothing is printed when the model is already in the cache.
+
+    Raises:
+        ValueError: `quantize` is not a device weights variant (naming --quantize).
+    """
     import threading
     import time
+
+    _check_quantize(quantize)
 
     try:
         from relayinfer.cloud.export import device_model_ready, ensure_device_model, export_seconds
@@ -520,6 +532,7 @@ def demo(
     out["sampling"] = sampling
     out["demo"] = {k: v for k, v in choice.items() if k != "prompt_ids"}
     out["outcome"] = _outcome(res)
+    out["device_weights"] = quantize or _default_weights()
     if as_json:
         print(json.dumps(out))
         return

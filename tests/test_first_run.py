@@ -440,5 +440,6 @@ def test_a_bad_quantize_is_refused_by_name(bad):
 
     with pytest.raises(ValueError, match="quantize: unknown device weights"):
         Client(cloud_url="ws://127.0.0.1:1", quantize=bad)
-    res = run_cli("demo", "--quantize", bad)
-    assert res.exit_code == 2 and "--quantize: unknown device weights" in res.stderr, res.output
+    for cmd in (["demo"], ["export"], ["generate", "--engine", "onnx", "hi"], ["chat"]):
+        res = run_cli(*cmd, "--quantize", bad)
+        assert res.exit_code == 2 and "--quantize: unknown device weights" in res.stderr, (cmd, res.output)

@@ -345,6 +345,7 @@ def test_demo_cli_json():
                 "device_tokens", "handoff_index", "prompt_ids", "device_only_ttft_ms", "demo", "outcome"):
         assert key in res
     demo = res["demo"]
+    assert res["device_weights"] == "gguf"
     assert demo["chosen_by_plan"] and demo["split"] and demo["label"].startswith("chitchat conversation")
     assert 0 < demo["planned_handoff"] <= demo["budget"] < demo["max_new_tokens"]
     assert res["sampling"] == {"max_new_tokens": demo["max_new_tokens"], "temperature": 0.2, "top_p": 0.9, "seed": 0}
