@@ -93,12 +93,6 @@ class _PlainFormatter:
         return text
 
 
-def _default_weights() -> str:
-    from relayinfer.protocol.model.device_model import DEFAULT_WEIGHTS
-
-    return DEFAULT_WEIGHTS
-
-
 def _check_quantize(quantize: str | None) -> None:
     """Raise ValueError naming --quantize when it is not a device weights variant."""
     from relayinfer.protocol.model.device_model import check_weights
@@ -532,7 +526,9 @@ def demo(
     out["sampling"] = sampling
     out["demo"] = {k: v for k, v in choice.items() if k != "prompt_ids"}
     out["outcome"] = _outcome(res)
-    out["device_weights"] = quantize or _default_weights()
+    from relayinfer.protocol.model.device_model import DEFAULT_WEIGHTS
+
+    out["device_weights"] = quantize or DEFAULT_WEIGHTS
     if as_json:
         print(json.dumps(out))
         return
