@@ -60,8 +60,12 @@ def device_model_ready(model_path: str | os.PathLike | None = None, quantize: st
 
 def _current(manifest: dict, name: str) -> bool:
     """True when the manifest lists the ONNX file `name` at its variant's `WEIGHTS_REVISION`."""
-    rev = WEIGHTS_REVISION[name.split(".")[1]]
-    return name in manifest.get("files", {}) and manifest.get("revisions", {}).get(name, 1) == rev
+    return name in manifest.get("files", {}) and manifest.get("revisions", {}).get(name, 1) == _revision(name)
+
+
+def _revision(name: str) -> int:
+    """The `WEIGHTS_REVISION` of the variant whose ONNX file is `name` (model.<weights>.onnx)."""
+    return WEIGHTS_REVISION[name.split(".")[1]]
 
 
 def ensure_device_model(model_path: str | os.PathLike | None = None, quantize: str | None = None,
@@ -127,7 +131,7 @@ def _ensure_locked(path: Path, d: Path, name: str, say: Callable[[str], None]) -
     finally:
         tmp.unlink(missing_ok=True)
     manifest["files"][name] = file_sha256(target)
-    manifest.setdefault("revisions", {})[name] = WEIGHTS_REVISION[name.split(".")[1]]
+    manifest.setdefault("revisions", {})[name] = _revision(name)
     manifest.update(model_fingerprint=fingerprint(path), model_file=path.name, format_version=FORMAT_VERSION,
                     default_onnx=onnx_file_name(DEFAULT_WEIGHTS))
     manifest_path.write_text(json.dumps(manifest, indent=1))

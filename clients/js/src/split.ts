@@ -9,7 +9,7 @@ import { RemoteError, RelayInferError } from "./errors.js";
 import type { Generate } from "./messages.js";
 import { Connection, deviceModelBase, TimeoutError, type RequestEvent } from "./session.js";
 import { OnnxEngine, type KV, type Pace } from "./engine.js";
-import { sampleToken, seedKey } from "./sampling.js";
+import { sampleToken, seedKey, type SamplingOptions } from "./sampling.js";
 import { randomHex, type Dialer } from "./platform.js";
 import type { Tokenizer, ChatMessage } from "./tokenizer.js";
 
@@ -196,12 +196,15 @@ class Run {
   private mode: Mode;
   private budget: number | null;
   private maxNew: number;
+  /** the request's sampling with the defaults filled in: what the Generate sends and the device draws with */
+  private sampling: Required<SamplingOptions>;
 
   constructor(private c: SplitClient, private prompt: number[], private g: GenerateOptions) {
     this.mode = g.mode ?? (c.opt.cloudUrl ? "split" : "device-only");
     if (!c.opt.cloudUrl) this.mode = "device-only";
     this.budget = this.mode === "split" ? (g.cloudBudget ?? null) : null;
     this.maxNew = g.maxNewTokens ?? 256;
+    this.sampling = { temperature: g.temperature ?? 0, topP: g.topP ?? 1, topK: Math.max(0, g.topK ?? 0), seed: g.seed ?? null };
   }
 
   private now(): number { return performance.now() - this.t0; }
@@ -233,8 +236,8 @@ class Run {
   private generateMsg(): Generate {
     return {
       type: "generate", request_id: this.id, prompt_ids: this.prompt, max_new_tokens: this.maxNew,
-      temperature: this.g.temperature ?? 0, top_p: this.g.topP ?? 1, top_k: Math.max(0, this.g.topK ?? 0),
-      seed: this.g.seed ?? null, cloud_budget: this.budget, stop_ids: this.g.stopIds ?? [],
+      temperature: this.sampling.temperature, top_p: this.sampling.topP, top_k: this.sampling.topK,
+      seed: this.sampling.seed, cloud_budget: this.budget, stop_ids: this.g.stopIds ?? [],
     };
   }
 
@@ -371,9 +374,8 @@ class Run {
     this.phase = covered === 0 && before !== "fault" ? "device-alone" : "handed-off";
     if (before === "cloud") this.sendQuietly({ type: "stop", request_id: this.id, handoff_index: covered });
     this.notify();
-    const so = { temperature: this.g.temperature ?? 0, topK: Math.max(0, this.g.topK ?? 0), topP: this.g.topP ?? 1, seed: this.g.seed ?? null };
     for (let i = covered; i < this.maxNew; i++) {
-      const tok = sampleToken(logits!, so, i); // answer position i: the cloud's generator for that index
+      const tok = sampleToken(logits!, this.sampling, i); // answer position i: the cloud's generator for that index
       this.append(tok, "device", this.finishReason(tok, i + 1));
       if (this.done) return;
       ({ logits, kv } = await eng.decode(tok, kv!));
