@@ -71,7 +71,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, generate_message, sample
-from relayinfer.protocol.model.grammar import new_guide
+from relayinfer.protocol.model.grammar import Guide, new_guide_async
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
 from relayinfer.protocol.kvhandoff import (KV_RATE_SHARE, common_prefix, kv_bytes_per_token, kv_handoff_ms,
                                            kv_handoff_pays, kv_layers)
@@ -367,7 +367,8 @@ class SplitSession:
         if params.logprobs is not None:  # the device computes none, nor does the split protocol carry them
             raise FieldError("logprobs", "left out for a split request (the cloud's OpenAI HTTP API returns logprobs)",
                              params.logprobs)
-        run = _Run(self, list(prompt_ids), params, on_token, past)
+        guide = await new_guide_async(params, self.tokenizer)  # compiled on a worker thread: other runs go on
+        run = _Run(self, list(prompt_ids), params, on_token, past, guide)
         try:
             return await run.go()
         finally:
@@ -505,10 +506,10 @@ class _Run:
     coroutines are `receive`, `device` and `display` (see the module docstring)."""
 
     def __init__(self, s: SplitSession, prompt: list[int], params: SamplingParams, on_token,
-                 past: DeviceCache | None = None):
+                 past: DeviceCache | None = None, guide: Guide | None = None):
         self.s, self.prompt, self.params, self.on_token = s, prompt, params, on_token
         # the grammar's state (None without one): fed the cloud's tokens before the device's first mask
-        self.guide = new_guide(params, s.tokenizer)
+        self.guide = guide
         past = past if past is not None and past.kv is not None else None
         reused = min(common_prefix(past.ids, prompt), len(prompt) - 1) if past else 0
         self.dev = _Device(past, reused, len(prompt) - reused, prompt_tokens=len(prompt) - reused)

@@ -239,6 +239,7 @@ def _cloud_service(model, device: str, threads: int | None, token: str | None, e
 
     engine = TorchEngine(model, device=device, threads=threads)
     model_dir = ensure_device_model(model) if export else None
+    _warm_grammar(engine)
     llm = None
     if kv_cache_mb:
         from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
@@ -246,6 +247,14 @@ def _cloud_service(model, device: str, threads: int | None, token: str | None, e
         llm = AsyncLLMEngine(LLMEngine(engine, kv_cache_bytes=kv_cache_mb << 20))
     return CloudService(engine, engine.fingerprint, auth_token=token, device_model_dir=model_dir, llm=llm,
                         metrics_public=metrics_public, **limits)
+
+
+def _warm_grammar(engine) -> None:
+    """Build the model's structured-output vocabulary before the server listens (~0.5 s that holds
+    the GIL; `protocol.model.grammar.warm`): the first request with a grammar then stalls no stream."""
+    from relayinfer.protocol.model.grammar import warm
+
+    warm(engine.tokenizer)
 
 
 def _check_ports(host: str, *ports: tuple[str, int | None]) -> None:
@@ -922,6 +931,7 @@ def pd_serve(
 
         engine = TorchEngine(model, device="cpu", threads=threads)
         model_dir = ensure_device_model(model) if export else None
+        _warm_grammar(engine)
         svc = make_pd_service(engine, specs, InstanceConfig(kv_cache_bytes=kv_cache_mb << 20, transfer=transfer),
                               ray_address=ray_address, forwarding=forwarding, threads=threads, actor_cpus=actor_cpus,
                               spread=spread, ratio_control=ratio_control, prefix_routing=prefix_routing,

@@ -345,3 +345,50 @@ def test_tool_calls_of_a_free_answer_are_checked_against_the_parameters():
     assert one.calls('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "k"}}') is None
     assert one.calls(f"[{good}, {good}]") is None and len(many.calls(f"[{good}, {good}]")) == 2
     assert one.calls('{"name": "other", "arguments": {}}') is None and one.calls("Paris is sunny.") is None
+
+
+def test_servers_compile_grammars_off_the_event_loop(api, torch_engine, tokenizer, monkeypatch):
+    """Compiling a grammar (milliseconds to seconds) happens on worker threads on every server path
+    (the OpenAI check, the batching engine, the per-request engine), never on the thread running
+    the event loop that streams the other requests; the answers still keep the schema."""
+    import threading
+    import uuid
+
+    from relayinfer.cloud.engine.per_request import PerRequestEngine
+    from relayinfer.protocol.model import grammar as grammar_mod
+
+    calls: list[str] = []
+    real = grammar_mod._prototype
+
+    def recording(g, tok):
+        calls.append(threading.current_thread().name)
+        return real(g, tok)
+
+    monkeypatch.setattr(grammar_mod, "_prototype", recording)
+    # a schema no earlier test compiled (a fresh property name), so the compile itself runs here
+    schema = {"type": "object", "properties": {f"k{uuid.uuid4().hex[:8]}": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": [], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "fresh", "schema": schema, "strict": True}}
+
+    async def chat(client):
+        r = await client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=32, temperature=0,
+                                                 response_format=fmt)
+        return r.choices[0].message.content, threading.current_thread().name
+
+    (text, loop_thread), used = api(chat)
+    assert used == 0 and len(calls) >= 2 and loop_thread not in calls, (loop_thread, calls)
+    assert set(json.loads(text)) <= set(schema["properties"])
+
+    async def per_request():
+        per = PerRequestEngine(torch_engine, lambda: None)
+        try:
+            p = SamplingParams(max_new_tokens=32, grammar=json_schema_grammar(schema))
+            ids = [o.token_id async for o in per.generate("r", tokenizer.encode_chat(ASK_CITY), p)]
+            return ids, threading.current_thread().name
+        finally:
+            per.shutdown()
+
+    calls.clear()
+    ids, loop_thread = asyncio.run(per_request())
+    assert calls and loop_thread not in calls, (loop_thread, calls)
+    assert set(json.loads(tokenizer.decode(ids, skip_special=True))) <= set(schema["properties"])

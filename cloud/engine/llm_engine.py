@@ -25,7 +25,7 @@ import numpy as np
 from relayinfer.cloud.models.llama import Llama
 from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.model.errors import PromptTooLongError
-from relayinfer.protocol.model.grammar import new_guide
+from relayinfer.protocol.model.grammar import Guide, new_guide, new_guide_async
 
 from .torch_engine import tokenizer_of
 
@@ -207,7 +207,7 @@ class LLMEngine:
     # --- thread-safe request API ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                     cloud_budget: int | None = None, ignore_eos: bool = False, *, hold_kv: bool = False,
-                    output_ids: Seq[int] = (), kv_from: int | None = None) -> None:
+                    output_ids: Seq[int] = (), kv_from: int | None = None, guide: Guide | None = None) -> None:
         """Queue a request. `cloud_budget` caps the tokens generated here (finish reason 'budget'
         when it, not max_new_tokens, ends the request). `ignore_eos` generates past EOS (fixed
         output lengths for benchmarks, vLLM's `SamplingParams.ignore_eos`).
@@ -223,6 +223,9 @@ class LLMEngine:
         (`ModelRunner.export_kv`). The copy runs on the engine thread, between the step's forward
         and its postprocess (the blocks are still the sequence's).
 
+        `guide`: the request's grammar `Guide` built already (off the event loop,
+        `AsyncLLMEngine`); by default it is built here from `params.grammar`.
+
         Raises:
             PromptTooLongError: prompt + max_new_tokens exceed `max_model_len` (the context window
                 or the whole KV cache, whichever is smaller; the message names the limit).
@@ -237,7 +240,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, max_tokens, ignore_eos=ignore_eos,
                        num_prompt_tokens=len(prompt_ids), hold_kv=hold_kv,
                        kv_export=None if kv_from is None else (kv_from, len(prompt_ids) - 1),
-                       guide=new_guide(params, lambda: self.tokenizer, self.cfg.vocab_size))
+                       guide=guide if guide is not None else new_guide(params, lambda: self.tokenizer, self.cfg.vocab_size))
         self._enqueue(request_id, seq)
 
     def _enqueue(self, request_id: str, item) -> None:
@@ -250,7 +253,8 @@ class LLMEngine:
             self._inbox.append((request_id, item))
 
     def add_prefilled(self, request_id: str, token_ids: Seq[int], num_prompt_tokens: int, params: SamplingParams,
-                      write_kv: Callable, cloud_budget: int | None = None, ignore_eos: bool = False) -> None:
+                      write_kv: Callable, cloud_budget: int | None = None, ignore_eos: bool = False,
+                      guide: Guide | None = None) -> None:
         """P/D decode: admit a request whose tokens `token_ids` (prompt, then the answer so far:
         at least the first token) have their K/V computed elsewhere for all but the last token.
         At admission it takes the cached prefix blocks it can share, allocates fresh blocks for the
@@ -262,7 +266,7 @@ class LLMEngine:
         self.check_fits(num_prompt_tokens, params.max_new_tokens)
         max_tokens = params.max_new_tokens if cloud_budget is None else max(0, min(params.max_new_tokens, cloud_budget))
         seq = Sequence(request_id, list(token_ids), params, max_tokens, num_prompt_tokens=num_prompt_tokens,
-                       ignore_eos=ignore_eos, guide=new_guide(params, lambda: self.tokenizer, self.cfg.vocab_size))
+                       ignore_eos=ignore_eos, guide=guide if guide is not None else new_guide(params, lambda: self.tokenizer, self.cfg.vocab_size))
         self._enqueue(request_id, _Import(seq, len(token_ids) - 1, write_kv))
 
     def release(self, request_id: str) -> None:
@@ -671,6 +675,8 @@ class AsyncLLMEngine:
         keywords. With `kv_from` a `KVParts` (float16 KV of prompt positions [kv_from, n - 1),
         copied out of the paged cache in the step of token 0) follows token 0, as on the
         per-request engine; the request stays in the batch."""
+        if params.grammar is not None:  # compiled off the event loop (other requests keep streaming)
+            kw["guide"] = await self._guide(params)
         q = self.add_request(request_id, prompt_ids, params, cloud_budget, **kw)  # raises before the try:
         gen = self._stream(request_id, q)                                       # a rejected id owns nothing
         try:
@@ -687,14 +693,19 @@ class AsyncLLMEngine:
                                  params: SamplingParams, write_kv, cloud_budget: int | None = None
                                  ) -> AsyncIterator[StepOutput]:
         """P/D decode: `LLMEngine.add_prefilled`, then the request's tokens after the ones it came with."""
+        guide = await self._guide(params)
         q = self._add(request_id, self.engine.add_prefilled, request_id, token_ids, num_prompt_tokens, params,
-                      write_kv, cloud_budget)
+                      write_kv, cloud_budget, guide=guide)
         gen = self._stream(request_id, q)
         try:
             async for o in gen:
                 yield o
         finally:
             await gen.aclose()
+
+    async def _guide(self, params: SamplingParams) -> Guide | None:
+        """The request's grammar `Guide`, compiled on a worker thread (None without a grammar)."""
+        return await new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)
 
     async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
         finished = False

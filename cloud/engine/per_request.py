@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 from relayinfer.protocol.model.decoding import SamplingParams, finish_reason, sample
-from relayinfer.protocol.model.grammar import new_guide
+from relayinfer.protocol.model.grammar import new_guide_async
 from relayinfer.protocol.kvhandoff import common_prefix
 from relayinfer.protocol.transport.limits import Charge, MemoryBudget
 from relayinfer.cloud.refine import WINDOW, select
@@ -218,7 +218,10 @@ class PerRequestEngine:
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         self._ended.pop(request_id, None)
-        guide = new_guide(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)  # GrammarError first
+        # GrammarError first; compiled on a worker thread while the loop streams the other requests
+        guide = await new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)
+        if request_id in self._live:  # the same id added while this one compiled
+            raise ValueError(f"request {request_id!r} is already running")
         live = self._live[request_id] = _Live(len(prompt_ids), cloud_budget, session)
         kv, ids, out_ids, ended = None, list(prompt_ids), [], False
         loop = asyncio.get_running_loop()

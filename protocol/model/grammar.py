@@ -21,8 +21,10 @@ still valid JSON for any parser.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import threading
 import weakref
 from typing import Sequence
 
@@ -141,6 +143,7 @@ def choice_grammar(choices: Sequence[str], field: str = "guided_choice") -> Gram
 PROTOTYPES_KEPT = 32
 """Compiled matchers kept per tokenizer (the most recently used grammars)."""
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Tokenizer -> (LLTokenizer, {(kind, spec): matcher})
+_LOCK = threading.RLock()  # guides are built on worker threads (`new_guide_async`): one build of each at a time
 
 
 def _vocab(tokenizer) -> tuple:
@@ -148,11 +151,24 @@ def _vocab(tokenizer) -> tuple:
     once per Tokenizer object (~0.3 s for a 49k vocabulary) and dropped with it."""
     import llguidance as llg
 
-    hit = _VOCABS.get(tokenizer)
-    if hit is None:
-        hit = _VOCABS[tokenizer] = (llg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size,
-                                                    eos_token=tokenizer.eos_id), {})
-    return hit
+    with _LOCK:
+        hit = _VOCABS.get(tokenizer)
+        if hit is None:
+            hit = _VOCABS[tokenizer] = (llg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size,
+                                                        eos_token=tokenizer.eos_id), {})
+        return hit
+
+
+def warm(tokenizer) -> None:
+    """Build `tokenizer`'s llguidance vocabulary now (~0.5 s for 49k tokens, holding the GIL, so
+    no worker thread keeps it off an event loop): a server calls this before it listens, so that
+    its first constrained request does not stall the streams of the others. No-op without
+    llguidance."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return
+    _vocab(tokenizer)
 
 
 def _prototype(grammar: Grammar, tokenizer):
@@ -162,12 +178,13 @@ def _prototype(grammar: Grammar, tokenizer):
 
     lltok, matchers = _vocab(tokenizer)
     key = (grammar.kind, grammar.spec)
-    m = matchers.pop(key, None)
-    if m is None:
-        m = llg.LLMatcher(lltok, grammar_text(grammar))
-    matchers[key] = m  # most recent last
-    while len(matchers) > PROTOTYPES_KEPT:
-        matchers.pop(next(iter(matchers)))
+    with _LOCK:  # a compile releases the GIL: other threads run meanwhile, other builds wait
+        m = matchers.pop(key, None)
+        if m is None:
+            m = llg.LLMatcher(lltok, grammar_text(grammar))
+        matchers[key] = m  # most recent last
+        while len(matchers) > PROTOTYPES_KEPT:
+            matchers.pop(next(iter(matchers)))
     return m
 
 
@@ -186,7 +203,8 @@ class Guide:
 
     def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None):
         self.grammar = grammar
-        self._m = _prototype(grammar, tokenizer).deep_copy()  # one compile per grammar and vocabulary
+        with _LOCK:
+            self._m = _prototype(grammar, tokenizer).deep_copy()  # one compile per grammar and vocabulary
         if self._m.is_error():
             raise GrammarError("grammar", f"a valid {grammar.kind} grammar", self._m.get_error()[:500])
         self.vocab_size = vocab_size or tokenizer.vocab_size
@@ -270,3 +288,12 @@ def new_guide(params, tokenizer, vocab_size: int | None = None) -> Guide | None:
     if tok is None:
         raise GrammarError("grammar", "used with an engine that has the model's tokenizer", "an engine without one")
     return Guide(params.grammar, tok, vocab_size)
+
+
+async def new_guide_async(params, tokenizer, vocab_size: int | None = None) -> Guide | None:
+    """`new_guide` built on a worker thread, for servers: compiling a grammar takes from
+    milliseconds to seconds (a schema of hundreds of fields: ~0.1 s), during which the event loop
+    keeps streaming the other requests' tokens. Raises what `new_guide` raises."""
+    if params.grammar is None:
+        return None
+    return await asyncio.to_thread(new_guide, params, tokenizer, vocab_size)

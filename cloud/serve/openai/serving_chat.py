@@ -32,7 +32,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, f"invalid 'messages': {e}", "messages", "invalid_value") from None
         self._check_engine(req)
         rid, created = self._new_id()
-        choices = self._choices(req, [ids], rid, ["messages"])
+        choices = await self._choices(req, [ids], rid, ["messages"])
         return await self._respond(req, choices, _ChatFormat(self.tokenizer, req.logprobs is not None, req.tools),
                                    rid, created)
 

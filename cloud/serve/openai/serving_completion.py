@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, texts = self._tokenize(req)
         self._check_engine(req)
         rid, created = self._new_id()
-        choices = self._choices(req, prompts, rid, [req.prompt_param(i) for i in range(len(prompts))])
+        choices = await self._choices(req, prompts, rid, [req.prompt_param(i) for i in range(len(prompts))])
         echo = await self._echo_logprobs(req, prompts)
         fmt = _CompletionFormat(self.tokenizer, req, len(choices), texts, echo, prompts)
         return await self._respond(req, choices, fmt, rid, created)

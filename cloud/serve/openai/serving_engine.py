@@ -224,12 +224,14 @@ class OpenAIServing:
         """A fresh response id and its creation time (Unix seconds)."""
         return f"{self.request_id_prefix}-{uuid.uuid4().hex}", int(time.time())
 
-    def _choices(self, req: GenerationRequest, prompts: list[list[int]], rid: str,
-                 params: list[str]) -> Choices:
+    async def _choices(self, req: GenerationRequest, prompts: list[list[int]], rid: str,
+                       params: list[str]) -> Choices:
         """The `req.n` choices of every prompt (`params[i]`: the field naming prompt i), each
-        admitted: raises APIError(400, `context_length_exceeded`) when one cannot fit."""
+        admitted: raises APIError(400, `context_length_exceeded`) when one cannot fit. A grammar
+        is checked (and compiled, for the engine to copy) on a worker thread, so the other
+        requests' streams go on meanwhile."""
         if req.grammar is not None:
-            check_first_token(req.grammar, self.tokenizer, req.grammar_field or "grammar")
+            await asyncio.to_thread(check_first_token, req.grammar, self.tokenizer, req.grammar_field or "grammar")
         runs: list[TextRun] = []
         for i, ids in enumerate(prompts):
             for j in range(req.n):
