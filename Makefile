@@ -42,9 +42,10 @@ demo: setup
 
 # The test suite (what CI runs). pytest's exit 5 (no tests collected) is a failure, not a pass.
 # Cases marked slow (minutes of training) run with `make test-slow`.
-# Two workers (pytest-xdist), one test file each at a time: the suite's model tests use one thread
-# each, so on CI's 2 cores this halves the wall time. TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist), one test file each at a time: the suite's model tests use one thread
+# each, and with two workers CI's 2 cores were 157 % busy (server start-ups, paced streams and the
+# soak wait), so a third fills them (16:37 -> 14:07 here). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 3
 PYTEST = $(BIN)/python -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: setup js
 	$(PYTEST) -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc

@@ -263,13 +263,10 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def gemma_hf(gemma):
-    transformers = pytest.importorskip("transformers")
-    import torch
+    pytest.importorskip("transformers")
+    from hf_reference import hf_from_gguf
 
-    tok = transformers.AutoTokenizer.from_pretrained(gemma.parent, gguf_file=gemma.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gemma.parent, gguf_file=gemma.name,
-                                                              dtype=torch.float32).eval()
-    return tok, model
+    return hf_from_gguf(gemma)
 
 
 def _hf_greedy(model, ids, n):

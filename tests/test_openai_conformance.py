@@ -65,9 +65,10 @@ def error(r: requests.Response, status: int, param: str | None) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_model(model_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                             dtype=torch.float32).eval()
+    pytest.importorskip("transformers")
+    from hf_reference import hf_from_gguf
+
+    return hf_from_gguf(model_path)[1]
 
 
 def hf_logprobs(hf_model, ids) -> np.ndarray:

@@ -31,11 +31,10 @@ TOKENIZER_CASES = [
 
 @pytest.fixture(scope="module")
 def hf(model_path):
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                              dtype=torch.float32)
-    return tok, model.eval()
+    pytest.importorskip("transformers")
+    from hf_reference import hf_from_gguf
+
+    return hf_from_gguf(model_path)
 
 
 def test_config_matches_smollm2(model_path):
