@@ -251,7 +251,8 @@ def _cloud_service(model, device: str, threads: int | None, token: str | None, e
 
 def _warm_grammar(engine) -> None:
     """Build the model's structured-output vocabulary before the server listens (~0.5 s that holds
-    the GIL; `protocol.model.grammar.warm`): the first request with a grammar then stalls no stream."""
+    the GIL; `protocol.model.grammar.warm`): the first request with a grammar then stalls no stream
+    of this process (`pd serve`: of the gateway; each Ray instance builds its own on first use)."""
     from relayinfer.protocol.model.grammar import warm
 
     warm(engine.tokenizer)

@@ -347,48 +347,130 @@ def test_tool_calls_of_a_free_answer_are_checked_against_the_parameters():
     assert one.calls('{"name": "other", "arguments": {}}') is None and one.calls("Paris is sunny.") is None
 
 
-def test_servers_compile_grammars_off_the_event_loop(api, torch_engine, tokenizer, monkeypatch):
-    """Compiling a grammar (milliseconds to seconds) happens on worker threads on every server path
-    (the OpenAI check, the batching engine, the per-request engine), never on the thread running
-    the event loop that streams the other requests; the answers still keep the schema."""
-    import threading
+def test_servers_compile_grammars_off_the_event_loop(api, cloud, onnx_engine, torch_engine, tokenizer, monkeypatch):
+    """Compiling a grammar (milliseconds to seconds) happens on worker threads on every serving path
+    (the OpenAI parse and first-token check, the batching engine, the per-request engine, the split
+    service's admission and the device's run), never in a thread running an event loop (which
+    streams the other requests meanwhile); the answers still keep the schema."""
     import uuid
 
     from relayinfer.cloud.engine.per_request import PerRequestEngine
     from relayinfer.protocol.model import grammar as grammar_mod
 
-    calls: list[str] = []
-    real = grammar_mod._prototype
+    calls: list[tuple[str, bool]] = []  # (what compiled, whether its thread runs an event loop)
 
-    def recording(g, tok):
-        calls.append(threading.current_thread().name)
-        return real(g, tok)
+    def recording(fn, what):
+        """`fn` recording each call; for the lru-cached check, each call that compiled (a miss)."""
+        def wrapped(*a):
+            try:
+                asyncio.get_running_loop()
+                on_loop = True
+            except RuntimeError:
+                on_loop = False
+            misses = fn.cache_info().misses if hasattr(fn, "cache_info") else None
+            out = fn(*a)
+            if misses is None or fn.cache_info().misses > misses:
+                calls.append((what, on_loop))
+            return out
+        return wrapped
 
-    monkeypatch.setattr(grammar_mod, "_prototype", recording)
-    # a schema no earlier test compiled (a fresh property name), so the compile itself runs here
-    schema = {"type": "object", "properties": {f"k{uuid.uuid4().hex[:8]}": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": [], "additionalProperties": False}
+    monkeypatch.setattr(grammar_mod, "_prototype", recording(grammar_mod._prototype, "matcher"))
+    monkeypatch.setattr(grammar_mod, "_compiled", recording(grammar_mod._compiled, "check"))
+
+    def fresh():  # a schema no earlier request compiled (a fresh property name)
+        key = f"k{uuid.uuid4().hex[:8]}"
+        return key, {"type": "object", "properties": {key: {"type": "integer", "minimum": 0, "maximum": 9}},
+                     "required": [key], "additionalProperties": False}
+
+    def answer_keeps(text, key):
+        assert list(json.loads(text)) == [key], text
+
+    key, schema = fresh()
     fmt = {"type": "json_schema", "json_schema": {"name": "fresh", "schema": schema, "strict": True}}
 
     async def chat(client):
         r = await client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=32, temperature=0,
                                                  response_format=fmt)
-        return r.choices[0].message.content, threading.current_thread().name
+        return r.choices[0].message.content
 
-    (text, loop_thread), used = api(chat)
-    assert used == 0 and len(calls) >= 2 and loop_thread not in calls, (loop_thread, calls)
-    assert set(json.loads(text)) <= set(schema["properties"])
+    text, used = api(chat)
+    answer_keeps(text, key)
+    assert used == 0 and {w for w, _ in calls} == {"check", "matcher"} and not any(on for _, on in calls), calls
+
+    key, schema = fresh()
+    p = SamplingParams(max_new_tokens=32, grammar=json_schema_grammar(schema))  # checked (compiled) here
+    calls.clear()
 
     async def per_request():
         per = PerRequestEngine(torch_engine, lambda: None)
         try:
-            p = SamplingParams(max_new_tokens=32, grammar=json_schema_grammar(schema))
-            ids = [o.token_id async for o in per.generate("r", tokenizer.encode_chat(ASK_CITY), p)]
-            return ids, threading.current_thread().name
+            return [o.token_id async for o in per.generate("r", tokenizer.encode_chat(ASK_CITY), p)]
         finally:
             per.shutdown()
 
+    answer_keeps(tokenizer.decode(asyncio.run(per_request()), skip_special=True), key)
+    assert calls and not any(on for _, on in calls), calls
+
     calls.clear()
-    ids, loop_thread = asyncio.run(per_request())
-    assert calls and loop_thread not in calls, (loop_thread, calls)
-    assert set(json.loads(tokenizer.decode(ids, skip_special=True))) <= set(schema["properties"])
+    key, schema = fresh()  # the split path: the service's admission and engine, then the device
+    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=DeviceProfile("t", prefill_ms_per_token=40.0),
+               cloud_budget=4)
+    res = c.complete(tokenizer.encode_chat(ASK_CITY), max_new_tokens=32, grammar=json_schema_grammar(schema))
+    answer_keeps(res.text, key)
+    assert res.mode == "split" and len(calls) >= 3 and not any(on for _, on in calls), calls
+
+
+def test_cancel_or_budget_while_the_grammar_compiles_applies(torch_engine, tokenizer, monkeypatch):
+    """A request's abort or new cloud budget that comes while its grammar compiles (on a worker
+    thread) is applied once it is compiled, on both engines: aborted, nothing is generated and
+    nothing is left behind; a budget of 2 ends the answer after 2 tokens."""
+    import time
+
+    from relayinfer.cloud.engine.per_request import PerRequestEngine
+    from relayinfer.protocol.model import grammar as grammar_mod
+
+    real = grammar_mod.new_guide
+
+    def slow(*a, **kw):  # a compile that takes 0.4 s
+        time.sleep(0.4)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(grammar_mod, "new_guide", slow)
+    ids = tokenizer.encode_chat(ASK_CITY)
+    p = SamplingParams(max_new_tokens=24, grammar=json_schema_grammar(CITY))
+
+    async def during_compile(engine, then):
+        async def collect():
+            return [o async for o in engine.generate("r", ids, p)]
+        task = asyncio.create_task(collect())
+        await asyncio.sleep(0.1)
+        then(engine)
+        return await task
+
+    async def batched(then):
+        engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=16 << 20))
+        try:
+            outs = await during_compile(engine, then)
+            for _ in range(50):  # the engine thread frees what it had
+                if not engine.engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.02)
+            return outs, engine.engine.block_manager.num_used_blocks, engine._compiling
+        finally:
+            engine.shutdown()
+
+    async def per_request(then):
+        per = PerRequestEngine(torch_engine, lambda: None)
+        try:
+            return await during_compile(per, then), per._live
+        finally:
+            per.shutdown()
+
+    outs, used, compiling = asyncio.run(batched(lambda e: e.abort("r")))
+    assert outs == [] and used == 0 and compiling == {}
+    outs, used, _ = asyncio.run(batched(lambda e: e.set_budget("r", 2)))
+    assert [o.finish_reason for o in outs] == [None, "budget"] and used == 0
+    outs, live = asyncio.run(per_request(lambda e: e.abort("r")))
+    assert outs == [] and live == {}
+    outs, _ = asyncio.run(per_request(lambda e: e.set_budget("r", 2)))
+    assert [o.finish_reason for o in outs] == [None, "budget"]

@@ -542,6 +542,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.metrics = EngineMetrics(engine)  # fed after each step with its outputs and `last_stats`
         self._queues: dict[str, asyncio.Queue] = {}
+        self._compiling: dict[str, dict] = {}  # request id -> the abort / budget that came while its grammar compiled
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -657,6 +658,8 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
+        if request_id in self._compiling:  # not in the engine yet: it will not be added
+            self._compiling[request_id]["aborted"] = True
         q = self._queues.pop(request_id, None)
         self.engine.abort(request_id)
         self._wake.set()
@@ -664,6 +667,8 @@ class AsyncLLMEngine:
             q.put_nowait(None)
 
     def set_budget(self, request_id: str, cloud_budget: int) -> None:
+        if request_id in self._compiling:  # applied when it is added
+            self._compiling[request_id]["budget"] = cloud_budget
         self.engine.set_budget(request_id, cloud_budget)
         self._wake.set()
 
@@ -676,7 +681,9 @@ class AsyncLLMEngine:
         copied out of the paged cache in the step of token 0) follows token 0, as on the
         per-request engine; the request stays in the batch."""
         if params.grammar is not None:  # compiled off the event loop (other requests keep streaming)
-            kw["guide"] = await self._guide(params)
+            kw["guide"], cloud_budget = await self._guide(request_id, params, cloud_budget)
+            if kw["guide"] is None:  # aborted while it compiled
+                return
         q = self.add_request(request_id, prompt_ids, params, cloud_budget, **kw)  # raises before the try:
         gen = self._stream(request_id, q)                                       # a rejected id owns nothing
         try:
@@ -693,7 +700,11 @@ class AsyncLLMEngine:
                                  params: SamplingParams, write_kv, cloud_budget: int | None = None
                                  ) -> AsyncIterator[StepOutput]:
         """P/D decode: `LLMEngine.add_prefilled`, then the request's tokens after the ones it came with."""
-        guide = await self._guide(params)
+        guide = None
+        if params.grammar is not None:
+            guide, cloud_budget = await self._guide(request_id, params, cloud_budget)
+            if guide is None:  # aborted while it compiled
+                return
         q = self._add(request_id, self.engine.add_prefilled, request_id, token_ids, num_prompt_tokens, params,
                       write_kv, cloud_budget, guide=guide)
         gen = self._stream(request_id, q)
@@ -703,9 +714,22 @@ class AsyncLLMEngine:
         finally:
             await gen.aclose()
 
-    async def _guide(self, params: SamplingParams) -> Guide | None:
-        """The request's grammar `Guide`, compiled on a worker thread (None without a grammar)."""
-        return await new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)
+    async def _guide(self, request_id: str, params: SamplingParams, cloud_budget: int | None
+                     ) -> tuple[Guide | None, int | None]:
+        """(the request's grammar `Guide`, compiled on a worker thread, or None when `abort` came
+        meanwhile; the cloud budget, the last `set_budget` of the meantime if any).
+
+        Raises:
+            ValueError: the id is running or compiling already. GrammarError: see `new_guide`.
+        """
+        if request_id in self._queues or request_id in self._compiling:
+            raise ValueError(f"request {request_id!r} is already running")
+        came = self._compiling[request_id] = {"budget": cloud_budget}
+        try:
+            guide = await new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)
+        finally:
+            del self._compiling[request_id]
+        return (None if came.get("aborted") else guide), came["budget"]
 
     async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
         finished = False

@@ -218,14 +218,15 @@ class PerRequestEngine:
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         self._ended.pop(request_id, None)
-        # GrammarError first; compiled on a worker thread while the loop streams the other requests
-        guide = await new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)
-        if request_id in self._live:  # the same id added while this one compiled
-            raise ValueError(f"request {request_id!r} is already running")
+        # registered first: an abort or a budget that comes while the grammar compiles applies
         live = self._live[request_id] = _Live(len(prompt_ids), cloud_budget, session)
         kv, ids, out_ids, ended = None, list(prompt_ids), [], False
         loop = asyncio.get_running_loop()
         try:
+            # GrammarError first; compiled on a worker thread while the loop streams the other requests
+            guide = await new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)
+            if live.aborted:
+                return
             past = await session.take() if session is not None else None  # taken: no two requests share a cache
             logits, kv, kept, live.cached = await self._step(self._prefill, ids, refine, past)
             del past

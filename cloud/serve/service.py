@@ -39,6 +39,7 @@ from relayinfer.cloud.engine.interface import EngineClient, EngineLimits, KVPart
 from relayinfer.cloud.engine.per_request import KeptKVStore, PerRequestEngine, SessionSlot
 from relayinfer.protocol.transport import ws as proto_ws
 from relayinfer.protocol.model.decoding import params_of
+from relayinfer.protocol.model.grammar import grammar_text
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
     quiet_accept_errors, runner_kwargs)
@@ -659,8 +660,15 @@ class CloudService:
             self.metrics.errors.labels(ev.code.value).inc()
             await channel.send(ev.error)
             return
+        err = None
+        if msg.grammar is not None:  # compiled and checked on a worker thread: the other streams go on
+            try:
+                await asyncio.to_thread(grammar_text, msg.grammar)
+            except FieldError as e:
+                err = Error(ErrorCode.BAD_REQUEST.value, str(e), rid)
         client = self.llm if self._batched(msg) else self.per_request
-        err = self.admission.check(msg, len(sess.requests), self.health(), client.limits, client.prefill_tok_s)
+        if err is None:
+            err = self.admission.check(msg, len(sess.requests), self.health(), client.limits, client.prefill_tok_s)
         if err is None and msg.refine is not None:
             try:
                 self._markers.get()

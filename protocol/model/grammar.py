@@ -143,12 +143,12 @@ def choice_grammar(choices: Sequence[str], field: str = "guided_choice") -> Gram
 PROTOTYPES_KEPT = 32
 """Compiled matchers kept per tokenizer (the most recently used grammars)."""
 _VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Tokenizer -> (LLTokenizer, {(kind, spec): matcher})
-_LOCK = threading.RLock()  # guides are built on worker threads (`new_guide_async`): one build of each at a time
+_LOCK = threading.RLock()  # guides are built on worker threads (`new_guide_async`): the caches and copies
 
 
 def _vocab(tokenizer) -> tuple:
     """(the llguidance `LLTokenizer`, its compiled matchers by grammar) of a `Tokenizer`, built
-    once per Tokenizer object (~0.3 s for a 49k vocabulary) and dropped with it."""
+    once per Tokenizer object (~0.5 s for a 49k vocabulary) and dropped with it."""
     import llguidance as llg
 
     with _LOCK:
@@ -178,10 +178,11 @@ def _prototype(grammar: Grammar, tokenizer):
 
     lltok, matchers = _vocab(tokenizer)
     key = (grammar.kind, grammar.spec)
-    with _LOCK:  # a compile releases the GIL: other threads run meanwhile, other builds wait
+    with _LOCK:
         m = matchers.pop(key, None)
-        if m is None:
-            m = llg.LLMatcher(lltok, grammar_text(grammar))
+    if m is None:  # compiled outside the lock (it releases the GIL): other guides are built meanwhile
+        m = llg.LLMatcher(lltok, grammar_text(grammar))
+    with _LOCK:
         matchers[key] = m  # most recent last
         while len(matchers) > PROTOTYPES_KEPT:
             matchers.pop(next(iter(matchers)))

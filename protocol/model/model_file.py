@@ -253,32 +253,37 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
 
 
 def open_gguf(path: str | os.PathLike):
-    """A `gguf.GGUFReader` over `path` (memory-mapped, read-only), shared within the process by
-    every caller that opens the same file version (path, size and modification time): gguf's
-    reader parses every metadata array into Python objects, 4 s for a 49k vocabulary and 17 s for
-    Gemma's 262k, and loading a model opens its file for the config, the tokenizer, the weights
-    and the device export. The last `READERS_KEPT` file versions are kept.
+    """A `gguf.GGUFReader` over `path` (memory-mapped, read-only; `_reader_class`).
 
     Raises:
         ModelFileError: the file is truncated or corrupt.
     """
     path = resolve_model_path(path)
-    st = os.stat(path)
     try:
-        return _reader(str(path), st.st_size, st.st_mtime_ns)
+        return _reader_class()(path, "r")
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad files
         raise ModelFileError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
-READERS_KEPT = 4
-
-
-@lru_cache(maxsize=READERS_KEPT)
-def _reader(path: str, size: int, mtime_ns: int):
-    """The reader of one file version (`open_gguf`; a failure is not kept)."""
+@lru_cache(maxsize=1)
+def _reader_class():
+    """gguf's reader parsing a plain ndarray view of its memory map instead of the `np.memmap`
+    itself: the same bytes, fields and tensors, but slicing a memmap runs numpy's Python-level
+    `memmap.__array_finalize__` for each of the millions of views the metadata arrays take, so the
+    plain view parses 3.3x faster (SmolLM2's 49k vocabulary 3.8 -> 1.1 s, Gemma's 262k 20 -> 6 s)."""
     import gguf
+    import numpy as np
 
-    return gguf.GGUFReader(path, "r")
+    class PlainViewReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainViewReader
 
 
 def field(reader, key: str, default=None):

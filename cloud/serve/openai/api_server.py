@@ -139,12 +139,16 @@ def openai_routes(app: web.Application, engine: AsyncLLMEngine, tokenizer, model
     async def spec(request: web.Request) -> web.Response:
         return web.json_response(openapi_spec(models.model_name))
 
+    # a request is parsed on a worker thread: its structured-output field is compiled there (a
+    # schema of hundreds of fields takes ~0.1 s), while the loop streams the other answers
     async def chat_completions(request: web.Request) -> web.StreamResponse:
-        req = ChatCompletionRequest.from_json(await read_json(request, body_timeout_s), models.served)
+        body = await read_json(request, body_timeout_s)
+        req = await asyncio.to_thread(ChatCompletionRequest.from_json, body, models.served)
         return await respond(request, await chat.create_chat_completion(req))
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        req = CompletionRequest.from_json(await read_json(request, body_timeout_s), models.served)
+        body = await read_json(request, body_timeout_s)
+        req = await asyncio.to_thread(CompletionRequest.from_json, body, models.served)
         return await respond(request, await completion.create_completion(req))
 
     app.middlewares.append(http_errors_as_json)
