@@ -62,9 +62,18 @@ def load_blocks(model_path):
     return out
 
 
-def ort_session(mats, level: int):
-    import onnx
+def _session(graph):
+    """A one-thread CPU ONNX Runtime session of `graph` (opset 17 + com.microsoft)."""
     import onnxruntime as ort
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def ort_session(mats, level: int):
     from onnx import TensorProto, helper, numpy_helper
 
     ks = sorted({d.shape[1] for _, d in mats})
@@ -77,15 +86,11 @@ def ort_session(mats, level: int):
                                       K=k, N=n, bits=4, block_size=32, accuracy_level=level))
         outputs.append(helper.make_tensor_value_info(f"y{j}", TensorProto.FLOAT, ["M", n]))
     g = helper.make_graph(nodes, "matmuls", inputs, outputs, inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]), ks
+    return _session(g), ks
 
 
 def per_linear_session(b, d):
     """One ORT session y [M, N] = x [M, K] w.T over Q4_1 blocks `b` (offset term included)."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     n, k = d.shape
@@ -100,10 +105,7 @@ def per_linear_session(b, d):
              helper.make_node("MatMul", ["xs", "O"], ["y1"]), helper.make_node("Add", ["y0", "y1"], ["y"])]
     g = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = so.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return _session(g)
 
 
 def main(argv=None) -> int:
