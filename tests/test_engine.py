@@ -244,3 +244,36 @@ def test_seeded_sampling_matches_single(torch_engine, prompts):
     engine = LLMEngine(torch_engine, kv_cache_bytes=8 << 20, block_size=BS)
     got = engine.generate([prompts[1], prompts[0]], [sp, GREEDY])
     assert got[0] == ref
+
+
+
+
+def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
+    """The CPU engine's linears run on oneDNN pre-packed weights (`llama.PackedLinear`); the state
+    dict gives the dense weights back bit for bit, and the model's logits over a chat prompt (all
+    positions) equal those of the same weights in `nn.Linear` to fp32 rounding."""
+    import torch
+
+    from relayinfer.cloud.models.llama import PackedLinear, StaticKV, can_pack, load_llama
+
+    dense = load_llama(torch_engine.model_path)
+    if not can_pack(dense):
+        pytest.skip("this torch build has no oneDNN: linears are not packed")
+    packed = torch_engine.model
+    assert isinstance(packed.layers[0].attn.wq, PackedLinear) and isinstance(packed.lm_head, PackedLinear)
+    assert type(dense.layers[0].attn.wq) is torch.nn.Linear
+    sd = packed.state_dict()
+    for name, w in dense.state_dict().items():
+        assert torch.equal(sd[name], w), name
+    ids = torch.tensor([prompts[0]])
+
+    def logits(model):
+        kv = StaticKV(model.cfg, capacity=len(prompts[0]))
+        kv.reserve(len(prompts[0]))
+        with torch.inference_mode():
+            return model(ids, kv, 0, last_only=False)
+
+    a, b = logits(packed), logits(dense)
+    assert a.shape == (1, len(prompts[0]), packed.cfg.vocab_size)
+    torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95

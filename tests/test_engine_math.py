@@ -57,7 +57,7 @@ def old_forward(model, ids: list[int]) -> torch.Tensor:
     cfg = model.cfg
     h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     s = len(ids)
-    params = dict(model.named_parameters())
+    params = model.state_dict()  # dense weights (a packed linear gives its weight back here)
 
     def w(name):  # float64 copy of one weight, made when used (the whole model would be 1 GB)
         return (model.lm_head.weight if name == "lm_head.weight" else params[name]).detach().double()

@@ -83,9 +83,9 @@ def _check_steps(eng, model, ids, tol):
         assert logits.argmax() == r.argmax()
     assert kv.length == n
     layers = eng.kv_export(kv)
-    for i in (0, len(layers) - 1):
-        assert np.abs(layers[i][0] - tkv.k[i, :, :, :n].numpy()).max() < 1e-4
-        assert np.abs(layers[i][1] - tkv.v[i, :, :, :n].numpy()).max() < 1e-4
+    for i in (0, len(layers) - 1):  # fp32 rounding after i layers: 1e-4 relative to the largest entry
+        for got, ref in ((layers[i][0], tkv.k[i, :, :, :n].numpy()), (layers[i][1], tkv.v[i, :, :, :n].numpy())):
+            assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max()), i
 
 
 def test_gguf_engine_equals_torch_prefill_chunked_decode(onnx_engine, torch_model, chat_prompt_ids):
