@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import queue
@@ -34,14 +35,19 @@ log = logging.getLogger("relayinfer.sdk")
 
 class Stream:
     """Iterator of `TokenEvent`s as they are shown; `result` (a `GenerationResult`) once exhausted.
-    Errors raised by the generation are re-raised from the iteration."""
+    Errors raised by the generation are re-raised from the iteration.
 
-    def __init__(self, run, loop: asyncio.AbstractEventLoop | None = None):
+    With `loop` (the client's `_LoopThread`) the generation runs there. Raises RuntimeError
+    naming `what` when that loop is closed meanwhile (the generation never starts), and from the
+    iteration when it runs on that loop's own thread (it would wait for itself for ever)."""
+
+    def __init__(self, run, loop: "_LoopThread | None" = None, what: str = "Client.generate"):
         self._q: queue.Queue = queue.Queue()
         self.result: GenerationResult | None = None
         self._thread = None
-        if loop is not None:  # on a running loop (a conversation's): no thread of its own
-            fut = asyncio.run_coroutine_threadsafe(run(self._q.put), loop)
+        self._lt, self._what = loop, what
+        if loop is not None:  # on a running loop (the client's): no thread of its own
+            fut = loop.submit(lambda: run(self._q.put), what)
 
             def done(f):
                 if f.cancelled():
@@ -65,6 +71,10 @@ class Stream:
         self._thread.start()
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        if self._lt is not None and self._lt.on_thread():
+            raise RuntimeError(f"iterating the Stream of {self._what} on the client's own event-loop thread would "
+                               "deadlock (its generation runs on that thread): use Client.agenerate there, or "
+                               "iterate from another thread")
         while True:
             item = self._q.get()
             if item is _END:
@@ -76,7 +86,7 @@ class Stream:
             yield item
 
     def collect(self) -> GenerationResult:
-        """Consume the stream and return the final result."""
+        """Consume the stream and return the final result. Raises what the iteration raises."""
         for _ in self:
             pass
         return self.result
@@ -87,14 +97,14 @@ class AsyncStream:
     loop, where its websocket lives) the generation runs there and its events cross to the caller's
     loop in order; cancelling the iteration's task cancels the generation."""
 
-    def __init__(self, run, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, run, loop: "_LoopThread | None" = None, what: str = "Client.agenerate"):
         self._q: asyncio.Queue = asyncio.Queue()
         self.result: GenerationResult | None = None
         here = asyncio.get_running_loop()
-        if loop is None or loop is here:
+        if loop is None or loop.loop is here:
             self._task = here.create_task(self._go(run))
         else:
-            self._task = here.create_task(self._go_on(run, loop, here))
+            self._task = here.create_task(self._go_on(run, loop, here, what))
 
     async def _go(self, run):
         try:
@@ -103,10 +113,10 @@ class AsyncStream:
         except BaseException as e:
             self._q.put_nowait(e)
 
-    async def _go_on(self, run, loop, here):
+    async def _go_on(self, run, loop: "_LoopThread", here, what: str):
         put = lambda ev: here.call_soon_threadsafe(self._q.put_nowait, ev)  # noqa: E731  FIFO: before the end
-        try:
-            self.result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(put), loop))
+        try:  # RuntimeError (from the iteration) when the client's loop closed meanwhile
+            self.result = await asyncio.wrap_future(loop.submit(lambda: run(put), what))
             self._q.put_nowait(_END)
         except BaseException as e:
             self._q.put_nowait(e)
@@ -128,6 +138,18 @@ class AsyncStream:
         return self.result
 
 
+def _refuse_in_running_loop(what: str) -> None:
+    """Raise RuntimeError naming `what` when this thread runs an event loop: `what` runs an event
+    loop of its own (`asyncio.run`) and blocks, which cannot be done there (checked before any
+    coroutine is made, so none is left never awaited)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{what} blocks and cannot be called on a thread that runs an event loop (the client's "
+                       "own included): call it from another thread, e.g. `await asyncio.to_thread(...)`")
+
+
 def device_model_url(cloud_url: str, token: str | None = None, ssl=None, timeout_s: float = 5.0) -> str | None:
     """Where the cloud at `cloud_url` (ws:// or wss://) serves its device model: the HTTP base URL
     (http(s)://HOST:PORT, the form `device.fetch` takes) of the `device_model_url` its Welcome
@@ -137,8 +159,11 @@ def device_model_url(cloud_url: str, token: str | None = None, ssl=None, timeout
 
     Raises:
         RemoteError: the cloud refused the handshake (UNAUTHORIZED, OVERLOADED, ...).
-        OSError, TimeoutError: the cloud cannot be reached within `timeout_s` (s)."""
+        OSError, TimeoutError: the cloud cannot be reached within `timeout_s` (s).
+        RuntimeError: called on a thread that runs an event loop (it blocks; nothing is sent)."""
     from urllib.parse import urlsplit, urlunsplit
+
+    _refuse_in_running_loop("device_model_url")
 
     from relayinfer.protocol.transport import ws as proto_ws
 
@@ -321,9 +346,11 @@ class Client:
     def check_cloud(self) -> str | None:
         """Try the cloud once (connect + handshake, bounded by `connect_timeout_s`) without
         generating: None when it answers, else the reason in words (also logged once, as for a
-        request). Without a cloud URL: None."""
+        request). Without a cloud URL: None. Raises RuntimeError when called on a thread that
+        runs an event loop (it blocks)."""
         if self.cloud_url is None:
             return None
+        _refuse_in_running_loop("Client.check_cloud")
         from relayinfer.protocol.transport import ws as proto_ws
 
         async def probe():
@@ -438,12 +465,21 @@ class Client:
         self.options.link_bytes_per_s = bw
         return bw
 
-    def _client_loop(self) -> asyncio.AbstractEventLoop:
+    def _client_loop(self) -> "_LoopThread":
         """The event loop (a daemon thread) on which every request of this client runs, so that
         its websocket outlives each request; started on first use (thread-safe)."""
         return self._rt.loop_()
 
     _conversation_loop = _client_loop
+
+    def _refuse_on_loop_thread(self, what: str) -> None:
+        """Raise RuntimeError naming `what` when called on the client's own event-loop thread (a
+        callback or coroutine running there): `what` waits for work of that loop, so it would wait
+        for ever."""
+        if self._rt.on_loop_thread():
+            raise RuntimeError(f"{what} blocks on the client's own event loop and would deadlock when called on its "
+                               "thread (a callback or coroutine running there): use Client.agenerate, or call it "
+                               "from another thread")
 
     @property
     def link(self):
@@ -467,8 +503,12 @@ class Client:
         return Conversation(self, system, reuse, sampling)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Close the client's websocket (bounded by `timeout_s`, s) and stop its event loop (open
-        conversations and streams stop working). A later `generate` starts them again."""
+        """Close the client's websocket (and its open conversations' websockets) and stop its event
+        loop; generations still running there are cancelled (their streams raise CancelledError).
+        Bounded by `timeout_s` (s). Callable from any thread: on the client's own event-loop thread
+        (from a callback or coroutine running there) it returns at once and the websockets close on
+        that thread right after the current callback, when the loop stops. Idempotent; a later
+        `generate` starts a new loop. Raises nothing (a close that fails is logged at debug level)."""
         self._rt.close(timeout_s)
 
     def __enter__(self) -> "Client":
@@ -498,15 +538,20 @@ class Client:
         The request uses the client's websocket (see the class docstring: one per client, calls
         multiplexed over it).
         """
-        return Stream(self._runner(prompt, dict(sampling), link=self.link), loop=self._client_loop())
+        return Stream(self._runner(prompt, dict(sampling), link=self.link), loop=self._client_loop(),
+                      what="Client.generate")
 
     def agenerate(self, prompt: str | Sequence[dict] | list[int], **sampling) -> AsyncStream:
         """`generate` for asyncio code: an async iterator of `TokenEvent`s (call inside a running
-        loop). The request runs on the client's loop, over its websocket."""
-        return AsyncStream(self._runner(prompt, dict(sampling), link=self.link), loop=self._client_loop())
+        loop). The request runs on the client's loop, over its websocket. Raises as `generate`."""
+        return AsyncStream(self._runner(prompt, dict(sampling), link=self.link), loop=self._client_loop(),
+                           what="Client.agenerate")
 
     def complete(self, prompt, **sampling) -> GenerationResult:
-        """Generate to the end and return the `GenerationResult`."""
+        """Generate to the end and return the `GenerationResult`. Raises as `generate`, and
+        RuntimeError (before anything runs) when called on the client's own event-loop thread
+        (it would wait for itself)."""
+        self._refuse_on_loop_thread("Client.complete")
         return self.generate(prompt, **sampling).collect()
 
 
@@ -535,6 +580,8 @@ class Conversation:
         self.cache = None  # the device's `DeviceCache` after the last turn
         self.link = (CloudLink(client.cloud_url, client.fingerprint, client.token, client.ssl,
                                client.options.connect_timeout_s) if client.cloud_url and reuse else None)
+        if self.link is not None:  # closed with the client's loop if the conversation is not closed first
+            client._rt.links.add(self.link)
 
     def _keep(self, cache) -> None:
         self.cache = cache if self.reuse else None
@@ -553,18 +600,41 @@ class Conversation:
             self.messages[:] = msgs + [{"role": "assistant", "content": res.text}]
             self.results.append(res)
             return res
-        return Stream(turn, loop=self.client._conversation_loop())
+        return Stream(turn, loop=self.client._conversation_loop(), what="Conversation.stream")
 
     def send(self, text: str, **sampling) -> GenerationResult:
-        """`stream(text)` to the end: the turn's `GenerationResult`."""
+        """`stream(text)` to the end: the turn's `GenerationResult`. Raises as `stream`, and
+        RuntimeError (before anything runs) when called on the client's own event-loop thread
+        (it would wait for itself)."""
+        self.client._refuse_on_loop_thread("Conversation.send")
         return self.stream(text, **sampling).collect()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Close the conversation's websocket and drop its device cache."""
+        """Close the conversation's websocket (bounded by `timeout_s`, s) and drop its device
+        cache. Callable from any thread: on the client's own event-loop thread the close is
+        scheduled there (it runs after the current callback) and this returns at once; when the
+        client's loop is not running the websocket was closed when it stopped. Idempotent.
+        Raises what closing the websocket raises (`CloudLink.aclose`: nothing in practice)."""
         self.cache = None
-        loop = self.client._rt.loop
-        if self.link is not None and loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.link.aclose(), loop).result(timeout_s)
+        link = self.link
+        if link is None:
+            return
+        rt = self.client._rt
+        lt = rt.current
+        fut = lt.submit(lambda: asyncio.wait_for(link.aclose(), timeout_s), "Conversation.close",
+                        refuse=False) if lt is not None else None
+        if fut is None:  # no loop: nothing open (a loop's end closes the links it served)
+            rt.links.discard(link)
+            return
+        if lt.on_thread():  # scheduled; the link stays registered, so a stop that comes first closes it too
+            fut.add_done_callback(lambda f: rt.links.discard(link))
+            return
+        try:
+            fut.result(timeout_s + 1.0)
+        except concurrent.futures.CancelledError:  # the loop stopped meanwhile: its end closed the link
+            pass
+        finally:
+            rt.links.discard(link)
 
     def __enter__(self) -> "Conversation":
         return self
@@ -573,38 +643,136 @@ class Conversation:
         self.close()
 
 
+class _LoopThread:
+    """One event loop of a client on its daemon thread ('relayinfer-client'). `submit` hands it a
+    coroutine from any thread; when the loop stops (`_Runtime.close`, or anyone's `loop.stop()`)
+    its thread closes the links handed to it (`closing`, bounded), cancels the tasks left, and
+    closes the loop, so no coroutine is left never awaited and no websocket open."""
+
+    def __init__(self, rt: "_Runtime"):
+        self.loop = asyncio.new_event_loop()
+        self.lock = threading.Lock()
+        self.accepting = True  # False once the loop's end began: `submit` refuses
+        self.closing: list = []  # links to close when the loop stops
+        self.close_timeout_s = 5.0
+        self.thread = threading.Thread(target=rt._serve, args=(self,), name="relayinfer-client", daemon=True)
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    def submit(self, make, what: str, refuse: bool = True):
+        """Run the coroutine `make()` on the loop (from any thread): its `concurrent.futures.Future`.
+        `make` is called only when the loop takes it, so a refused coroutine is never made (none
+        is left never awaited). Once the loop is ending: RuntimeError naming `what`, or None when
+        not `refuse`."""
+        with self.lock:
+            if self.accepting:
+                return asyncio.run_coroutine_threadsafe(make(), self.loop)
+        if not refuse:
+            return None
+        raise RuntimeError(f"{what}: the client was closed (its event loop stopped); nothing was started")
+
+    def stop(self, links: list, timeout_s: float) -> None:
+        """Have the loop stop; `links` are closed on its thread, bounded by `timeout_s` (s)."""
+        with self.lock:
+            self.closing.extend(links)
+            self.close_timeout_s = timeout_s
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # closed already: its end ran (and took what it had to close)
+            pass
+
+
 class _Runtime:
     """A client's event loop thread and its websocket (`CloudLink`), apart from the `Client` so
-    that a finalizer can close them without keeping the client alive."""
+    that a finalizer can close them without keeping the client alive. `links`: the open
+    conversations' websockets (closed with the loop)."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.current: _LoopThread | None = None
         self.link = None
+        self.links: weakref.WeakSet = weakref.WeakSet()
 
-    def loop_(self) -> asyncio.AbstractEventLoop:
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        lt = self.current
+        return None if lt is None else lt.loop
+
+    def loop_(self) -> _LoopThread:
         with self.lock:
-            if self.loop is None:
-                self.loop = asyncio.new_event_loop()
-                threading.Thread(target=self.loop.run_forever, name="relayinfer-client", daemon=True).start()
-            return self.loop
+            if self.current is None:
+                self.current = _LoopThread(self)
+                self.current.thread.start()
+            return self.current
+
+    def on_loop_thread(self) -> bool:
+        lt = self.current
+        return lt is not None and lt.on_thread()
+
+    def _take(self) -> list:
+        """The links to close with the current loop (under `lock`): the client's and the open
+        conversations'; the client's is forgotten (the next request opens a new one)."""
+        link, self.link = self.link, None
+        return ([link] if link is not None else []) + list(self.links)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Close the websocket (bounded by `timeout_s`, s; from the loop's own thread it is left to
-        the loop's end) and stop the loop."""
+        """Stop the loop; its thread closes the websockets (each bounded by `timeout_s`, s) and
+        then the loop. From another thread, waits for that (bounded); from the loop's own thread,
+        returns at once (the close runs when the current callback returns). Idempotent; raises
+        nothing."""
         with self.lock:
-            loop, self.loop = self.loop, None
-            link, self.link = self.link, None
-        if loop is None:
-            return
-        if link is not None and loop.is_running():
-            fut = asyncio.run_coroutine_threadsafe(link.aclose(), loop)
-            if threading.current_thread().name != "relayinfer-client":
-                try:
-                    fut.result(timeout_s)
-                except Exception as e:  # a close that fails or hangs: the loop stops anyway
-                    log.debug("closing the client's websocket: %s: %s", type(e).__name__, e)
-        loop.call_soon_threadsafe(loop.stop)
+            lt, self.current = self.current, None
+            if lt is None:
+                return
+            lt.stop(self._take(), timeout_s)  # under `lock`: the loop's end sees these links
+        if not lt.on_thread():
+            lt.thread.join(timeout_s + 2.0)
+            if lt.thread.is_alive():
+                log.debug("the client's event loop did not end within %.1f s", timeout_s + 2.0)
+
+    def _serve(self, lt: _LoopThread) -> None:
+        loop = lt.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            with self.lock:
+                if self.current is lt:  # stopped by someone else than `close`: this runtime forgets it
+                    self.current = None
+                    lt.closing.extend(self._take())
+                with lt.lock:
+                    lt.accepting = False
+                    links, lt.closing = lt.closing, []
+            try:
+                loop.run_until_complete(self._wind_down(links, lt.close_timeout_s))
+            except BaseException as e:  # the loop closes anyway
+                log.debug("ending the client's event loop: %s: %s", type(e).__name__, e)
+            finally:
+                loop.close()
+
+    @staticmethod
+    async def _wind_down(links: list, timeout_s: float) -> None:
+        """On the stopped loop: the coroutines submitted before the stop start, the links close
+        (bounded by `timeout_s`, s), then every task left is cancelled (bounded) and the async
+        generators are finalised."""
+        await asyncio.sleep(0)
+        if links:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(link.aclose() for link in links), return_exceptions=True),
+                                       timeout_s)
+            except Exception as e:  # a close that hangs: the loop ends anyway
+                log.debug("closing the client's websocket: %s: %s", type(e).__name__, e)
+        me = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks() if t is not me]
+        for t in left:
+            t.cancel()
+        if left:
+            await asyncio.wait(left, timeout=1.0)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().shutdown_asyncgens(), 1.0)
+        except Exception as e:
+            log.debug("finalising the client's async generators: %s: %s", type(e).__name__, e)
 
 
 def cloud_problem(e: BaseException) -> str:

@@ -306,3 +306,128 @@ def test_paced_kv_handoff_lets_the_tokens_through_a_capped_link(cloud, torch_eng
     assert len(pieces) == pieces[0].num_blocks and sum(p.num_tokens for p in pieces) == len(ids) - 1
     assert all(len(p.kv.data) <= limit for p in pieces) and limit < PIECE
     assert between(paced) >= 5 and between(paced) > 2 * between(unpaced), (between(paced), between(unpaced))
+
+
+def _never_awaited(caught) -> list[str]:
+    return [str(w.message) for w in caught
+            if issubclass(w.category, RuntimeWarning) and "never awaited" in str(w.message)]
+
+
+def test_close_on_the_clients_own_loop_thread_closes_the_websocket(cloud, onnx_engine, chitchat):
+    """`Client.close()` called on the client's own event-loop thread (from a callback there) closes
+    the websocket on that thread and closes the loop, leaves no coroutine never awaited, and is
+    idempotent; a later request opens a new loop and websocket; a loop stopped by someone else
+    closes its websocket too (and `close()` after that is a no-op)."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = Client(cloud_url=cloud.url, engine=onnx_engine, cloud_budget=4)
+        first = c.complete(chitchat[0], max_new_tokens=4, mode="cloud-only")
+        link, loop = c.link, c._rt.loop
+        assert first.fault is None and link.channel is not None
+        called = threading.Event()
+        loop.call_soon_threadsafe(lambda: (c.close(), called.set()))
+        assert called.wait(5.0)
+        assert wait_for(lambda: loop.is_closed(), 5.0) and link.channel is None
+        c.close()  # idempotent
+        again = c.complete(chitchat[0], max_new_tokens=4, mode="cloud-only")
+        assert again.token_ids == first.token_ids and c.link is not link and c.link.connections == 1
+        link, loop = c.link, c._rt.loop
+        loop.call_soon_threadsafe(loop.stop)  # stopped from outside the client
+        assert wait_for(lambda: loop.is_closed(), 5.0) and link.channel is None
+        c.close()
+        del link, loop, c
+        gc.collect()
+    assert _never_awaited(caught) == []
+    assert wait_for(lambda: cloud.num_sessions == 0, 5.0)
+
+
+def test_blocking_calls_on_the_clients_own_loop_thread_raise_instead_of_deadlocking(cloud, onnx_engine, chitchat):
+    """On the client's own event-loop thread the calls that wait for that loop raise RuntimeError
+    naming themselves (complete, Conversation.send, iterating a Stream, check_cloud) instead of
+    waiting for ever; `Conversation.close()` there is scheduled and closes the conversation's
+    websocket; from another thread the client goes on working."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, \
+            Client(cloud_url=cloud.url, engine=onnx_engine, cloud_budget=4) as c:
+        warnings.simplefilter("always")
+        conv = c.conversation(max_new_tokens=4, mode="cloud-only")
+        assert conv.send("Hi there").fault is None and conv.link.channel is not None
+
+        async def on_loop():
+            out = {}
+            for name, call in (("Client.complete", lambda: c.complete(chitchat[0], max_new_tokens=4)),
+                               ("Conversation.send", lambda: conv.send("And then?")),
+                               ("Client.check_cloud", c.check_cloud),
+                               ("Client.generate", lambda: c.generate(chitchat[0], max_new_tokens=2).collect())):
+                try:
+                    call()
+                    out[name] = None
+                except RuntimeError as e:
+                    out[name] = str(e)
+            conv.close()  # scheduled on this loop, not waited for
+            return out
+
+        out = asyncio.run_coroutine_threadsafe(on_loop(), c._rt.loop).result(5.0)
+        for name, msg in out.items():
+            assert msg is not None and name in msg and "thread" in msg, (name, msg)
+        assert wait_for(lambda: conv.link.channel is None, 5.0)
+        assert len(conv.results) == 1  # the refused send added no turn
+        assert c.complete(chitchat[0], max_new_tokens=4, mode="cloud-only").fault is None
+    assert _never_awaited(caught) == []
+
+
+def test_runtime_close_from_any_thread_awaits_the_link_close():
+    """The client's runtime (its loop thread and websocket) closed from its own loop thread, after
+    its loop was stopped by someone else, and from another thread while a generation is still
+    running: each time the link's `aclose()` is awaited once, on the loop's thread, the loop ends
+    closed, the pending work is cancelled, and no coroutine is left never awaited; a coroutine
+    handed to a closed runtime is refused (RuntimeError naming the caller) without being made."""
+    import gc
+    import warnings
+
+    from relayinfer.sdk.client import _Runtime
+
+    class Link:  # a CloudLink's close, recorded
+        def __init__(self):
+            self.closed_on: list[str] = []
+
+        async def aclose(self):
+            await asyncio.sleep(0.01)
+            self.closed_on.append(threading.current_thread().name)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rt = _Runtime()
+        lt = rt.loop_()
+        rt.link = own = Link()
+        called = threading.Event()
+        lt.loop.call_soon_threadsafe(lambda: (rt.close(1.0), called.set()))
+        assert called.wait(2.0)
+        lt.thread.join(3.0)
+        assert own.closed_on == ["relayinfer-client"] and lt.loop.is_closed() and rt.current is None
+        rt.close()  # idempotent
+
+        lt = rt.loop_()
+        rt.link = stopped = Link()
+        lt.loop.call_soon_threadsafe(lt.loop.stop)
+        lt.thread.join(3.0)
+        rt.close()
+        assert stopped.closed_on == ["relayinfer-client"] and lt.loop.is_closed() and rt.link is None
+
+        lt = rt.loop_()
+        rt.link = other = Link()
+        running = lt.submit(lambda: asyncio.sleep(60), "test")
+        t0 = time.monotonic()
+        rt.close(1.0)
+        assert other.closed_on == ["relayinfer-client"] and running.cancelled() and time.monotonic() - t0 < 2.0
+        made = []
+        with pytest.raises(RuntimeError, match="Client.generate: the client was closed"):
+            lt.submit(lambda: made.append(1), "Client.generate")
+        assert made == []
+        del lt, rt
+        gc.collect()
+    assert _never_awaited(caught) == [] and not [w for w in caught if "unclosed event loop" in str(w.message)]

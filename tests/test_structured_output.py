@@ -474,3 +474,94 @@ def test_cancel_or_budget_while_the_grammar_compiles_applies(torch_engine, token
     assert outs == [] and live == {}
     outs, _ = asyncio.run(per_request(lambda e: e.set_budget("r", 2)))
     assert [o.finish_reason for o in outs] == [None, "budget"]
+
+
+def test_shutdown_while_grammars_compile_ends_every_request(torch_engine, tokenizer, monkeypatch):
+    """`shutdown()` (off the event loop, as the servers call it) while requests' grammars compile on
+    worker threads and another request streams: every one of them raises RuntimeError('the engine
+    is shut down') at once, without waiting for the compiles; the compiles that finish afterwards
+    add nothing to the engine (no sequence, nothing queued, no KV block held); requests after it
+    are refused with the same error. Before that, an abort while a P/D (prefilled) request compiles
+    applies as on `generate` (the two share one preparation)."""
+    import threading
+    import time
+
+    from relayinfer.protocol.model import grammar as grammar_mod
+
+    real = grammar_mod.new_guide
+    city = json_schema_grammar(CITY)
+    release, ended = threading.Event(), []
+
+    def held(params, *a, **kw):  # CITY compiles end only once the test lets them (after the shutdown)
+        try:
+            if params.grammar == city:
+                release.wait(5.0)
+            else:
+                time.sleep(0.3)
+            return real(params, *a, **kw)
+        finally:
+            ended.append(params.grammar == city)
+
+    monkeypatch.setattr(grammar_mod, "new_guide", held)
+    ids = tokenizer.encode_chat(ASK_CITY)
+    p = SamplingParams(max_new_tokens=24, grammar=city)
+    write_kv = lambda *a: None  # noqa: E731  never called: no prefilled request is admitted here
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(torch_engine, kv_cache_bytes=64 << 20))
+        streamed: list[int] = []
+
+        async def stream():  # no grammar: in the batch, generating, when the engine stops
+            async for o in engine.generate("s", ids, SamplingParams(max_new_tokens=400), ignore_eos=True):
+                streamed.append(o.token_id)
+
+        async def constrained():
+            return [o async for o in engine.generate("g", ids, p)]
+
+        async def prefilled(rid, params):
+            return [o async for o in engine.generate_prefilled(rid, ids + [1], len(ids), params, write_kv)]
+
+        aborted = asyncio.create_task(prefilled("a", SamplingParams(max_new_tokens=4,
+                                                                    grammar=choice_grammar(["yes", "no"]))))
+        await asyncio.sleep(0.05)
+        engine.abort("a")  # applies once its compile ends: it is never added
+        got_aborted = await asyncio.wait_for(aborted, 2.0)
+        tasks = [asyncio.create_task(c) for c in (stream(), constrained(), prefilled("p", p))]
+        for _ in range(250):
+            if streamed:
+                break
+            await asyncio.sleep(0.02)
+        compiling = sorted(engine._compiling)
+        t0 = time.monotonic()
+        await asyncio.to_thread(engine.shutdown, 5.0)
+        ends = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 2.0)
+        took = time.monotonic() - t0
+        release.set()  # the held compiles end now, after the shutdown
+        for _ in range(250):
+            if ended.count(True) == 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # what a late compile would have added
+        refused = []
+        for params in (SamplingParams(max_new_tokens=2), p):
+            try:
+                async for _ in engine.generate("late", ids, params):
+                    pass
+            except RuntimeError as e:
+                refused.append(str(e))
+        try:
+            await engine.warmup()
+        except RuntimeError as e:
+            refused.append(str(e))
+        return engine, streamed, compiling, ends, took, got_aborted, refused
+
+    engine, streamed, compiling, ends, took, got_aborted, refused = asyncio.run(main())
+    assert got_aborted == [] and ended == [False, True, True]
+    assert streamed and compiling == ["g", "p"]
+    assert [type(e) for e in ends] == [RuntimeError] * 3, ends
+    assert [str(e) for e in ends] == ["the engine is shut down"] * 3
+    assert took < 1.5  # nobody waited for the held compiles
+    assert refused == ["the engine is shut down"] * 3
+    eng = engine.engine
+    assert not eng.seqs and not eng.has_unfinished() and not eng.held and eng.block_manager.num_used_blocks == 0
+    assert engine._compiling == {} and engine._queues == {} and engine._thread is None

@@ -536,7 +536,12 @@ class AsyncLLMEngine:
     in the engine (`LLMEngine.take_failures`) raises `RequestFailed` from its `async for`; the others
     go on. When the engine itself fails (`EngineFailed`), the thread ends, `error` holds the cause,
     every live request raises RuntimeError('the engine thread failed') and new ones are refused.
+    After `shutdown()` every request still streaming or still compiling its grammar raises
+    RuntimeError('the engine is shut down') (at once: nothing waits for a step or a compile that
+    will not come), nothing more reaches the engine, and new requests are refused the same way.
     """
+
+    _SHUT = object()  # queue marker: the engine was shut down
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -545,6 +550,10 @@ class AsyncLLMEngine:
         self._compiling: dict[str, dict] = {}  # request id -> the abort / budget that came while its grammar compiled
         self._wake = threading.Event()
         self._stop = False
+        # `_stop` turns True under `_lock`, and every add (and every compile's registration) checks
+        # it under `_lock`: after `shutdown()` set it, nothing reaches the engine
+        self._lock = threading.Lock()
+        self._steps = threading.Lock()  # held by whoever runs steps: the engine thread, a warmup
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
@@ -577,13 +586,35 @@ class AsyncLLMEngine:
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "kv_blocks_used": e.block_manager.num_used_blocks, "kv_blocks_total": e.num_blocks}
 
+    @staticmethod
+    def _shut_error() -> RuntimeError:
+        return RuntimeError("the engine is shut down")
+
+    def _check_open(self) -> None:
+        """Raise RuntimeError('the engine is shut down') after `shutdown()`."""
+        if self._stop:
+            raise self._shut_error()
+
     async def warmup(self) -> None:
         """A short batch on a worker thread before the engine thread starts (the runner allocates on
-        its first steps)."""
+        its first steps). Raises RuntimeError('the engine is shut down') after `shutdown()`."""
+        self._check_open()
         if self._thread is None:
-            await asyncio.to_thread(self.engine.generate, [list(range(16, 48))], SamplingParams(max_new_tokens=2))
+            await asyncio.to_thread(self._warm)
+
+    def _warm(self) -> None:
+        if not self._steps.acquire(blocking=False):  # the engine thread started meanwhile: no warmup
+            return
+        try:  # no engine thread steps meanwhile, and `shutdown` waits for the end
+            self._check_open()
+            self.engine.generate([list(range(16, 48))], SamplingParams(max_new_tokens=2))
+        finally:
+            self._steps.release()
 
     def start(self) -> None:
+        """Start the engine thread (no-op if it runs). Raises RuntimeError('the engine is shut
+        down') after `shutdown()`: a stopped engine is not started again."""
+        self._check_open()
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
             self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -591,36 +622,87 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the engine thread (after its current step; waits at most `timeout_s` s, then leaves
-        the daemon thread behind), then apply pending aborts so their KV blocks are freed."""
-        self._stop = True
+        the daemon thread behind) and end every request: the ones streaming and the ones whose
+        grammar is still compiling raise RuntimeError('the engine is shut down') from their
+        iteration at once (queued on their event loop after the tokens already delivered), and
+        their KV blocks are freed (the pending aborts are applied too). Later requests are refused
+        with the same error. Idempotent; callable from any thread (it blocks: off the event loop
+        when the engine thread may be in a long step)."""
+        with self._lock:
+            self._stop = True
+            compiling = list(self._compiling.values())
         self._wake.set()
+        for came in compiling:  # their waits end now; `_guide` raises
+            self._call_soon(came["loop"], self._set_done, came["wake"])
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("the engine thread did not stop within %.0f s; left behind", timeout_s)
+                self._end_streams()
                 return
             self._thread = None
-        if self.error is None:
-            self.metrics.observe([], self.engine.apply_inbox())
+        if not self._steps.acquire(timeout=timeout_s):  # a warmup still running
+            log.warning("the engine's warmup did not end within %.0f s; its requests are left", timeout_s)
+            self._end_streams()
+            return
+        try:
+            if self.error is None:
+                eng = self.engine
+                self.metrics.observe([], eng.apply_inbox())  # the requests added before the stop join `seqs`
+                for rid in list(eng.seqs):
+                    eng.abort(rid)
+                    eng.release(rid)  # one that holds its blocks (hold_kv) frees them too
+                for rid in list(eng.held):
+                    eng.release(rid)
+                self.metrics.observe([], eng.apply_inbox())
+        finally:
+            self._steps.release()
+        self._end_streams()
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop | None, fn, *args) -> bool:
+        """`fn(*args)` on `loop` (from any thread, after the callbacks already queued there); False
+        when the loop is closed (then no one awaits anything on it)."""
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the loop is closed
+            return False
+
+    @staticmethod
+    def _set_done(fut: asyncio.Future) -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def _end_streams(self) -> None:
+        """Every request streaming ends with RuntimeError('the engine is shut down')."""
+        self._call_soon(self._loop, self._shut_all)
+
+    def _shut_all(self) -> None:
+        for q in list(self._queues.values()):
+            q.put_nowait(self._SHUT)
 
     def _run(self) -> None:
         eng = self.engine
-        while not self._stop:
-            if not eng.has_unfinished():
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                outs = eng.step()
-                failed = eng.take_failures()
-                self.metrics.observe(outs, eng.last_stats)
-            except BaseException as e:  # the engine cannot go on: every waiting request gets the failure
-                self.error = e
-                log.critical("the engine thread failed: %s: %s", type(e).__name__, e, exc_info=e)
-                self._loop.call_soon_threadsafe(self._fail_all, e)
-                return
-            if outs or failed:
-                self._loop.call_soon_threadsafe(self._deliver, outs, failed)
+        with self._steps:
+            while not self._stop:
+                if not eng.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    outs = eng.step()
+                    failed = eng.take_failures()
+                    self.metrics.observe(outs, eng.last_stats)
+                except BaseException as e:  # the engine cannot go on: every waiting request gets the failure
+                    self.error = e
+                    log.critical("the engine thread failed: %s: %s", type(e).__name__, e, exc_info=e)
+                    self._call_soon(self._loop, self._fail_all, e)
+                    return
+                if outs or failed:
+                    self._call_soon(self._loop, self._deliver, outs, failed)
 
     def _deliver(self, outs: list[StepOutput], failed: list = ()) -> None:
         for o in outs:
@@ -639,38 +721,49 @@ class AsyncLLMEngine:
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                     cloud_budget: int | None = None, **kw) -> asyncio.Queue:
         """Queue a request; returns its queue of `StepOutput` (then `None` if aborted). `kw`:
-        `LLMEngine.add_request`'s keywords (`hold_kv`, `output_ids`)."""
+        `LLMEngine.add_request`'s keywords (`hold_kv`, `output_ids`).
+
+        Raises: what `LLMEngine.add_request` raises; RuntimeError when the engine thread failed or
+        the engine is shut down."""
         return self._add(request_id, self.engine.add_request, request_id, prompt_ids, params, cloud_budget, **kw)
 
     def _add(self, request_id: str, add, *args, **kw) -> asyncio.Queue:
-        self.start()
-        if self.error is not None:
-            raise RuntimeError(f"the engine thread failed: {type(self.error).__name__}: {self.error}") from self.error
-        q: asyncio.Queue = asyncio.Queue()
-        add(*args, **kw)
-        self._queues[request_id] = q
+        with self._lock:  # no `shutdown` between the check and the add
+            self.start()  # raises RuntimeError('the engine is shut down') after `shutdown`
+            if self.error is not None:
+                e = self.error
+                raise RuntimeError(f"the engine thread failed: {type(e).__name__}: {e}") from e
+            q: asyncio.Queue = asyncio.Queue()
+            add(*args, **kw)
+            self._queues[request_id] = q
         self._wake.set()
         return q
 
+    def _to_engine(self, fn, *args) -> None:
+        """`fn(*args)` (an abort, release or budget) into the engine's inbox, unless it is shut
+        down (`shutdown` ended every request: an entry now would never be applied)."""
+        with self._lock:
+            if self._stop:
+                return
+            fn(*args)
+        self._wake.set()
+
     def release(self, request_id: str) -> None:
         """Free a held sequence's KV blocks (P/D prefill, after its export)."""
-        self.engine.release(request_id)
-        self._wake.set()
+        self._to_engine(self.engine.release, request_id)
 
     def abort(self, request_id: str) -> None:
         if request_id in self._compiling:  # not in the engine yet: it will not be added
             self._compiling[request_id]["aborted"] = True
         q = self._queues.pop(request_id, None)
-        self.engine.abort(request_id)
-        self._wake.set()
+        self._to_engine(self.engine.abort, request_id)
         if q is not None:
             q.put_nowait(None)
 
     def set_budget(self, request_id: str, cloud_budget: int) -> None:
         if request_id in self._compiling:  # applied when it is added
             self._compiling[request_id]["budget"] = cloud_budget
-        self.engine.set_budget(request_id, cloud_budget)
-        self._wake.set()
+        self._to_engine(self.engine.set_budget, request_id, cloud_budget)
 
     exports_kv = True  # `generate(..., kv_from=k)`: the KV hand-off from the batch (`cloud.engine.interface`)
 
@@ -679,11 +772,17 @@ class AsyncLLMEngine:
         """The request's `StepOutput`s (see the class docstring); `kw`: `LLMEngine.add_request`'s
         keywords. With `kv_from` a `KVParts` (float16 KV of prompt positions [kv_from, n - 1),
         copied out of the paged cache in the step of token 0) follows token 0, as on the
-        per-request engine; the request stays in the batch."""
-        if params.grammar is not None:  # compiled off the event loop (other requests keep streaming)
-            kw["guide"], cloud_budget = await self._guide(request_id, params, cloud_budget)
-            if kw["guide"] is None:  # aborted while it compiled
-                return
+        per-request engine; the request stays in the batch.
+
+        Raises: what `add_request` raises (ValueError, PromptTooLongError, GrammarError);
+        `RequestFailed` when this request failed in the engine; RuntimeError when the engine thread
+        failed or the engine is shut down (also while the grammar compiles)."""
+        ready = await self._prepare(request_id, params, cloud_budget)
+        if ready is None:  # aborted while its grammar compiled
+            return
+        guide, cloud_budget = ready
+        if guide is not None:
+            kw["guide"] = guide
         q = self.add_request(request_id, prompt_ids, params, cloud_budget, **kw)  # raises before the try:
         gen = self._stream(request_id, q)                                       # a rejected id owns nothing
         try:
@@ -699,12 +798,12 @@ class AsyncLLMEngine:
     async def generate_prefilled(self, request_id: str, token_ids: Seq[int], num_prompt_tokens: int,
                                  params: SamplingParams, write_kv, cloud_budget: int | None = None
                                  ) -> AsyncIterator[StepOutput]:
-        """P/D decode: `LLMEngine.add_prefilled`, then the request's tokens after the ones it came with."""
-        guide = None
-        if params.grammar is not None:
-            guide, cloud_budget = await self._guide(request_id, params, cloud_budget)
-            if guide is None:  # aborted while it compiled
-                return
+        """P/D decode: `LLMEngine.add_prefilled`, then the request's tokens after the ones it came with.
+        Raises as `generate`."""
+        ready = await self._prepare(request_id, params, cloud_budget)
+        if ready is None:  # aborted while its grammar compiled
+            return
+        guide, cloud_budget = ready
         q = self._add(request_id, self.engine.add_prefilled, request_id, token_ids, num_prompt_tokens, params,
                       write_kv, cloud_budget, guide=guide)
         gen = self._stream(request_id, q)
@@ -714,21 +813,47 @@ class AsyncLLMEngine:
         finally:
             await gen.aclose()
 
+    async def _prepare(self, request_id: str, params: SamplingParams, cloud_budget: int | None
+                       ) -> tuple[Guide | None, int | None] | None:
+        """What a request needs before it is added: (its grammar `Guide`, compiled off the event
+        loop so the other requests keep streaming, None without a grammar; its cloud budget, the
+        last `set_budget` of the meantime if any), or None when `abort` came while it compiled.
+
+        Raises: as `_guide`."""
+        if params.grammar is None:
+            return None, cloud_budget
+        guide, cloud_budget = await self._guide(request_id, params, cloud_budget)
+        return None if guide is None else (guide, cloud_budget)
+
     async def _guide(self, request_id: str, params: SamplingParams, cloud_budget: int | None
                      ) -> tuple[Guide | None, int | None]:
         """(the request's grammar `Guide`, compiled on a worker thread, or None when `abort` came
-        meanwhile; the cloud budget, the last `set_budget` of the meantime if any).
+        meanwhile; the cloud budget, the last `set_budget` of the meantime if any). The wait ends
+        at `shutdown()` (the compile's result is then dropped).
 
         Raises:
             ValueError: the id is running or compiling already. GrammarError: see `new_guide`.
+            RuntimeError: the engine is shut down (before or while it compiles).
         """
         if request_id in self._queues or request_id in self._compiling:
             raise ValueError(f"request {request_id!r} is already running")
-        came = self._compiling[request_id] = {"budget": cloud_budget}
+        loop = asyncio.get_running_loop()
+        came = {"budget": cloud_budget, "loop": loop, "wake": loop.create_future()}
+        with self._lock:  # registered before `shutdown` looks, or refused after it
+            self._check_open()
+            self._compiling[request_id] = came
+        compile_ = asyncio.ensure_future(
+            new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size))
         try:
-            guide = await new_guide_async(params, lambda: self.engine.tokenizer, self.engine.cfg.vocab_size)
+            await asyncio.wait((compile_, came["wake"]), return_when=asyncio.FIRST_COMPLETED)
+            self._check_open()  # shut down meanwhile: the compile's result is not used
+            guide = compile_.result()  # raises GrammarError
         finally:
-            del self._compiling[request_id]
+            with self._lock:
+                del self._compiling[request_id]
+            if not compile_.done():  # shut down or cancelled: nobody waits for this compile
+                compile_.cancel()
+            compile_.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error is not left unseen
         return (None if came.get("aborted") else guide), came["budget"]
 
     async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[StepOutput]:
@@ -739,6 +864,9 @@ class AsyncLLMEngine:
                 if o is None:
                     finished = True
                     return
+                if o is self._SHUT:  # `shutdown` ended it (and freed its blocks)
+                    finished = True
+                    raise self._shut_error()
                 if isinstance(o, RequestFailed):  # this request alone failed; the engine freed it
                     finished = True
                     raise o
@@ -752,5 +880,4 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self.engine.abort(request_id)
-                self._wake.set()
+                self._to_engine(self.engine.abort, request_id)
