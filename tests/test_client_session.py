@@ -205,8 +205,8 @@ def test_stop_or_cancel_mid_transfer_is_acted_on_before_the_transfer_ends(cloud,
     """A ~14 MB hand-off in 256 KiB pieces to a device that reads one piece, then sends Cancel (or
     Stop) and a Ping, and reads nothing more until the cloud's engine has dropped the request (its
     small receive buffer keeps the cloud from writing ahead). Then: the Pong comes before any
-    further piece, no piece follows it, and the Done (reason cancel / stop) comes with fewer pieces
-    than the transfer has."""
+    further piece, no piece follows it, and one Done (reason cancel / stop; it may come before or
+    after the Pong) ends the call with fewer pieces than the transfer has."""
     from relayinfer.protocol.transport import ws as proto_ws
 
     ids = chitchat_prompts_by_length(tokenizer, [600], seed=5)[0]
@@ -232,11 +232,9 @@ def test_stop_or_cancel_mid_transfer_is_acted_on_before_the_transfer_ends(cloud,
             # the cloud acted on it: the engine dropped the request (the device reads nothing meanwhile)
             acted = await asyncio.get_running_loop().run_in_executor(
                 None, wait_for, lambda: not any(k.endswith("/" + rid) for k in llm.engine.seqs), 30.0)
-            while True:
-                m = await asyncio.wait_for(ch.recv(), 60)
-                frames.append(m)
-                if isinstance(m, Done):
-                    break
+            # the Stop's Done may overtake the Pong (both are answers to frames the cloud has read)
+            while not (any(isinstance(m, Done) for m in frames) and any(isinstance(m, Pong) for m in frames)):
+                frames.append(await asyncio.wait_for(ch.recv(), 60))
         finally:
             await ch.close()
         return frames, acted
@@ -254,8 +252,8 @@ def test_stop_or_cancel_mid_transfer_is_acted_on_before_the_transfer_ends(cloud,
     assert "KVTransfer" not in kinds[pong:]  # nothing of the transfer after the Pong
     assert len(pieces) < total  # the transfer did not run to its end
     assert [m.block_index for m in pieces] == list(range(len(pieces)))  # in order, none skipped
-    done = frames[-1]
-    assert isinstance(done, Done) and done.reason == end, done
+    (done,) = [m for m in frames if isinstance(m, Done)]
+    assert done.reason == end, done
     assert all(isinstance(m, (Token, KVTransfer, Pong, Done)) for m in frames)
     dropped = cloud.metrics.registry.get_sample_value("relayinfer_kv_pieces_total", {"outcome": "dropped"})
     assert dropped - dropped0 == total - len(pieces)

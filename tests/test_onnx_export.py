@@ -135,7 +135,7 @@ def test_truncate_export_import_and_growth(onnx_engine, chat_prompt_ids):
     cut = onnx_engine.truncate(kv, 10)
     assert cut.length == 10 and cut.buffers[0] is kv.buffers[0]  # no copy
     again, _ = onnx_engine.prefill(ids[10:], cut)
-    assert np.abs(again - full).max() < 1e-4
+    assert np.abs(again - full).max() < 1e-4 * max(1.0, np.abs(full).max())  # fp32 rounding scales with |logit|
     with pytest.raises(ValueError, match="truncate"):
         onnx_engine.truncate(kv, kv.length + 1)
     _, kv = onnx_engine.prefill(ids[:-1])
@@ -143,7 +143,7 @@ def test_truncate_export_import_and_growth(onnx_engine, chat_prompt_ids):
     assert layers[0][0].shape == (1, onnx_engine.cfg.n_kv_heads, len(ids) - 1, onnx_engine.cfg.head_dim)
     imported = onnx_engine.kv_import(layers, len(ids) - 1)
     step, _ = onnx_engine.decode(ids[-1], imported)
-    assert np.abs(step - full).max() < 1e-4
+    assert np.abs(step - full).max() < 1e-4 * max(1.0, np.abs(full).max())  # fp32 rounding scales with |logit|
     with pytest.raises(ValueError, match="layer 0 key"):
         onnx_engine.kv_import([(k[:, :, :3], v) for k, v in layers], len(ids) - 1)
     long_ids = (ids * 12)[:300]
@@ -152,7 +152,7 @@ def test_truncate_export_import_and_growth(onnx_engine, chat_prompt_ids):
     _, small = onnx_engine.prefill(long_ids[:50], small)
     two, grown = onnx_engine.prefill(long_ids[50:], small)
     assert grown.capacity >= 300 and grown.length == 300
-    assert np.abs(one - two).max() < 1e-4
+    assert np.abs(one - two).max() < 1e-4 * max(1.0, np.abs(one).max())  # fp32 rounding scales with |logit|
 
 
 def test_export_format_and_refused_options(model_path, device_model_dir):

@@ -119,13 +119,13 @@ def test_prefill_then_decode_equals_full_forward(request, engine_name, chat_prom
         logits, kv = eng.decode(tok, kv)
         seq.append(tok)
         full, _ = eng.prefill(seq)
-        assert np.abs(logits - full).max() < 1e-4
+        assert np.abs(logits - full).max() < 1e-4 * max(1.0, np.abs(full).max())  # fp32 rounding scales with |logit|
     # chunked prefill (as the device does during hand-off) equals one prefill too
     a, kv = eng.prefill(ids[:10])
     a, kv = eng.prefill(ids[10:25], kv)
     a, kv = eng.prefill(ids[25:], kv)
     b, _ = eng.prefill(ids)
-    assert np.abs(a - b).max() < 1e-4
+    assert np.abs(a - b).max() < 1e-4 * max(1.0, np.abs(b).max())  # fp32 rounding scales with |logit|
 
 
 def test_seeded_sampling_is_reproducible_and_filters():
