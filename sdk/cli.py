@@ -230,14 +230,15 @@ app.add_typer(cloud_app, name="cloud")
 
 
 def _cloud_service(model, device: str, threads: int | None, token: str | None, export: bool = True,
-                   kv_cache_mb: int | None = None, metrics_public: bool = False, **limits):
+                   kv_cache_mb: int | None = None, metrics_public: bool = False, dtype: str = "auto", **limits):
     """A CloudService; with `kv_cache_mb` it batches requests in an LLMEngine (continuous batching,
-    paged KV cache of that many MiB) and serves the OpenAI-compatible API too."""
+    paged KV cache of that many MiB) and serves the OpenAI-compatible API too. `device` / `dtype`:
+    `torch_engine.pick_device` / `pick_dtype` ('auto': cuda and bfloat16 when torch sees a GPU)."""
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.export import ensure_device_model
     from relayinfer.cloud.serve.service import CloudService
 
-    engine = TorchEngine(model, device=device, threads=threads)
+    engine = TorchEngine(model, device=device, threads=threads, dtype=dtype)
     model_dir = ensure_device_model(model) if export else None
     _warm_grammar(engine)
     llm = None
@@ -280,7 +281,9 @@ def cloud_serve(
     http_port: int = typer.Option(8766,
                                   help="HTTP port: OpenAI API, /healthz, /metrics, /v1/device-model; 0 = any free port."),
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
-    device: str = typer.Option("cpu", help="torch device: cpu, cuda, npu."),
+    device: str = typer.Option("auto", help="torch device: auto (cuda when torch sees one, else cpu), cpu, cuda[:i], npu."),
+    dtype: str = typer.Option("auto", help="Weights and KV cache: auto (bfloat16 on cuda/npu, float32 on cpu), "
+                              "float32, bfloat16, float16."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN",
                                         help="Bearer token every client must send (devices and HTTP)."),
@@ -324,6 +327,15 @@ def cloud_serve(
                                retry_after_ms)
     if memory_mb is not None and memory_mb < (kv_cache_mb or 0):
         fail(ValueError(f"--memory-mb {memory_mb} is below --kv-cache-mb {kv_cache_mb}: the budget holds the KV pool"))
+    from relayinfer.cloud.engine.torch_engine import pick_device, pick_dtype
+
+    flag = "--device"
+    try:  # before loading the model, like the ports
+        dev = pick_device(device)
+        flag = "--dtype"
+        pick_dtype(dtype, dev)
+    except ValueError as e:
+        fail(ValueError(f"{flag}: {e}"))
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
     page = _web_page(web_dir) if web or web_dir else None
     _log_to_stderr()
@@ -332,7 +344,7 @@ def cloud_serve(
         _ensure_device_model(model)
         if page is not None:  # the page runs model.fp32.onnx on WASM (MatMulNBits is ~8x slower there)
             _ensure_device_model(model, "fp32")
-        svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None,
+        svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None, dtype=dtype,
                              metrics_public=metrics_public, max_sessions=max_sessions,
                              max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms,
                              max_queued_tokens=max_queued_tokens, max_queue_wait_ms=max_queue_wait_ms,

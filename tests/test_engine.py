@@ -277,3 +277,51 @@ def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
     assert a.shape == (1, len(prompts[0]), packed.cfg.vocab_size)
     torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+
+
+def test_dtype_names_and_auto():
+    """'auto' is float32 on the CPU and bfloat16 on an accelerator; unknown names are refused
+    naming the choices; a model passed in keeps its dtype."""
+    import torch
+
+    from relayinfer.cloud.engine.torch_engine import pick_device, pick_dtype
+
+    assert pick_dtype("auto", "cpu") == pick_dtype(None, "cpu") == torch.float32
+    assert pick_dtype("auto", "cuda:0") == pick_dtype(None, "npu") == torch.bfloat16
+    assert pick_dtype("bf16", "cpu") == torch.bfloat16 and pick_dtype(torch.float16, "cpu") == torch.float16
+    with pytest.raises(ValueError, match="choose auto, float32, bfloat16 or float16"):
+        pick_dtype("int4", "cpu")
+    with pytest.raises(ValueError, match="not supported"):
+        pick_dtype(torch.float64, "cpu")
+    assert pick_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("dtype,top1,kl", [("bfloat16", 0.93, 1e-2), ("float16", 0.98, 1e-3)])
+def test_half_precision_engine_is_close_to_float32(torch_engine, prompts, dtype, top1, kl):
+    """Weights and KV cache in bfloat16 / float16 (the accelerator path, run here on the CPU): the
+    logits at every position of the chat prompts pick the float32 model's top-1 token at >= `top1`
+    of positions with a mean KL(fp32 || half) below `kl` nats (measured here: bf16 0.96-0.98 and
+    0.0013-0.002, fp16 1.0 and 4e-5); the batching engine's KV pool holds half the bytes per token
+    and its greedy answers start as the float32 engine's."""
+    import torch
+
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+
+    half = TorchEngine(torch_engine.model_path, threads=1, dtype=dtype)
+    assert half.dtype == getattr(torch, dtype) and next(half.model.parameters()).dtype == half.dtype
+    assert half.new_cache(8).k.dtype == half.dtype
+    agree, kls = [], []
+    for ids in prompts:
+        a = torch_engine.forward(ids, torch_engine.new_cache(len(ids)), last_only=False).double()
+        b = half.forward(ids, half.new_cache(len(ids)), last_only=False).double()
+        assert b.shape == a.shape and torch.isfinite(b).all()
+        agree.append((a.argmax(-1) == b.argmax(-1)).double().mean().item())
+        la, lb = a.log_softmax(-1), b.log_softmax(-1)
+        kls.append((la.exp() * (la - lb)).sum(-1).mean().item())
+    assert min(agree) >= top1 and max(kls) < kl, (agree, kls)
+    llm = LLMEngine(half, kv_cache_bytes=16 << 20)
+    assert llm.kv_bytes_per_token * 2 == kv_bytes_per_token(torch_engine.cfg)
+    assert llm.runner.kv[0].dtype == half.dtype
+    out = llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))
+    ref = LLMEngine(torch_engine, kv_cache_bytes=16 << 20).generate(prompts[:2], SamplingParams(max_new_tokens=4))
+    assert [o[:2] for o in out] == [r[:2] for r in ref]

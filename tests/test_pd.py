@@ -259,3 +259,47 @@ def test_instances_that_cannot_all_be_placed_are_refused_up_front(monkeypatch):
     with pytest.raises(ValueError, match=r"4 instances x 1 Ray CPUs each = 4 CPUs asked; the Ray cluster has 2 .*"
                                          r"only 2 can be placed: pass --actor-cpus 0.5"):
         RayPool(None, specs, actor_cpus=1.0)
+
+
+def test_pd_moves_a_bfloat16_kv_cache_bit_for_bit(torch_engine, prompts):
+    """An engine in bfloat16 (as on a GPU): the prefill instance's KV payload is bfloat16 (half the
+    float32 bytes), it travels as "bfloat16" protocol frames and back bit for bit, and P/D answers
+    equal the same engine serving each prompt on its own, in both transfer modes."""
+    import torch
+
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.pd.kv import _tensor
+
+    half = TorchEngine(torch_engine.model_path, threads=1, dtype="bfloat16")
+    alone = [LLMEngine(half, kv_cache_bytes=16 << 20).generate([ids], GREEDY)[0] for ids in prompts[:3]]
+
+    async def main(mode):
+        p, d = Instance(half, "p", "prefill", cfg(transfer=mode)), Instance(half, "d", "decode", cfg())
+        out, payloads = [], []
+        try:
+            for i, ids in enumerate(prompts[:3]):
+                ho = await p.prefill(f"r{i}", ids, GREEDY)
+                payloads.append(ho.kv)
+                out.append([ho.new_token] + [o.token_id async for o in d.decode(ho)])
+            return out, payloads
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+    per_token = 2 * half.cfg.n_layers * half.cfg.n_kv_heads * half.cfg.head_dim * 2
+    for mode in ("contiguous", "block-fixed"):
+        out, payloads = asyncio.run(main(mode))
+        assert out == alone, mode
+        for pl, ids in zip(payloads, prompts):
+            assert pl.nbytes == len(ids) * per_token and pl.parts[0].dtype.name == "bfloat16"
+        msgs = to_messages(payloads[0], "r0")
+        assert {m.kv.dtype for m in msgs} == {"bfloat16"}
+        back = from_messages(msgs)
+        for a, b in zip(back.parts, payloads[0].parts):
+            assert torch.equal(_tensor(a).view(torch.int16), _tensor(b).view(torch.int16))
+    # what Ray actors rebuild the model from keeps the dtype: the same weights, bit for bit
+    from relayinfer.cloud.pd.ray_pool import build_model, model_weights
+
+    rebuilt = build_model(*model_weights(half.model))
+    for (name, a), b in zip(half.model.state_dict().items(), rebuilt.state_dict().values()):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name

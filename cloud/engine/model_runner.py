@@ -16,7 +16,7 @@ each query over its own sequence's keys, gathered from the paged cache through t
 
 Both go through `llama.gqa_attention` (grouped-query attention without expanding K/V).
 
-KV storage: per layer one tensor float32 [2, kv_heads, num_blocks * block_size, head_dim] (K after
+KV storage: per layer one tensor in the model's dtype [2, kv_heads, num_blocks * block_size, head_dim] (K after
 RoPE, then V), i.e. blocks of `block_size` consecutive slots. Token position p of a sequence lives
 in slot `block_table[p // block_size] * block_size + p % block_size`. This is the
 [num_blocks, block_size] page layout with the K/V and head axes moved first, so that gathering
@@ -146,9 +146,15 @@ class ModelRunner:
     @torch.inference_mode()
     def gather_kv(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """P/D export: K/V of `slots` into `out` [n_layers, 2, kv_heads, len(slots), head_dim], one
-        `index_select` per layer straight into the buffer (no intermediate copy)."""
+        `index_select` per layer straight into the buffer (no intermediate copy) when `out` has the
+        cache's device and dtype; otherwise (a host buffer for a GPU cache, another dtype) each
+        layer's selection is copied and converted into it."""
+        same = out.device == self.kv[0].device and out.dtype == self.dtype
         for li in range(self.cfg.n_layers):
-            torch.index_select(self.kv[li], 2, slots, out=out[li])
+            if same:
+                torch.index_select(self.kv[li], 2, slots, out=out[li])
+            else:
+                out[li].copy_(self.kv[li].index_select(2, slots))
         return out
 
     @torch.inference_mode()
@@ -159,16 +165,13 @@ class ModelRunner:
         `index_select` per layer converted into the buffer."""
         cfg = self.cfg
         out = torch.empty((cfg.n_layers, 2, cfg.n_kv_heads, end - start, cfg.head_dim), dtype=dtype)
-        slots = self.slots(block_table, start, end)
-        if dtype == self.dtype:
-            return self.gather_kv(slots, out).numpy()
-        for li in range(cfg.n_layers):
-            out[li].copy_(self.kv[li].index_select(2, slots))
-        return out.numpy()
+        return self.gather_kv(self.slots(block_table, start, end), out).numpy()
 
     @torch.inference_mode()
     def scatter_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """P/D import: write `kv` [n_layers, 2, kv_heads, len(slots), head_dim] into `slots`."""
+        """P/D import: write `kv` [n_layers, 2, kv_heads, len(slots), head_dim] (any device; the
+        cache's dtype, or converted to it) into `slots`."""
+        kv = kv.to(self.kv[0].device, self.dtype)
         for li in range(self.cfg.n_layers):
             self.kv[li].index_copy_(2, slots, kv[li])
 

@@ -14,12 +14,13 @@ from relayinfer.protocol.model.model_file import ModelConfig, fingerprint, resol
 
 
 def pick_device(device: str | None) -> str:
-    """'cpu', 'cuda', 'npu' (when torch_npu is installed) or None for the best available.
+    """'cpu', 'cuda[:i]', 'npu' (when torch_npu is installed), or None / 'auto' for the best
+    available ('cuda' when torch sees a CUDA device, else 'cpu').
 
     Raises:
         ValueError: the asked device is not available in this torch build.
     """
-    if device is None:
+    if device is None or device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("npu"):
         try:
@@ -31,6 +32,29 @@ def pick_device(device: str | None) -> str:
     return device
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """The weights' and KV cache's dtype: a name of `DTYPES` or a torch dtype; None / 'auto' is
+    bfloat16 on an accelerator (cuda, npu: half the bytes per weight and KV token, tensor-core
+    matmuls) and float32 on the CPU (the tested path: its tokens equal the device's fp32 model).
+
+    Raises:
+        ValueError: a name outside `DTYPES`, naming the choices.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; choose one of float32, bfloat16, float16")
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.float32 if device.startswith("cpu") else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
 class TorchEngine:
     """Llama on PyTorch with an explicit KV cache (`StaticKV`).
 
@@ -38,18 +62,33 @@ class TorchEngine:
     float32 numpy [vocab] of the last position; `kv` is a `StaticKV` ([layers, 1, kv_heads, T,
     head_dim] K and V tensors) that the engine grows in place.
 
+    `device`: 'cpu' (default), 'cuda', 'npu' or None / 'auto' (`pick_device`). `dtype`: the
+    weights' and KV cache's dtype, None / 'auto' = bfloat16 on an accelerator and float32 on the
+    CPU (`pick_dtype`); logits are float32 whatever it is. A `model` passed in keeps its own
+    device and dtype.
+
     `pack_weights` (default): on the CPU in float32 the linear layers run on oneDNN pre-packed
-    weights (`llama.PackedLinear`: faster at 4-16 rows, and a row's result independent of the
-    batch); False keeps `nn.Linear` (a model passed in is packed in place).
+    weights (`llama.PackedLinear`: faster at 4-16 rows); False keeps `nn.Linear` (a model passed
+    in is packed in place).
+
+    Raises:
+        ValueError: the device is not available or the dtype is unknown.
+        ModelFileError / UnsupportedModelError: from `load_llama`.
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, device: str | None = "cpu",
-                 threads: int | None = None, model: Llama | None = None, pack_weights: bool = True):
+                 threads: int | None = None, model: Llama | None = None, pack_weights: bool = True,
+                 dtype: str | torch.dtype | None = None):
         if threads:
             torch.set_num_threads(threads)
-        self.device = pick_device(device)
         self.model_path = resolve_model_path(model_path)
-        self.model = model if model is not None else load_llama(self.model_path, device=self.device)
+        if model is not None:
+            p = next(model.parameters())
+            self.device, self.dtype = str(p.device), p.dtype
+        else:
+            self.device = pick_device(device)
+            self.dtype = pick_dtype(dtype, self.device)
+        self.model = model if model is not None else load_llama(self.model_path, device=self.device, dtype=self.dtype)
         if pack_weights:
             pack_linears(self.model)
         self.model.model_path = self.model_path  # an engine built on the bare model finds its tokenizer
@@ -68,7 +107,7 @@ class TorchEngine:
 
 
     def new_cache(self, capacity: int = 256) -> StaticKV:
-        return StaticKV(self.cfg, capacity=capacity, device=self.device)
+        return StaticKV(self.cfg, capacity=capacity, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], kv: StaticKV, last_only: bool = True,

@@ -201,7 +201,10 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        """x [..., dim] in the model dtype; the statistics are taken in float32 (as transformers'
+        LlamaRMSNorm: a float16 sum of squares overflows), the result is in x's dtype."""
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:

@@ -51,9 +51,36 @@ class KVPayload:
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A torch view of a payload array; bfloat16 (an `ml_dtypes.bfloat16` array, or the uint16
+    patterns a `KVTransfer` frame decodes to) comes back as torch.bfloat16."""
     with warnings.catch_warnings():  # Ray hands read-only zero-copy arrays; we only read them
         warnings.simplefilter("ignore", UserWarning)
+        if a.dtype.name in ("bfloat16", "uint16"):
+            return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(a)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A host numpy array of `t` (its memory when already on the CPU); bfloat16 as
+    `ml_dtypes.bfloat16` (the inverse of `_tensor`)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _buffer(shape: tuple, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
+    """A host buffer of the cache's dtype as (numpy array, torch view of the same memory);
+    bfloat16, which numpy lacks, is an `ml_dtypes.bfloat16` array (sent as "bfloat16" frames)."""
+    if dtype == torch.bfloat16:
+        import ml_dtypes
+
+        a = np.empty(shape, dtype=ml_dtypes.bfloat16)
+        return a, _tensor(a)
+    a = np.empty(shape, dtype=torch.empty((), dtype=dtype).numpy().dtype)
+    return a, torch.from_numpy(a)
 
 
 @torch.inference_mode()
@@ -64,17 +91,15 @@ def export_kv(runner, block_table: list[int], num_tokens: int, mode: str = "cont
     t0 = time.perf_counter()
     cfg, bs = runner.cfg, runner.block_size
     L, kvh, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-    dt = torch.empty((), dtype=runner.dtype).numpy().dtype
     if mode == "contiguous":
-        buf = np.empty((L, 2, kvh, num_tokens, hd), dtype=dt)
-        runner.gather_kv(runner.slots(block_table, 0, num_tokens), torch.from_numpy(buf))
+        buf, view = _buffer((L, 2, kvh, num_tokens, hd), runner.dtype)
+        runner.gather_kv(runner.slots(block_table, 0, num_tokens), view)
         parts = [buf]
     else:
         parts = []
         for i in range(-(-num_tokens // bs)):
             n, s0 = min(bs, num_tokens - i * bs), block_table[i] * bs
-            blk = np.empty((L, 2, kvh, n, hd), dtype=dt)
-            t = torch.from_numpy(blk)
+            blk, t = _buffer((L, 2, kvh, n, hd), runner.dtype)
             for li in range(L):
                 t[li, 0].copy_(runner.k[li][:, s0:s0 + n])
                 t[li, 1].copy_(runner.v[li][:, s0:s0 + n])
@@ -96,7 +121,7 @@ def writer(payload: KVPayload):
             for i in range(start // bs, len(payload.parts)):  # blocks before start: shared from the prefix cache
                 t = _tensor(payload.parts[i])
                 n, s0 = t.shape[3], int(slots[i * bs - start])  # a block's slots are consecutive
-                for li in range(L):
+                for li in range(L):  # copy_ converts device and dtype
                     runner.k[li][:, s0:s0 + n].copy_(t[li, 0])
                     runner.v[li][:, s0:s0 + n].copy_(t[li, 1])
         payload.import_s = time.perf_counter() - t0

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import warnings
 from dataclasses import asdict
 
 from .gateway import Group, GroupSpec
@@ -68,8 +67,11 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, **kw) -> 
 
 
 def model_weights(model) -> tuple:
-    """(config, {name: float32 numpy}) of a loaded `Llama`: what actors rebuild the model from."""
-    return model.cfg, {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    """(config, {name: numpy in the model's dtype}) of a loaded `Llama`: what actors rebuild the
+    model from (bfloat16 as `ml_dtypes.bfloat16`)."""
+    from relayinfer.cloud.pd.kv import _numpy
+
+    return model.cfg, {k: _numpy(v) for k, v in model.state_dict().items()}
 
 
 def build_model(cfg, weights: dict):
@@ -78,12 +80,11 @@ def build_model(cfg, weights: dict):
     import torch
 
     from relayinfer.cloud.models.llama import Llama, rope_bases
+    from relayinfer.cloud.pd.kv import _tensor
 
     with torch.device("meta"):
         model = Llama(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        state = {k: torch.from_numpy(v) for k, v in weights.items()}
+    state = {k: _tensor(v) for k, v in weights.items()}
     model.load_state_dict(state, assign=True, strict=False)
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
