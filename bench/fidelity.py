@@ -13,7 +13,9 @@ greedy tokens, for each runtime on the same GGUF:
   absolute values (`logprob_gap_abs_mean`).
 
 Runtimes: `onnx-gguf` (the device default: the GGUF's blocks, fp32 activations), `onnx-gguf-q8`
-(the MLP blocks, 8-bit blocks and head on int8 activations), `onnx-fp32`, and `llama.cpp` (its `llama-server`
+(the MLP blocks, 8-bit blocks and head on int8 activations), `onnx-fp32`, the cloud engine in half
+precision (`torch-bf16`, `torch-fp16`: `TorchEngine(dtype=...)`, weights and KV cache rounded from
+the dequantized fp32), and `llama.cpp` (its `llama-server`
 built by `bench/llamacpp.sh`, the same vendored source as llama-cpp-python's sdist, `/completion`
 with the prompt as token ids, temperature 0, one slot, 1 thread; its Q4/Q8 matmuls quantize the
 activations to Q8_1). A variant is *acceptable* when its median first divergence is at least
@@ -38,7 +40,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling drivers: split (mean_logprob), runtimes, serve_compare
-RUNTIMES = ("onnx-gguf", "onnx-gguf-q8", "onnx-fp32", "llama.cpp")
+RUNTIMES = ("onnx-gguf", "onnx-gguf-q8", "onnx-fp32", "torch-bf16", "torch-fp16", "llama.cpp")
 
 
 def prompts(tok, n: int) -> list[list[int]]:
@@ -136,6 +138,10 @@ def main(argv=None) -> int:
                 answers[name] = [llama_greedy(srv.base, p, args.tokens, eos) for p in ps]
             finally:
                 srv.stop()
+        elif name.startswith("torch-"):
+            half = TorchEngine(model, device="cpu", threads=1, dtype=name.split("-", 1)[1])
+            answers[name] = [half.generate(p, greedy).token_ids for p in ps]
+            del half
         else:
             from relayinfer.cloud.export import ensure_device_model
             from relayinfer.device.onnx_engine import OnnxEngine

@@ -1,11 +1,14 @@
-"""The cloud engine's linears on oneDNN pre-packed weights (`llama.PackedLinear`) against `F.linear`.
+"""The cloud engine's linears on oneDNN pre-packed weights (`llama.PackedLinear`) against `F.linear`,
+and the engine in bfloat16 (`TorchEngine(dtype="bfloat16")`) beside both.
 
-Two figures, one process, one thread pinned to one core, the two variants alternated per repeat:
+Two figures, one process, one thread pinned to one core, the variants alternated per repeat:
 
 * all 211 linear layers of the model (real SmolLM2 weights) at M rows (1 = one decode token,
-  4-16 = a decode batch, 64-256 = prefill chunks): ms per pass, median of `--reps`;
+  4-16 = a decode batch, 64-256 = prefill chunks): ms per pass, median of `--reps`, for fp32
+  `F.linear` (MKL), fp32 packed (oneDNN) and bf16 `F.linear` (oneDNN's AMX / AVX512-BF16 kernels
+  where the CPU has them, else a slower conversion path);
 * one decode-only step of the batching engine (`LLMEngine.step`) with N chitchat requests in
-  flight, on a `TorchEngine` with and without packing (same weights), median over `--steps`.
+  flight, on a `TorchEngine` dense fp32, packed fp32 and bf16 (same weights), median over `--steps`.
 
     .venv/bin/python bench/packed_linear.py [--rows 1,2,4,8,16,64,256] [--batches 1,4,16] [--reps 7] [--steps 30]
 """
@@ -29,11 +32,14 @@ from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.sdk.datasets import chitchat_prompts_by_length
 
 
-def linears_ms(dense: list[torch.Tensor], packed: list[PackedLinear], m: int, reps: int) -> tuple[float, float]:
-    """(F.linear ms, packed ms) for one pass over every linear at `m` rows (median of `reps`)."""
+def linears_ms(dense: list[torch.Tensor], packed: list[PackedLinear], half: list[torch.Tensor], m: int,
+               reps: int) -> tuple[float, float, float]:
+    """(F.linear fp32 ms, packed ms, F.linear bf16 ms) for one pass over every linear at `m` rows
+    (median of `reps`)."""
     g = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(1, m, k, generator=g) * 0.1 for k in {w.shape[1] for w in dense}}
-    a, b = [], []
+    xh = {k: x.to(torch.bfloat16) for k, x in xs.items()}
+    a, b, c = [], [], []
     with torch.inference_mode():
         for _ in range(reps):
             t = time.perf_counter()
@@ -44,7 +50,11 @@ def linears_ms(dense: list[torch.Tensor], packed: list[PackedLinear], m: int, re
             for lin in packed:
                 lin(xs[lin.in_features])
             b.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(a)), 1e3 * float(np.median(b))
+            t = time.perf_counter()
+            for w in half:
+                F.linear(xh[w.shape[1]], w)
+            c.append(time.perf_counter() - t)
+    return tuple(1e3 * float(np.median(v)) for v in (a, b, c))
 
 
 def step_ms(engines: dict[str, TorchEngine], prompts: list[list[int]], n: int, steps: int) -> dict[str, float]:
@@ -93,12 +103,16 @@ def main(argv=None) -> int:
     if len(packed) != len(dense):
         print("this torch build cannot pack linears (no oneDNN): nothing to compare", file=sys.stderr)
         return 1
+    half = [w.to(torch.bfloat16) for w in dense]
     lin_rows = []
     for m in rows:
-        d, p = linears_ms(dense, packed, m, a.reps)
-        lin_rows.append({"rows": m, "f_linear_ms": round(d, 2), "packed_ms": round(p, 2), "speedup": round(d / p, 2)})
+        d, p, h = linears_ms(dense, packed, half, m, a.reps)
+        lin_rows.append({"rows": m, "f_linear_ms": round(d, 2), "packed_ms": round(p, 2), "bf16_ms": round(h, 2),
+                         "speedup": round(d / p, 2), "bf16_speedup": round(d / h, 2)})
         print(lin_rows[-1], flush=True)
-    engines = {"dense": TorchEngine(model=model, pack_weights=False), "packed": TorchEngine(model=packed_model)}
+    del half
+    engines = {"dense": TorchEngine(model=model, pack_weights=False), "packed": TorchEngine(model=packed_model),
+               "bf16": TorchEngine(dtype="bfloat16")}
     from relayinfer.protocol.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(engines["dense"].model_path)
@@ -107,22 +121,27 @@ def main(argv=None) -> int:
     for n in batches:
         s = step_ms(engines, prompts, n, a.steps)
         step_rows.append({"requests": n, "dense_step_ms": round(s["dense"], 1), "packed_step_ms": round(s["packed"], 1),
-                          "speedup": round(s["dense"] / s["packed"], 2)})
+                          "bf16_step_ms": round(s["bf16"], 1), "speedup": round(s["dense"] / s["packed"], 2),
+                          "bf16_speedup": round(s["dense"] / s["bf16"], 2)})
         print(step_rows[-1], flush=True)
     cmd = "python bench/packed_linear.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res = {"command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].split(":", 1)[1].strip(),
            "load_avg_before": os.getloadavg(), "torch": torch.__version__, "linears": lin_rows, "engine_steps": step_rows}
     Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
-    md = [f"# Cloud engine linears: oneDNN pre-packed weights vs F.linear (SmolLM2-135M, fp32)\n",
+    md = [f"# Cloud engine linears: oneDNN pre-packed fp32 weights and bf16 vs F.linear fp32 (SmolLM2-135M)\n",
           f"Command: `{res['command']}` ({res['date']}, {res['cpu']}, 1 thread pinned to core {a.cpu}, "
           f"torch {torch.__version__}).\n",
           "All 211 linear layers at M rows, ms per pass (median):\n",
-          "| rows | F.linear (MKL) ms | packed (oneDNN) ms | speedup |", "|---|---|---|---|"]
-    md += [f"| {r['rows']} | {r['f_linear_ms']} | {r['packed_ms']} | {r['speedup']}x |" for r in lin_rows]
+          "| rows | F.linear fp32 (MKL) ms | packed fp32 (oneDNN) ms | F.linear bf16 ms | packed speedup | bf16 speedup |",
+          "|---|---|---|---|---|---|"]
+    md += [f"| {r['rows']} | {r['f_linear_ms']} | {r['packed_ms']} | {r['bf16_ms']} | {r['speedup']}x | {r['bf16_speedup']}x |"
+           for r in lin_rows]
     md += ["", "One decode-only `LLMEngine.step` with N requests in flight (chitchat prompts 32-128 tokens), ms (median):\n",
-           "| N | dense step ms | packed step ms | speedup |", "|---|---|---|---|"]
-    md += [f"| {r['requests']} | {r['dense_step_ms']} | {r['packed_step_ms']} | {r['speedup']}x |" for r in step_rows]
+           "| N | dense fp32 step ms | packed fp32 step ms | bf16 step ms | packed speedup | bf16 speedup |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {r['requests']} | {r['dense_step_ms']} | {r['packed_step_ms']} | {r['bf16_step_ms']} | {r['speedup']}x | "
+           f"{r['bf16_speedup']}x |" for r in step_rows]
     Path(a.out + ".md").write_text("\n".join(md) + "\n")
     return 0
 

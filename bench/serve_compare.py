@@ -8,6 +8,9 @@ length through `ignore_eos` (both servers implement vLLM's field) and `max_token
 
   * `relayinfer` - `relayinfer cloud serve` (torch engine, fp32 weights dequantized from the GGUF,
     continuous batching over a paged KV cache);
+  * `relayinfer-bf16` - the same with `--dtype bfloat16` (weights and KV cache in bfloat16: oneDNN's
+    AMX / AVX512-BF16 kernels where the CPU has them; its closeness to fp32 is bench/fidelity.py's
+    `torch-bf16` row);
   * `llama-f32`  - `llama-server` on an F32 GGUF made from the shipped file by
     `llama-quantize --allow-requantize ... F32` (the same fp32 arithmetic as relayinfer);
   * `llama-q4_1` - `llama-server` on the shipped Q4_1 GGUF.
@@ -51,7 +54,11 @@ from runtimes import cpu_name  # bench/runtimes.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
-SERVERS = ("relayinfer", "llama-f32", "llama-q4_1")
+SERVERS = ("relayinfer", "relayinfer-bf16", "llama-f32", "llama-q4_1")
+OURS = ("relayinfer", "relayinfer-bf16")
+BASELINES = ("llama-f32", "llama-q4_1")
+WEIGHTS = {"relayinfer": "fp32 (GGUF dequantized)", "relayinfer-bf16": "bf16 (GGUF dequantized)",
+           "llama-f32": "F32 GGUF", "llama-q4_1": "Q4_1 GGUF"}
 
 
 def _die(msg: str) -> NoReturn:
@@ -151,12 +158,14 @@ class Server:
         self._log.close()
 
 
-def start_relayinfer(threads: int, cpus: set[int], kv_mb: int, lifetime_s: float, logdir: Path) -> Server:
+def start_relayinfer(name: str, threads: int, cpus: set[int], kv_mb: int, lifetime_s: float, logdir: Path) -> Server:
+    """`relayinfer cloud serve` as server `name` of `OURS` (-bf16: `--dtype bfloat16`)."""
     port = free_port()
     argv = [str(REPO / ".venv" / "bin" / "relayinfer"), "cloud", "serve", "--host", "127.0.0.1", "--port", "0",
             "--http-port", str(port), "--threads", str(threads), "--kv-cache-mb", str(kv_mb),
-            "--duration-s", str(int(lifetime_s))]
-    return Server("relayinfer", argv, port, "/healthz", cpus, logdir / "relayinfer.log",
+            "--duration-s", str(int(lifetime_s)), "--device", "cpu",
+            "--dtype", "bfloat16" if name.endswith("-bf16") else "float32"]
+    return Server(name, argv, port, "/healthz", cpus, logdir / f"{name}.log",
                   env={"OMP_NUM_THREADS": str(threads)})
 
 
@@ -279,14 +288,16 @@ def write_markdown(path: Path, rep: dict) -> None:
         lines.append(f"| {lv['server']} | {rep['weights'][lv['server']]} | {lv['concurrency']} | {lv['completed']} / "
                      f"{lv['sent']} | {lv['output_tok_s']:.1f} | {fmt(lv['ttft_ms']['p50'])} / {fmt(lv['ttft_ms']['p99'])} "
                      f"| {fmt(lv['tpot_ms']['p50'], 1)} / {fmt(lv['tpot_ms']['p99'], 1)} |")
-    lines += ["", "Output tokens/s ratios (paired, same run):", "", "| N | relayinfer / llama-f32 | relayinfer / llama-q4_1 |",
-              "|---|---|---|"]
+    pairs = sorted({k for r in rep["ratios"].values() for k, v in r.items() if v is not None},
+                   key=lambda k: (OURS.index(k.split(" / ")[0]), k))
+    lines += ["", "Output tokens/s ratios (paired, same run):", "", "| N | " + " | ".join(pairs) + " |",
+              "|---|" + "---|" * len(pairs)]
     for n, r in rep["ratios"].items():
-        lines.append(f"| {n} | {fmt(r.get('llama-f32'), 2)} | {fmt(r.get('llama-q4_1'), 2)} |")
+        lines.append(f"| {n} | " + " | ".join(fmt(r.get(k), 2) for k in pairs) + " |")
     g = rep.get("goal")
     if g:
         lines += ["", f"Goal: cloud engine >= 1.0x llama-server on F32 at 16 concurrent: **{g['status']}** "
-                  f"(ratio {fmt(g['ratio'], 2)})."]
+                  f"(fp32 ratio {fmt(g['ratio'], 2)})."]
     errs = [(lv["server"], lv["concurrency"], lv["errors"]) for lv in rep["levels"] if lv["errors"]]
     if errs:
         lines += ["", "Errors: " + "; ".join(f"{a} N={b}: {c}" for a, b, c in errs)]
@@ -357,27 +368,27 @@ def main(argv=None) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="serve-compare-"))
     log(f"server logs in {logdir}")
 
-    results, relay = [], None
+    results, ours = [], {}  # relayinfer servers run once for all N (idle while another server's level runs)
     try:
-        if "relayinfer" in servers:
-            relay = start_relayinfer(args.threads, server_cpus, args.kv_cache_mb,
-                                     lifetime_s=len(levels) * 3 * args.level_budget_s + 600, logdir=logdir)
-            relay.wait_ready()
-            asyncio.run(run_level(relay.base, prompts[-1:], 1, 1, args.max_tokens, args.level_budget_s))  # warm-up
+        for name in (s for s in servers if s in OURS):
+            ours[name] = srv = start_relayinfer(name, args.threads, server_cpus, args.kv_cache_mb,
+                                                lifetime_s=len(levels) * 4 * args.level_budget_s + 600, logdir=logdir)
+            srv.wait_ready()
+            asyncio.run(run_level(srv.base, prompts[-1:], 1, 1, args.max_tokens, args.level_budget_s))  # warm-up
         for n in levels:
             for name in servers:
-                srv = relay
-                if name != "relayinfer":
+                srv = ours.get(name)
+                if srv is None:
                     model = Path(models["f32" if name == "llama-f32" else "q4_1"])
                     srv = start_llama(name, bindir, model, n, args.threads, args.slot_ctx, server_cpus, logdir)
                 try:
                     srv.wait_ready()
-                    if name != "relayinfer":  # warm-up
+                    if name not in OURS:  # warm-up
                         asyncio.run(run_level(srv.base, prompts[-1:], 1, 1, args.max_tokens, args.level_budget_s))
                     lv = asyncio.run(run_level(srv.base, prompts, n, count_for(n), args.max_tokens,
                                                args.level_budget_s))
                 finally:
-                    if srv is not relay:
+                    if name not in OURS:
                         srv.stop()
                 lv["server"] = name
                 results.append(lv)
@@ -385,17 +396,17 @@ def main(argv=None) -> int:
                     f"{fmt(lv['ttft_ms']['p50'])} ms, TPOT p50 {fmt(lv['tpot_ms']['p50'], 1)} ms"
                     + (f", errors {lv['errors']}" if lv["errors"] else ""))
     finally:
-        if relay is not None:
-            relay.stop()
+        for srv in ours.values():
+            srv.stop()
 
     by = {(lv["server"], lv["concurrency"]): lv["output_tok_s"] for lv in results}
-    ratios = {str(n): {b: (by[("relayinfer", n)] / by[(b, n)] if by.get((b, n)) and ("relayinfer", n) in by else None)
-                       for b in ("llama-f32", "llama-q4_1")} for n in levels}
+    ratios = {str(n): {f"{a} / {b}": (by[(a, n)] / by[(b, n)] if by.get((b, n)) and by.get((a, n)) else None)
+                       for a in OURS for b in BASELINES} for n in levels}
     goal = None
-    if "16" in ratios and ratios["16"]["llama-f32"] is not None:
-        goal = {"goal": "cloud engine >= 1.0x llama-server on F32 at 16 concurrent (output tok/s)",
-                "ratio": ratios["16"]["llama-f32"], "target": 1.0,
-                "status": "met" if ratios["16"]["llama-f32"] >= 1.0 else "missed"}
+    f32_16 = ratios.get("16", {}).get("relayinfer / llama-f32")
+    if f32_16 is not None:
+        goal = {"goal": "cloud engine (fp32) >= 1.0x llama-server on F32 at 16 concurrent (output tok/s)",
+                "ratio": f32_16, "target": 1.0, "status": "met" if f32_16 >= 1.0 else "missed"}
     llama_ver = None
     if bindir:
         src = REPO / "build" / "llamacpp" / "SOURCE"
@@ -406,7 +417,7 @@ def main(argv=None) -> int:
         "machine": {"cpu": cpu_name() or platform.machine(), "cores": os.cpu_count(),
                     "loadavg_before": [round(x, 2) for x in loadavg]},
         "llama_cpp": llama_ver, "model": models,
-        "weights": {"relayinfer": "fp32 (GGUF dequantized)", "llama-f32": "F32 GGUF", "llama-q4_1": "Q4_1 GGUF"},
+        "weights": WEIGHTS,
         "settings": {"concurrency": levels, "max_tokens": args.max_tokens, "threads": args.threads,
                      "server_cpus": sorted(server_cpus), "client_cpus": sorted(client_cpus),
                      "slot_ctx": args.slot_ctx, "kv_cache_mb": args.kv_cache_mb,
