@@ -8,7 +8,8 @@ Two figures, one process, one thread pinned to one core, the variants alternated
   `F.linear` (MKL), fp32 packed (oneDNN) and bf16 `F.linear` (oneDNN's AMX / AVX512-BF16 kernels
   where the CPU has them, else a slower conversion path);
 * one decode-only step of the batching engine (`LLMEngine.step`) with N chitchat requests in
-  flight, on a `TorchEngine` dense fp32, packed fp32 and bf16 (same weights), median over `--steps`.
+  flight, on a `TorchEngine` dense fp32, packed fp32 (as the engine runs it: `F.linear` below
+  `llama.PACKED_MIN_ROWS` rows) and bf16 (same weights), median over `--steps`.
 
     .venv/bin/python bench/packed_linear.py [--rows 1,2,4,8,16,64,256] [--batches 1,4,16] [--reps 7] [--steps 30]
 """
@@ -47,8 +48,8 @@ def linears_ms(dense: list[torch.Tensor], packed: list[PackedLinear], half: list
                 F.linear(xs[w.shape[1]], w)
             a.append(time.perf_counter() - t)
             t = time.perf_counter()
-            for lin in packed:
-                lin(xs[lin.in_features])
+            for lin in packed:  # the packed kernel itself (the module runs F.linear below PACKED_MIN_ROWS rows)
+                torch.ops.mkldnn._linear_pointwise(xs[lin.in_features], lin.packed, lin.bias, "none", [], "")
             b.append(time.perf_counter() - t)
             t = time.perf_counter()
             for w in half:

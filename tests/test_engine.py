@@ -277,6 +277,17 @@ def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
     assert a.shape == (1, len(prompts[0]), packed.cfg.vocab_size)
     torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+    # below PACKED_MIN_ROWS rows the dense weight runs (F.linear, bit for bit); from it on, the packed one
+    from relayinfer.cloud.models.llama import PACKED_MIN_ROWS
+
+    lin = packed.layers[0].up
+    x = torch.randn(1, PACKED_MIN_ROWS, lin.in_features)
+    with torch.inference_mode():
+        few = lin(x[:, : PACKED_MIN_ROWS - 1])
+        many = lin(x)
+        raw = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+    assert torch.equal(few, torch.nn.functional.linear(x[:, : PACKED_MIN_ROWS - 1], lin.dense, lin.bias))
+    assert torch.equal(many, raw)
 
 
 def test_dtype_names_and_auto():

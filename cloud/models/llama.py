@@ -345,37 +345,45 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-class PackedLinear(nn.Module):
-    """`nn.Linear` whose fp32 weight is held pre-packed in oneDNN's blocked layout
-    (`torch.ops.mkldnn._reorder_linear_weight`, the weight prepacking of PyTorch Inductor's CPU
-    freezing pass) and run by `torch.ops.mkldnn._linear_pointwise`.
+PACKED_MIN_ROWS = 3  # fewer rows run F.linear on the dense weight (`PackedLinear`)
 
-    Why (bench/results/packed_linear.md): on one core the packed kernel runs the model's linears
-    at 4-16 rows 1.3-1.5x faster than `F.linear`'s MKL path (the same at 1 row and at prefill
-    sizes): the batching engine's small decode batches, where the weights are read once for all
-    rows. Results equal `F.linear`'s to fp32 rounding (~1e-6 relative; neither is bitwise
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` whose fp32 weight is also held pre-packed in oneDNN's blocked layout
+    (`torch.ops.mkldnn._reorder_linear_weight`, the weight prepacking of PyTorch Inductor's CPU
+    freezing pass) and run by `torch.ops.mkldnn._linear_pointwise` from `PACKED_MIN_ROWS` rows on.
+
+    Why (bench/results/packed_linear.md, one core): the packed kernel runs the model's linears at
+    4-16 rows 1.3-1.5x faster than `F.linear`'s MKL path and the same at prefill sizes (the
+    batching engine's small decode batches, where the weights are read once for all rows), but at
+    1-2 rows it is 0.81x on an Intel Xeon (equal on an AMD EPYC): there `F.linear` on the dense
+    weight runs (MKL's GEMV). Both copies are kept: twice the weight bytes (+540 MB for
+    SmolLM2-135M). Results equal `F.linear`'s to fp32 rounding (~1e-6 relative; neither is bitwise
     independent of the row count).
 
-    x float32 [..., in_features] -> [..., out_features]. Only the packed copy is kept: `weight`
-    (and the state dict) give the dense float32 [out_features, in_features] back, copied out.
+    x float32 [..., in_features] -> [..., out_features]; `weight` (and the state dict) is the dense
+    float32 [out_features, in_features] weight.
     """
 
     def __init__(self, lin: nn.Linear, batch_hint: int = 16):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
+        self.dense = lin.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense, batch_hint)
         self.bias = None if lin.bias is None else nn.Parameter(lin.bias.detach(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.packed.to_dense()
+        return self.dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < PACKED_MIN_ROWS * self.in_features:
+            return F.linear(x, self.dense, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.weight
+        destination[prefix + "weight"] = self.dense
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -388,8 +396,8 @@ def can_pack(model: nn.Module) -> bool:
 def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every `nn.Linear` of a float32 CPU `model` by a `PackedLinear` in place (a no-op
     where `can_pack` is False: GPU, half precision, no oneDNN) and return the model. A weight
-    shared with another module (a tied LM head) is packed as its own copy; the dense original
-    stays with the module that owns it. Costs one reorder per weight (~1 s for SmolLM2-135M)."""
+    shared with another module (a tied LM head) is packed as its own copy; the dense tensor stays
+    shared. Costs one reorder per weight (~1 s for SmolLM2-135M) and the packed copies' bytes."""
     if not can_pack(model):
         return model
     for parent in list(model.modules()):
