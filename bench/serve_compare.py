@@ -322,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-ctx", type=int, default=512, help="llama-server context per slot (tokens)")
     ap.add_argument("--kv-cache-mb", type=int, default=1024, help="relayinfer paged KV cache (MiB)")
     ap.add_argument("--level-budget-s", type=float, default=180.0, help="no new request after this (s)")
+    ap.add_argument("--llama-isa", default="avx2", choices=("avx2", "avx512"),
+                    help="which bench/llamacpp.sh build runs llama-server (avx512: AVX512 + AMX kernels)")
     ap.add_argument("--quick", action="store_true", help="N = 1,4, 2 requests per level, output under /tmp")
     ap.add_argument("--out", type=Path, help="JSON path; .md beside it (default bench/results/serve_compare.json)")
     args = ap.parse_args(argv)
@@ -349,9 +351,11 @@ def main(argv=None) -> int:
 
     bindir = None
     if any(s.startswith("llama") for s in servers):
-        r = subprocess.run([str(ROOT / "llamacpp.sh"), "--print"], capture_output=True, text=True)
+        r = subprocess.run([str(ROOT / "llamacpp.sh"), "--print"], capture_output=True, text=True,
+                           env={**os.environ, "LLAMACPP_ISA": args.llama_isa})
         if r.returncode != 0:
-            _die("llama.cpp is not built: run bench/llamacpp.sh first (or --servers relayinfer)")
+            _die(f"llama.cpp ({args.llama_isa}) is not built: run LLAMACPP_ISA={args.llama_isa} bench/llamacpp.sh "
+                 "first (or --servers relayinfer)")
         bindir = Path(r.stdout.strip().splitlines()[-1])
 
     from relayinfer.protocol.model.model_file import resolve_model_path
@@ -410,7 +414,7 @@ def main(argv=None) -> int:
     llama_ver = None
     if bindir:
         src = REPO / "build" / "llamacpp" / "SOURCE"
-        llama_ver = src.read_text().strip() if src.is_file() else "vendored"
+        llama_ver = (src.read_text().strip() if src.is_file() else "vendored") + f", {args.llama_isa} build"
     rep = {
         "command": " ".join([".venv/bin/python", "bench/serve_compare.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
