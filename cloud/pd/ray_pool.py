@@ -74,12 +74,14 @@ def model_weights(model) -> tuple:
     return model.cfg, {k: _numpy(v) for k, v in model.state_dict().items()}
 
 
-def build_model(cfg, weights: dict):
+def build_model(cfg, weights: dict, pack: bool = True):
     """A `Llama` on `weights` (read-only zero-copy arrays from the object store are fine: inference
-    never writes them)."""
+    never writes them). `pack`: a float32 CPU model's linears are pre-packed as `TorchEngine`'s
+    (`llama.pack_linears`: the same arithmetic and speed as `cloud serve`'s engine; the packed
+    copies are the actor's own memory, the dense weights stay shared)."""
     import torch
 
-    from relayinfer.cloud.models.llama import Llama, rope_bases
+    from relayinfer.cloud.models.llama import Llama, pack_linears, rope_bases
     from relayinfer.cloud.pd.kv import _tensor
 
     with torch.device("meta"):
@@ -89,7 +91,7 @@ def build_model(cfg, weights: dict):
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_bases(cfg)
-    return model.eval()
+    return pack_linears(model.eval()) if pack else model.eval()
 
 
 class InstanceActor:
