@@ -299,6 +299,15 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_bases(cfg), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """`.to` / `.half()` / `.cuda()` ...: `inv_freq` follows the device but stays float32 (a
+        bfloat16 table rounds the frequencies by up to 0.3 %: RoPE angles off by ~1 rad at
+        position 1000, the keys no longer those of the float32 model or the device's graph)."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = rope_bases(self.cfg).to(self.inv_freq.device)
+        return self
+
     def forward(self, input_ids: torch.Tensor, cache: KVCache, start: torch.Tensor | int,
                 last_only: bool = True, obs: "ObservationScores | None" = None,
                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
