@@ -25,3 +25,23 @@ def test_rope_table_stays_float32_in_half_precision(torch_engine):
         half.forward(ids, kv)
         a, b = ref.k[0, 0, :, 900:1000], kv.k[0, 0, :, 900:1000].float()
         assert ((a - b).norm() / a.norm()).item() < tol
+
+
+@pytest.mark.parametrize("device", ["meta", "xla", "gpu", "", "CPU", "mps"])
+def test_cloud_serve_refuses_a_device_it_cannot_run_on(device, monkeypatch):
+    """`cloud serve --device meta|xla|gpu|''|CPU|mps` exits 2 with one line naming --device and
+    the choices, before any model loads (it passed the check, then the model load or the warm-up
+    died with a torch traceback: 'Cannot copy out of meta tensor', 'not linked with support for
+    xla devices')."""
+    from typer.testing import CliRunner
+
+    from relayinfer.cloud.engine.torch_engine import TorchEngine, pick_device
+    from relayinfer.sdk.cli import app
+
+    monkeypatch.setattr(TorchEngine, "__init__", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["cloud", "serve", "--port", "0", "--http-port", "0", "--device", device, "--duration-s", "0"])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.stderr)
+    assert lines[0].startswith("error: --device") and "choose auto, cpu, cuda" in lines[0], lines[0]
+    assert pick_device("cpu:0") == pick_device("cpu") == "cpu"

@@ -18,17 +18,32 @@ def pick_device(device: str | None) -> str:
     available ('cuda' when torch sees a CUDA device, else 'cpu').
 
     Raises:
-        ValueError: the asked device is not available in this torch build.
+        ValueError: the asked device is not one of those (a torch device type this engine does not
+            run on, such as 'meta' or 'xla', or no device string at all), or is not available in
+            this torch build (no CUDA device, a CUDA index past the last one, no torch_npu).
     """
     if device is None or device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    choices = "choose auto, cpu, cuda, cuda:<index> or npu"
     if device.startswith("npu"):
         try:
             import torch_npu  # noqa: F401
         except ImportError:
             raise ValueError("device 'npu' needs the torch_npu package") from None
-    elif device.startswith("cuda") and not torch.cuda.is_available():
+        return device
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device; {choices}") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r} is not supported; {choices}")
+    if not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but this torch build sees no CUDA device")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) "
+                         f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
