@@ -318,9 +318,16 @@ def test_half_precision_engine_is_close_to_float32(torch_engine, prompts, dtype,
 
     from relayinfer.cloud.engine.torch_engine import TorchEngine
 
+    from relayinfer.cloud.models.llama import GemvLinear
+
     half = TorchEngine(torch_engine.model_path, threads=1, dtype=dtype)
     assert half.dtype == getattr(torch, dtype) and next(half.model.parameters()).dtype == half.dtype
     assert half.new_cache(8).k.dtype == half.dtype
+    lin = half.model.layers[0].up  # one row runs torch.mv, more F.linear: the same products
+    assert isinstance(lin, GemvLinear) and half.model.lm_head.weight is half.model.embed.weight
+    x = torch.randn(1, 2, lin.in_features, dtype=half.dtype)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x[:, :1]).float(), lin(x)[:, :1].float(), rtol=1e-2, atol=1e-2)
     agree, kls = [], []
     for ids in prompts:
         a = torch_engine.forward(ids, torch_engine.new_cache(len(ids)), last_only=False).double()
