@@ -45,3 +45,35 @@ def test_cloud_serve_refuses_a_device_it_cannot_run_on(device, monkeypatch):
     assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.stderr)
     assert lines[0].startswith("error: --device") and "choose auto, cpu, cuda" in lines[0], lines[0]
     assert pick_device("cpu:0") == pick_device("cpu") == "cpu"
+
+
+def test_float16_gemma3_is_refused_naming_the_dtype():
+    """Gemma 3's residual stream reaches |x| ~ 1e5 (layer 7 of gemma3-270m on a chat prompt),
+    past float16's 65504: every logit came out NaN (every answer one token id). The engine
+    refuses float16 for it before loading, naming the dtype and what runs instead; bfloat16
+    runs it with finite logits."""
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+
+    with pytest.raises(ValueError, match=r"dtype float16 .*gemma3.*bfloat16 or float32"):
+        TorchEngine("gemma3-270m", threads=1, dtype="float16")
+    bf = TorchEngine("gemma3-270m", threads=1, dtype="bfloat16")
+    logits, _ = bf.prefill(bf.tokenizer.encode_chat("Write a haiku about the sea."))
+    assert logits.dtype.name == "float32" and bool((abs(logits) < 1e4).all())
+
+
+def test_cloud_serve_refuses_float16_gemma3_before_loading(monkeypatch):
+    """`cloud serve --model gemma3-270m --dtype float16` exits 2 with one line naming --dtype,
+    before the device model export or the weights load."""
+    from typer.testing import CliRunner
+
+    import relayinfer.sdk.cli as cli
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+
+    monkeypatch.setattr(TorchEngine, "__init__", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(cli, "_ensure_device_model", lambda *a, **k: pytest.fail("exported before the check"))
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(cli.app, [
+        "cloud", "serve", "--port", "0", "--http-port", "0", "--model", "gemma3-270m", "--dtype", "float16",
+        "--duration-s", "0"])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.stderr)
+    assert lines[0].startswith("error: --dtype: dtype float16 cannot run gemma3") and "bfloat16 or float32" in lines[0]

@@ -10,7 +10,7 @@ import torch
 
 from relayinfer.cloud.models.llama import Llama, ObservationScores, StaticKV, load_llama, pack_linears
 from relayinfer.protocol.model.decoding import GenerationOutput, SamplingParams, generate
-from relayinfer.protocol.model.model_file import ModelConfig, fingerprint, resolve_model_path
+from relayinfer.protocol.model.model_file import ModelConfig, fingerprint, open_gguf, read_config, resolve_model_path
 
 
 def pick_device(device: str | None) -> str:
@@ -70,6 +70,22 @@ def pick_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+FLOAT16_OVERFLOWS = ("gemma3",)  # architectures whose residual stream exceeds float16's 65504
+
+
+def check_dtype_fits(cfg: ModelConfig | None, dtype: torch.dtype) -> None:
+    """Refuse float16 for an architecture of `FLOAT16_OVERFLOWS`: Gemma 3's residual stream
+    reaches |x| ~ 1e5 (gemma3-270m, layer 7 of a chat prompt), float16 turns it into inf and
+    every logit into NaN. bfloat16 (float32's range) runs it. None: nothing to check.
+
+    Raises:
+        ValueError: naming the dtype, the architecture and the dtypes that run it.
+    """
+    if cfg is not None and dtype == torch.float16 and cfg.arch in FLOAT16_OVERFLOWS:
+        raise ValueError(f"dtype float16 cannot run {cfg.arch}: its activations exceed float16's range "
+                         f"(every logit NaN); choose bfloat16 or float32")
+
+
 class TorchEngine:
     """Llama on PyTorch with an explicit KV cache (`StaticKV`).
 
@@ -87,7 +103,8 @@ class TorchEngine:
     in is packed in place).
 
     Raises:
-        ValueError: the device is not available or the dtype is unknown.
+        ValueError: the device is not available, the dtype is unknown, or float16 for a model
+            whose activations overflow it (`check_dtype_fits`).
         ModelFileError / UnsupportedModelError: from `load_llama`.
     """
 
@@ -103,6 +120,8 @@ class TorchEngine:
         else:
             self.device = pick_device(device)
             self.dtype = pick_dtype(dtype, self.device)
+        # before the weights load
+        check_dtype_fits(model.cfg if model is not None else read_config(open_gguf(self.model_path)), self.dtype)
         self.model = model if model is not None else load_llama(self.model_path, device=self.device, dtype=self.dtype)
         if pack_weights:
             pack_linears(self.model)
