@@ -47,7 +47,7 @@ def test_cloud_serve_refuses_a_device_it_cannot_run_on(device, monkeypatch):
     assert pick_device("cpu:0") == pick_device("cpu") == "cpu"
 
 
-def test_float16_gemma3_is_refused_naming_the_dtype():
+def test_gemma3_float16_is_refused_and_bfloat16_serves_under_its_name():
     """Gemma 3's residual stream reaches |x| ~ 1e5 (layer 7 of gemma3-270m on a chat prompt),
     past float16's 65504: every logit came out NaN (every answer one token id). The engine
     refuses float16 for it before loading, naming the dtype and what runs instead; bfloat16
@@ -59,6 +59,22 @@ def test_float16_gemma3_is_refused_naming_the_dtype():
     bf = TorchEngine("gemma3-270m", threads=1, dtype="bfloat16")
     logits, _ = bf.prefill(bf.tokenizer.encode_chat("Write a haiku about the sea."))
     assert logits.dtype.name == "float32" and bool((abs(logits) < 1e4).all())
+    served_model_id_names_the_model(bf)
+
+
+def served_model_id_names_the_model(gemma):
+    """A cloud service over Gemma 3 names it in /healthz and /v1/models ('gemma3-270m'; it said
+    'smollm2-135m-instruct', the default model's id, whatever --model was); the default model keeps
+    its id and any other file is its stem."""
+    from pathlib import Path
+
+    from relayinfer.cloud.serve.service import CloudService, model_id
+    from relayinfer.protocol.model.model_file import default_model_path
+
+    svc = CloudService(gemma, gemma.fingerprint)
+    assert svc.model_name == "gemma3-270m" and svc.health_response(True)[0]["model"] == "gemma3-270m"
+    assert model_id(default_model_path()) == "smollm2-135m-instruct"
+    assert model_id(Path("/models/Qwen2.5-0.5B-Instruct-Q8_0.gguf")) == "qwen2.5-0.5b-instruct-q8_0"
 
 
 def test_cloud_serve_refuses_float16_gemma3_before_loading(monkeypatch):

@@ -46,7 +46,7 @@ from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, Connec
 from relayinfer.protocol.kvhandoff import FRAME_MARGIN, KVPacer, kv_bytes_per_token, kv_pieces, paced_piece_bytes
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, Pong,
                                           RefinedPrompt, Stop, Token, encode)
-from relayinfer.protocol.model.model_file import file_sha256
+from relayinfer.protocol.model.model_file import DEFAULT_MODEL_FILE, KNOWN_MODELS, file_sha256
 from relayinfer.protocol.model.refine import TemplateMarkers
 from relayinfer.protocol.requests import RequestState, RequestTable, RequestViolation, Role, Transition
 from relayinfer.protocol.transport.security import bearer_token, server_context, token_matches
@@ -58,6 +58,18 @@ MAX_REQUEST_ID = 64  # characters
 KEEPALIVE_S = 10.0  # websocket ping interval and timeout: a black-holed device is dropped within ~20 s
 REQUEST_MEMORY_MB = 512  # default share of the memory budget beyond the batching engine's KV pool (MiB)
 KV_PIECE_BYTES = 1 << 20  # default largest KVTransfer frame of a KV hand-off (bytes): 1 MiB
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+
+
+def model_id(model_path: str | Path) -> str:
+    """The OpenAI API's model id of a GGUF file: `DEFAULT_MODEL_ID` for the default model, the
+    `KNOWN_MODELS` name of another known file ('gemma3-270m'), else the file's stem in lower case
+    (the file's name and stem are accepted as aliases either way)."""
+    name = Path(model_path).name
+    if name == DEFAULT_MODEL_FILE:
+        return DEFAULT_MODEL_ID
+    known = [k for k, (_, file, _) in KNOWN_MODELS.items() if file == name]
+    return known[0] if known else Path(name).stem.lower()
 
 
 def per_request_bytes(cfg, n_prompt: int, max_new_tokens: int, refine: bool = False,
@@ -458,7 +470,8 @@ class CloudService:
             other frames (Pongs, other requests' Tokens, websocket pings); after the device's Stop
             or Cancel no further piece is sent (docs/PROTOCOL.md, "KV hand-off"). Raises ValueError
             below one token's KV plus `protocol.kvhandoff.FRAME_MARGIN`, or above MAX_FRAME_BYTES.
-        model_name: the model id of the OpenAI-compatible API.
+        model_name: the model id of the OpenAI-compatible API (default `model_id` of the engine's
+            model file).
         metrics_public: serve `/metrics` without the token (for a scraper on a private network).
 
     Auth (when `auth_token` is set): devices present the token in their Hello (websocket port);
@@ -475,12 +488,14 @@ class CloudService:
     def __init__(self, engine, fingerprint: str, auth_token: str | None = None,
                  device_model_dir: str | Path | None = None, step_delay_ms: float = 0.0,
                  max_frame_bytes: int | None = None, special_ids: frozenset[int] | None = None,
-                 llm: EngineClient | None = None, model_name: str = "smollm2-135m-instruct",
+                 llm: EngineClient | None = None, model_name: str | None = None,
                  metrics_public: bool = False, max_sessions: int = 256, max_requests_per_session: int = 4,
                  retry_after_ms: float = 5000.0, max_queued_tokens: int = 4096, max_queue_wait_ms: float = 2000.0,
                  history: int = 1000, max_kept_tokens: int = 8192, limits: ConnectionLimits | None = None,
                  memory_bytes: int | None = None, kv_piece_bytes: int = KV_PIECE_BYTES):
-        self.engine, self.fingerprint, self.llm, self.model_name = engine, fingerprint, llm, model_name
+        self.engine, self.fingerprint, self.llm = engine, fingerprint, llm
+        path = getattr(engine, "model_path", None)
+        self.model_name = model_name or (model_id(path) if path is not None else DEFAULT_MODEL_ID)
         self._markers = _MarkersOf(engine, special_ids)
         self.per_request = PerRequestEngine(engine, self._markers.get, step_delay_ms)
         self.max_frame_bytes = max_frame_bytes or split_frame_limit(engine.context_length, engine.cfg.vocab_size)
