@@ -183,12 +183,13 @@ class ObservationScores:
 
     def add(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> None:
         """q [B, n_heads, S, head_dim], k [B, kv_heads, T, head_dim] (grouped: query head i reads
-        KV head i // rep), mask bool [S, T] / [B, 1, S, T] or None."""
+        KV head i // rep), mask bool [S, T] / [B, 1, S, T] or None. Computed in float32 whatever
+        the model dtype (bfloat16 sums tie ~20 % of the positions' scores)."""
         w = min(self.window, q.shape[2])
         b, h, _, hd = q.shape
         kvh = k.shape[1]
-        qw = q[:, :, -w:].reshape(b, kvh, (h // kvh) * w, hd)  # the rep heads of a KV head as rows
-        logits = (qw @ k.transpose(-1, -2)).view(b, h, w, -1) / hd ** 0.5
+        qw = q[:, :, -w:].reshape(b, kvh, (h // kvh) * w, hd).float()  # the rep heads of a KV head as rows
+        logits = (qw @ k.float().transpose(-1, -2)).view(b, h, w, -1) / hd ** 0.5
         if mask is not None:
             logits = logits.masked_fill(~mask[-w:], float("-inf"))
         p = logits.softmax(-1).sum(dim=(1, 2))
