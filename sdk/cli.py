@@ -328,7 +328,7 @@ def cloud_serve(
     if memory_mb is not None and memory_mb < (kv_cache_mb or 0):
         fail(ValueError(f"--memory-mb {memory_mb} is below --kv-cache-mb {kv_cache_mb}: the budget holds the KV pool"))
     from relayinfer.cloud.engine.torch_engine import check_dtype_fits, pick_device, pick_dtype
-    from relayinfer.protocol.model.model_file import open_gguf, read_config, resolve_model_path
+    from relayinfer.protocol.model.model_file import resolve_model_path
 
     flag = "--device"
     try:  # before loading the model, like the ports
@@ -336,10 +336,9 @@ def cloud_serve(
         flag = "--dtype"
         dt = pick_dtype(dtype, dev)
         try:
-            cfg = read_config(open_gguf(resolve_model_path(model)))
+            check_dtype_fits(dt, model_path=resolve_model_path(model))
         except RelayInferError:  # a bad --model is reported where the model loads
-            cfg = None
-        check_dtype_fits(cfg, dt)
+            pass
     except ValueError as e:
         fail(ValueError(f"{flag}: {e}"))
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port

@@ -300,6 +300,6 @@ def test_pd_moves_a_bfloat16_kv_cache_bit_for_bit(torch_engine, prompts):
     # what Ray actors rebuild the model from keeps the dtype: the same weights, bit for bit
     from relayinfer.cloud.pd.ray_pool import build_model, model_weights
 
-    rebuilt = build_model(*model_weights(half.model))  # bf16: not packed (fp32 CPU only)
+    rebuilt = build_model(*model_weights(half.model))
     for (name, a), b in zip(half.model.state_dict().items(), rebuilt.state_dict().values()):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name

@@ -425,10 +425,10 @@ def can_pack(model: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every `nn.Linear` of a float32 CPU `model` by a `PackedLinear` in place (of a
-    bfloat16 / float16 CPU model by a `GemvLinear`; a no-op on a GPU or without oneDNN) and return
-    the model. A weight
-    shared with another module (a tied LM head) is packed as its own copy; the dense tensor stays
-    shared. Costs one reorder per weight (~1 s for SmolLM2-135M) and the packed copies' bytes."""
+    bfloat16 / float16 CPU model by a `GemvLinear`; a no-op on a GPU, or for float32 without
+    oneDNN) and return the model. A weight shared with another module (a tied LM head) is packed as
+    its own copy; the dense tensor stays shared. Costs one reorder per weight (~1 s for
+    SmolLM2-135M) and the packed copies' bytes."""
     p = next(model.parameters())
     half = p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
     if not (can_pack(model) or half):

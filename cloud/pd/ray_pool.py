@@ -74,11 +74,11 @@ def model_weights(model) -> tuple:
     return model.cfg, {k: _numpy(v) for k, v in model.state_dict().items()}
 
 
-def build_model(cfg, weights: dict, pack: bool = True):
+def build_model(cfg, weights: dict):
     """A `Llama` on `weights` (read-only zero-copy arrays from the object store are fine: inference
-    never writes them). `pack`: a float32 CPU model's linears are pre-packed as `TorchEngine`'s
-    (`llama.pack_linears`: the same arithmetic and speed as `cloud serve`'s engine; the packed
-    copies are the actor's own memory, the dense weights stay shared)."""
+    never writes them), its linears prepared as `TorchEngine`'s (`llama.pack_linears`: the same
+    arithmetic and speed as `cloud serve`'s engine; packed copies are the actor's own memory, the
+    dense weights stay shared)."""
     import torch
 
     from relayinfer.cloud.models.llama import Llama, pack_linears, rope_bases
@@ -91,7 +91,7 @@ def build_model(cfg, weights: dict, pack: bool = True):
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_bases(cfg)
-    return pack_linears(model.eval()) if pack else model.eval()
+    return pack_linears(model.eval())
 
 
 class InstanceActor:
