@@ -2,7 +2,7 @@
 measured (`bench/goodput.py`), and the ratio the same costs give under another workload.
 
 Measured inputs (all from one `run_goodput_bench` result):
-* cloud prefill: least-squares fit of the zero-load TTFT of the pool's prompts (one request at a
+* cloud prefill: non-negative least-squares fit of the zero-load TTFT of the pool's prompts (one request at a
   time, the reference pass) against their length: base ms + ms/token (its inverse: prefill tokens/s);
 * cloud CPU per request: each rate point's cloud process CPU seconds (`cloud_cpu_s`) over its
   requests, and from it the CPU per streamed cloud token once the prompt's prefill is taken off:
@@ -38,14 +38,15 @@ import numpy as np
 
 
 def prefill_fit(pool: list[dict]) -> tuple[float, float]:
-    """(base ms, ms/token) of the zero-load TTFT against the prompt length over `pool` (dicts with
-    'prompt_tokens', 'zero_load_ttft_ms'; >= 2 distinct lengths). Raises ValueError otherwise."""
-    xs = np.array([p["prompt_tokens"] for p in pool], float)
-    ys = np.array([p["zero_load_ttft_ms"] for p in pool], float)
+    """(base ms, ms/token), both >= 0 (`settings.cost_line`), of the zero-load TTFT against the prompt
+    length over `pool` (dicts with 'prompt_tokens', 'zero_load_ttft_ms'; >= 2 distinct lengths).
+    Raises ValueError otherwise."""
+    from relayinfer.device.settings import cost_line
+
+    xs = [p["prompt_tokens"] for p in pool]
     if len(set(xs)) < 2:
         raise ValueError("the prefill fit needs prompts of at least two lengths")
-    slope, base = np.polyfit(xs, ys, 1)
-    return float(base), float(slope)
+    return cost_line(xs, [p["zero_load_ttft_ms"] for p in pool])
 
 
 def occupancy_ratio(prompt_tokens: float, prefill_ms_per_token: float, answer_tokens: float, k_cloud_only_ms: float,

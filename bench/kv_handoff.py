@@ -33,6 +33,7 @@ import numpy as np
 
 from relayinfer.device.onnx_engine import OnnxEngine
 from relayinfer.device.profiles import load_profile
+from relayinfer.device.settings import cost_line
 from relayinfer.protocol.kvhandoff import crossover_bandwidth, kv_bytes_per_token, kv_layers, kv_messages
 from relayinfer.protocol.messages import decode, encode
 from relayinfer.sdk.datasets import chitchat_prompts_by_length
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
         ys.append(prefill_ms)
         rows.append({"prompt_tokens": len(ids), "device_prefill_ms": round(prefill_ms, 1),
                      "kv_bytes": (len(ids) - 1) * bpt, "handoff_overhead_ms": round(overhead_ms, 1)})
-    b, a = np.polyfit(xs, ys, 1)
+    a, b = cost_line(xs, ys)
     local = {"prefill_ms_base": round(float(a), 2), "prefill_ms_per_token": round(float(b), 3)}
     phone_p = load_profile("phone")
     phone = {"prefill_ms_base": phone_p.prefill_ms_base, "prefill_ms_per_token": phone_p.prefill_ms_per_token}
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                     "other work: absolute times are noisy, ratios within the run are what counts"},
         "kv_bytes_per_token": bpt,
         "device_fit": {"local (measured)": local, "phone (profile, simulated device)": phone},
-        "asymptotic_crossover_MB_s": {"local": round(bpt / b * 1e3 / 1e6, 2),
+        "asymptotic_crossover_MB_s": {"local": round(bpt / b * 1e3 / 1e6, 2) if b > 0 else None,
                                       "phone": round(bpt / phone["prefill_ms_per_token"] * 1e3 / 1e6, 2)},
         "by_length": rows, "loopback_requests": e2e, "measured_cloud_ttft_ms": round(ttft, 1),
     }

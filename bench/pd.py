@@ -203,16 +203,16 @@ def bench_perf(quick: bool = False, model: str | None = None) -> dict:
     # linear fits: prefill s = a + n / rate (on <= 2k tokens), decode step ms = a + c * batch
     xs = np.array([n for n in lengths if n <= 2048], float)
     ys = np.array([pre[n] for n in xs.astype(int)])
-    slope, icpt = np.polyfit(xs, ys, 1)
+    icpt, slope = cost_line(xs, ys)
     bx = np.array(batches, float)
     by = np.array([dec[b] for b in batches]) * 1e3
-    c, a = np.polyfit(bx, by, 1)
+    a, c = cost_line(bx, by)
     return {"what": f"real: LLMEngine on {te.model_path.name}, fp32, 1 torch thread, this (shared, 2-core) machine; times are "
                     "the process's CPU time (time.process_time), so the other jobs on the machine do not inflate them",
             "load_average": os.getloadavg(),
             "prefill_s": {str(k): round(v, 4) for k, v in pre.items()},
             "decode_step_s": {str(k): round(v, 5) for k, v in dec.items()},
-            "fit": {"prefill_tok_s": round(1 / slope, 1), "prefill_overhead_ms": round(icpt * 1e3, 2),
+            "fit": {"prefill_tok_s": round(1 / slope, 1) if slope > 0 else None, "prefill_overhead_ms": round(icpt * 1e3, 2),
                     "decode_a_ms": round(a, 3), "decode_c_ms": round(c, 3)}}
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from relayinfer.protocol.model.model_file import cache_dir
 
 from .profiles import DeviceProfile
+from .settings import cost_line
 
 LENGTHS = (32, 128, 256)
 
@@ -33,13 +34,13 @@ def measure(engine, lengths=LENGTHS, decode_steps: int = 8, repeats: int = 2) ->
             best = min(best, (time.perf_counter() - t) * 1e3)
         xs.append(n)
         ys.append(best)
-    b, a = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    a, b = cost_line(xs, ys)
     steps = []
     for i in range(decode_steps):
         t = time.perf_counter()
         _, kv = engine.decode(100 + i, kv)
         steps.append((time.perf_counter() - t) * 1e3)
-    return DeviceProfile("local", prefill_ms_base=max(0.0, float(a)), prefill_ms_per_token=max(0.0, float(b)),
+    return DeviceProfile("local", prefill_ms_base=a, prefill_ms_per_token=b,
                          decode_ms_per_token=float(np.median(steps)), description="measured by device.calibrate",
                          source="calibration run")
 

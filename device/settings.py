@@ -53,6 +53,25 @@ import numpy as np
 from .speed import count_stalls, release_time
 
 
+def cost_line(xs, ys) -> tuple[float, float]:
+    """The least-squares line y = base + slope*x with base >= 0 and slope >= 0 (a cost: ms against
+    tokens or batch size) through points `xs`, `ys` (equal-length sequences, >= 2 distinct x).
+
+    An unconstrained fit of a few noisy timings can give a negative slope (a longer prompt "cheaper")
+    or base; the constrained optimum then lies on a boundary, so the candidates are the free fit, the
+    flat line (slope 0, base = mean y) and the line through the origin (base 0), and the feasible one
+    with the least squared error is returned. Returns (base, slope). Raises ValueError for fewer than
+    two distinct x or unequal lengths."""
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    if x.shape != y.shape or len(set(x.tolist())) < 2:
+        raise ValueError(f"a cost line needs >= 2 distinct x of equal-length data, got {len(x)} x, {len(y)} y")
+    slope, base = np.polyfit(x, y, 1)
+    cands = [(float(base), float(slope)), (max(0.0, float(y.mean())), 0.0),
+             (0.0, max(0.0, float(x @ y / (x @ x))))]
+    ok = [(b, s) for b, s in cands if b >= 0 and s >= 0]
+    return min(ok, key=lambda bs: float(((bs[0] + bs[1] * x - y) ** 2).sum()))
+
+
 @dataclass(frozen=True)
 class Timing:
     """What the algorithm knows: device fit (a, b ms; d ms/token), cloud TTFT T and TPOT c (ms),
@@ -131,8 +150,7 @@ class CloudEstimate:
             xs = np.array([x for x, _ in self.samples], float)
             ys = np.array([y for _, y in self.samples], float)
             if np.ptp(xs) > 0:
-                slope, base = np.polyfit(xs, ys, 1)
-                self.prefill_ms_per_token, self.ttft_base_ms = max(0.0, slope), max(0.0, base)
+                self.ttft_base_ms, self.prefill_ms_per_token = cost_line(xs, ys)
             else:  # one prompt length so far: keep the slope, move the base
                 self.ttft_base_ms = max(0.0, float(ys.mean()) - self.prefill_ms_per_token * xs[0])
         if tpot_ms is not None:

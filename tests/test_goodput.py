@@ -12,6 +12,7 @@ from relayinfer.sdk.cli import app
 from relayinfer.sdk.cli_common import bench_module
 
 gp = bench_module("goodput")
+goodput_model = bench_module("goodput_model")
 
 
 def test_tpot_p90_is_the_90th_percentile_of_the_shown_gaps():
@@ -140,6 +141,7 @@ def test_a_light_rate_point_attains_for_cloud_only_and_the_json_has_the_sweeps(t
         assert saved["goodput"][j]["goodput_rps"]["cloud-only"] == (0.2 if want >= gp.ATTAINMENT_GOAL else 0.0), j
     assert all(r["ttft_ms"] > 0 and (r["tpot_ms"] is None or r["tpot_ms"] > 0) for r in rows)
     md = out.with_suffix(".md").read_text()
-    assert md.count("| cloud-only |") == 1 and "MODEL (not a run" in md and saved["model"]["prefill_ms_per_token"] > 0
+    assert md.count("| cloud-only |") == 1 and "MODEL (not a run" in md and saved["model"]["prefill_ms_per_token"] >= 0
+    assert saved["model"]["prefill_ms_per_token"] == pytest.approx(goodput_model.prefill_fit(saved["pool"])[1])
     assert out.with_suffix(".png").stat().st_size > 1000
     assert res["goodput"] == saved["goodput"]

@@ -218,3 +218,64 @@ def test_source_floor_is_lifted_at_the_hand_off():
     got = display_ms(ready, 53.0, 53.0, 455.0, follow_source=True)
     assert got[:4] == pytest.approx([0.0, 150.0, 300.0, 450.0])
     assert got[4:] == pytest.approx([503.0, 556.0, 609.0])          # the device's pace, no cloud floor
+
+
+def test_cost_line_is_a_non_negative_least_squares_fit():
+    from relayinfer.device.settings import cost_line
+
+    xs = [32, 128, 256, 512]
+    base, slope = cost_line(xs, [5.0 + 0.25 * x for x in xs])  # an exact line is recovered
+    assert base == pytest.approx(5.0) and slope == pytest.approx(0.25)
+    # noise on a flat cost whose free fit slopes down: the flat line at the mean
+    ys = [41.0, 40.0, 39.5, 38.0]
+    assert np.polyfit(xs, ys, 1)[0] < 0
+    assert cost_line(xs, ys) == (pytest.approx(float(np.mean(ys))), 0.0)
+    # a steep cost whose free fit crosses below zero at x = 0: the line through the origin
+    ys = [1.0, 60.0, 125.0, 260.0]
+    assert np.polyfit(xs, ys, 1)[1] < 0
+    base, slope = cost_line(xs, ys)
+    assert base == 0.0 and slope == pytest.approx(np.dot(xs, ys) / np.dot(xs, xs))
+    # the fitted line's squared error is never worse than any other feasible candidate's
+    for b, s in [(0.0, 0.5), (10.0, 0.4), (float(np.mean(ys)), 0.0)]:
+        sse = lambda bb, ss: sum((bb + ss * x - y) ** 2 for x, y in zip(xs, ys))
+        assert sse(base, slope) <= sse(b, s) + 1e-9
+    with pytest.raises(ValueError, match="distinct x"):
+        cost_line([64, 64], [1.0, 2.0])
+    with pytest.raises(ValueError, match="equal-length"):
+        cost_line([1, 2, 3], [1.0, 2.0])
+
+
+def test_cloud_estimate_never_learns_a_negative_prefill_cost():
+    from relayinfer.device.settings import CloudEstimate
+
+    est = CloudEstimate()
+    for n, ttft in ((64, 310.0), (512, 300.0), (2048, 290.0)):  # noise: a longer prompt measured faster
+        est.update(n, ttft, 25.0)
+    assert est.prefill_ms_per_token == 0.0 and est.ttft_base_ms > 0
+    assert est.ttft_ms(4096) >= est.ttft_ms(64)
+
+
+def test_calibration_keeps_a_noisy_prefill_cost_non_negative(monkeypatch):
+    """`device.calibrate.measure` on an engine whose longer prompts happened to time faster (a
+    loaded machine): the profile's per-token cost is 0, not negative, and its base is their mean."""
+    from relayinfer.device import calibrate
+
+    clock = [0.0]
+    cost_ms = {32: 21.0, 128: 20.0, 256: 19.0}
+
+    class Engine:
+        def warmup(self):
+            pass
+
+        def prefill(self, ids):
+            clock[0] += cost_ms[len(ids)] / 1e3
+            return None, object()
+
+        def decode(self, tok, kv):
+            clock[0] += 0.012
+            return None, kv
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    prof = calibrate.measure(Engine(), decode_steps=3, repeats=1)
+    assert prof.prefill_ms_per_token == 0.0 and prof.prefill_ms_base == pytest.approx(20.0)
+    assert prof.decode_ms_per_token == pytest.approx(12.0)
