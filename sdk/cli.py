@@ -14,6 +14,7 @@ if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped he
 
     typer.rich_utils.MAX_WIDTH = 140
 
+from relayinfer.device.profiles import available as _profiles
 from relayinfer.protocol.errors import RelayInferError
 from relayinfer.sdk.cli_common import bench_module, fail, serve_for  # noqa: F401  (also this module's API)
 from relayinfer.sdk.server_opts import server_tls as _server_tls
@@ -372,7 +373,8 @@ def cloud_serve(
 
             svc.llm.engine.scheduler.schedule = broken
         typer.echo(f"cloud service: ws{s}://{host}:{svc.ws_port}  http{s}://{host}:{svc.http_port}  "
-                   f"model {svc.fingerprint[:16]}" + ("" if token else "  (no --token: open to anyone who can connect)"),
+                   f"model {svc.model_name} {svc.fingerprint[:16]}"
+                   + "".join(f"  {k} {v}" for k, v in svc.placement().items()) + ("" if token else "  (no --token: open to anyone who can connect)"),
                    err=True)
         if page is not None:
             typer.echo(f"demo page: http{s}://{host}:{svc.http_port}/web/" + ("#token=<the token>" if token else ""), err=True)
@@ -481,7 +483,7 @@ def demo(
     top_p: float = typer.Option(DEMO_SAMPLING["top_p"], help="Nucleus filter, in (0, 1]."),
     seed: Optional[int] = typer.Option(DEMO_SAMPLING["seed"], help="Sampling seed (same seed, same answer)."),
     target_tpot_ms: float = typer.Option(60.0, min=1.0, help="TPOT shown to the user (ms)."),
-    profile: str = typer.Option("phone", help="Device profile pacing the device engine: phone, local, or a JSON path."),
+    profile: str = typer.Option("phone", help=f"Device profile pacing the device engine: {', '.join(_profiles())} (device/profiles/), or a JSON path."),
     cloud_budget: Optional[int] = typer.Option(None, min=1, help="Most tokens the cloud streams; default: the "
                                                "settings algorithm's (auto)."),
     model: Optional[str] = typer.Option(None, help="GGUF file or installed model name (`relayinfer models`); default SmolLM2-135M-Instruct."),
@@ -623,7 +625,7 @@ def chat(
     quantize: Optional[str] = typer.Option(None, help="Device weights: gguf (default, the GGUF's own blocks), "
                                            "gguf-q8 (the MLP and 8-bit blocks on int8 activations: the fast one for an "
                                            "8-bit-heavy file such as Gemma 3's) or fp32."),
-    profile: Optional[str] = typer.Option(None, help="Device profile pacing the device engine: phone, local, or a "
+    profile: Optional[str] = typer.Option(None, help=f"Device profile pacing the device engine: {', '.join(_profiles())}, or a "
                                           "JSON path; default: this machine's own speed (often ready before the "
                                           "cloud's first token, so the answer is device-only)."),
     target_tpot_ms: float = typer.Option(50.0, min=1.0),
@@ -685,10 +687,13 @@ def chat(
     client.check_cloud()  # an unreachable cloud is announced once: "warning: cloud unreachable at ..."
     typer.echo(_sampling_line(sampling) + "; an empty line or Ctrl-D ends the chat", err=True)
     conv = client.conversation(**sampling)
+    tty = sys.stdin.isatty()  # from a pipe or file: no "> " prompts in the output
     while True:
         try:
-            line = input("> ").strip()
+            line = input("> " if tty else "").strip()
         except EOFError:
+            if tty:
+                typer.echo()
             break
         if not line:
             break
@@ -717,7 +722,7 @@ app.add_typer(bench_app, name="bench")
 
 @bench_app.command("split")
 def bench_split(
-    profile: str = typer.Option("phone", help="Device profile: phone, local, or a JSON path."),
+    profile: str = typer.Option("phone", help=f"Device profile: {', '.join(_profiles())}, or a JSON path (with --goodput a comma list)."),
     prompts: int = typer.Option(12, help="Real chitchat prompts, spread over 64..2048 tokens (with --goodput: the "
                                 "prompt pool, over three buckets of 64..192 tokens; at most 3 with --quick)."),
     out: Optional[str] = typer.Option(None, help="Results JSON; default bench/results/split-<profile>.json."),

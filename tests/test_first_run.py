@@ -133,6 +133,7 @@ def test_chat_announces_unreachable_cloud_once(onnx_engine, dead_port, monkeypat
     turns = [ln for ln in res.stderr.splitlines() if ln.startswith("[device-only")]
     assert len(turns) == 2 and all("; fault cloud-unreachable: " in t for t in turns), res.stderr
     assert "sampling: temperature 0.2, top_p 0.9" in res.stderr
+    assert "> " not in res.stdout and res.stdout.strip(), res.stdout  # piped input: answers, no prompts
 
 
 # --- 2. ports ----------------------------------------------------------------------------------

@@ -98,6 +98,7 @@ def test_healthz_says_only_alive_without_the_token(cloud, auth):
     assert status == 200 and body["status"] == "ok"
     if auth == "right":
         assert body["model_fingerprint"] == cloud.fingerprint and body["model"] == MODEL
+        assert (body["device"], body["dtype"]) == ("cpu", "float32")
         assert body["engine"]["kv_blocks_total"] > 0 and body["engine"]["running"] == 0
     else:
         assert body == {"status": "ok"}

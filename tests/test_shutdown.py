@@ -50,6 +50,8 @@ def test_cloud_serve_exits_3_when_its_engine_fails():
             proc.kill()
     text = "".join(lines)
     assert code == 3, text[-2000:]
+    start = next(ln for ln in lines if ln.startswith("cloud service:"))  # what runs where, said at start
+    assert "model smollm2-135m-instruct " in start and "device cpu  dtype float32" in start, start
     assert "engine failed: EngineFailed" in text and "exiting with code 3" in text
 
 

@@ -583,8 +583,15 @@ class CloudService:
             return {"status": "error", **({"reason": dead} if details else {})}, 503
         return {"status": "ok", **(self._health_details() if details else {})}, 200
 
+    def placement(self) -> dict:
+        """Where the engine runs: {'device': 'cpu' | 'cuda:0' | ..., 'dtype': 'float32' | 'bfloat16' |
+        'float16'}; the keys an engine does not tell are left out."""
+        dev, dt = getattr(self.engine, "device", None), getattr(self.engine, "dtype", None)
+        return ({"device": str(dev)} if dev is not None else {}) | (
+            {"dtype": str(dt).removeprefix("torch.")} if dt is not None else {})
+
     def _health_details(self) -> dict:
-        d = {"model_fingerprint": self.fingerprint, "model": self.model_name,
+        d = {"model_fingerprint": self.fingerprint, "model": self.model_name, **self.placement(),
              "sessions": int(self.metrics.active_sessions._value.get()),
              "requests": int(self.metrics.active_requests._value.get())}
         if self.llm is not None:
