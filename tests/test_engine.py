@@ -277,17 +277,24 @@ def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
     assert a.shape == (1, len(prompts[0]), packed.cfg.vocab_size)
     torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
-    # below PACKED_MIN_ROWS rows the dense weight runs (F.linear, bit for bit); from it on, the packed one
-    from relayinfer.cloud.models.llama import PACKED_MIN_ROWS
+    # below the module's min_rows rows the dense weight runs (F.linear, bit for bit); from it on, the
+    # packed one; one min_rows for every linear of the model, measured on this CPU at load (1..3)
+    from relayinfer.cloud.models.llama import PackedLinear, packed_min_rows
 
+    rows = {m.min_rows for m in packed.modules() if isinstance(m, PackedLinear)}
+    assert len(rows) == 1 and rows <= {1, 2, 3}, rows
     lin = packed.layers[0].up
-    x = torch.randn(1, PACKED_MIN_ROWS, lin.in_features)
-    with torch.inference_mode():
-        few = lin(x[:, : PACKED_MIN_ROWS - 1])
-        many = lin(x)
-        raw = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
-    assert torch.equal(few, torch.nn.functional.linear(x[:, : PACKED_MIN_ROWS - 1], lin.dense, lin.bias))
+    x = torch.randn(1, 3, lin.in_features)
+    saved, lin.min_rows = lin.min_rows, 3
+    try:
+        with torch.inference_mode():
+            few, many = lin(x[:, :2]), lin(x)
+            raw = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+    finally:
+        lin.min_rows = saved
+    assert torch.equal(few, torch.nn.functional.linear(x[:, :2], lin.dense, lin.bias))
     assert torch.equal(many, raw)
+    assert packed_min_rows([lin], rows=(1,), reps=1) in (1, 2)
 
 
 def test_dtype_names_and_auto():

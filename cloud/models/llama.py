@@ -18,6 +18,7 @@ GGUF stores the Q/K projection rows permuted for llama.cpp's interleaved rotary 
 from __future__ import annotations
 
 import os
+import time
 from functools import partial
 from typing import Protocol
 
@@ -355,13 +356,14 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-PACKED_MIN_ROWS = 3  # fewer rows run F.linear on the dense weight (`PackedLinear`)
+PACKED_MIN_ROWS = 3  # fewer rows run F.linear on the dense weight (`PackedLinear`), unless measured
 
 
 class PackedLinear(nn.Module):
     """`nn.Linear` whose fp32 weight is also held pre-packed in oneDNN's blocked layout
     (`torch.ops.mkldnn._reorder_linear_weight`, the weight prepacking of PyTorch Inductor's CPU
-    freezing pass) and run by `torch.ops.mkldnn._linear_pointwise` from `PACKED_MIN_ROWS` rows on.
+    freezing pass) and run by `torch.ops.mkldnn._linear_pointwise` from `min_rows` rows on
+    (`PACKED_MIN_ROWS`, or what `packed_min_rows` measured on this CPU).
 
     Why (bench/results/packed_linear.md, one core): the packed kernel runs the model's linears at
     4-16 rows 1.3-1.5x faster than `F.linear`'s MKL path and the same at prefill sizes (the
@@ -381,13 +383,14 @@ class PackedLinear(nn.Module):
         self.dense = lin.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense, batch_hint)
         self.bias = None if lin.bias is None else nn.Parameter(lin.bias.detach(), requires_grad=False)
+        self.min_rows = PACKED_MIN_ROWS
 
     @property
     def weight(self) -> torch.Tensor:
         return self.dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < PACKED_MIN_ROWS * self.in_features:
+        if x.numel() < self.min_rows * self.in_features:
             return F.linear(x, self.dense, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -423,12 +426,43 @@ def can_pack(model: nn.Module) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
+def packed_min_rows(linears: list[PackedLinear], rows=(1, 2), reps: int = 5) -> int:
+    """The fewest rows from which the packed kernel is at least as fast as `F.linear` on the dense
+    weight, measured here on `linears` (all of a model's but its head: more bytes than the CPU's
+    caches, as in a decode step) at the torch thread count in force: 1 when packed wins at every
+    row count in `rows`, else one past the largest row count where dense wins.
+
+    Why measured: which kernel wins at 1-2 rows differs by CPU (packed_linear.md: 0.81x packed on
+    an Intel Xeon; on an AMD EPYC 1.23x at 1 row and 1.6x at 2, the model's linears fp32, 1 thread).
+    Fastest of `reps` interleaved passes per path; costs 4 * reps passes over the weights (~0.8 s
+    for SmolLM2-135M). Both paths give the same results to fp32 rounding (~1e-6 relative)."""
+    dense_wins = []
+    with torch.inference_mode():
+        for m in rows:
+            xs = {lin.in_features: torch.randn(m, lin.in_features, dtype=lin.dense.dtype) for lin in linears}
+            best = {"dense": float("inf"), "packed": float("inf")}
+            for _ in range(reps):
+                for path in best:
+                    t = time.perf_counter()
+                    for lin in linears:
+                        x = xs[lin.in_features]
+                        if path == "dense":
+                            F.linear(x, lin.dense, lin.bias)
+                        else:
+                            torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+                    best[path] = min(best[path], time.perf_counter() - t)
+            if best["dense"] < best["packed"]:
+                dense_wins.append(m)
+    return max(dense_wins, default=0) + 1
+
+
+def pack_linears(model: nn.Module, min_rows: int | None = None) -> nn.Module:
     """Replace every `nn.Linear` of a float32 CPU `model` by a `PackedLinear` in place (of a
     bfloat16 / float16 CPU model by a `GemvLinear`; a no-op on a GPU, or for float32 without
     oneDNN) and return the model. A weight shared with another module (a tied LM head) is packed as
     its own copy; the dense tensor stays shared. Costs one reorder per weight (~1 s for
-    SmolLM2-135M) and the packed copies' bytes."""
+    SmolLM2-135M) and the packed copies' bytes. `min_rows`: the row count from which the packed
+    kernel runs (`PackedLinear`); None measures it on this CPU (`packed_min_rows`)."""
     p = next(model.parameters())
     half = p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
     if not (can_pack(model) or half):
@@ -437,6 +471,13 @@ def pack_linears(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, GemvLinear.of(child) if half else PackedLinear(child))
+    if not half:
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        if min_rows is None:
+            head = getattr(model, "lm_head", None)
+            min_rows = packed_min_rows([m for m in packed if m is not head] or packed)
+        for m in packed:
+            m.min_rows = min_rows
     return model
 
 
