@@ -9,7 +9,7 @@ Two figures, one process, one thread pinned to one core, the variants alternated
   where the CPU has them, else a slower conversion path);
 * one decode-only step of the batching engine (`LLMEngine.step`) with N chitchat requests in
   flight, on a `TorchEngine` dense fp32, packed fp32 (as the engine runs it: `F.linear` below
-  `llama.PACKED_MIN_ROWS` rows) and bf16 (same weights), median over `--steps`.
+  the row count `llama.kernel_min_rows` measured at load, reported as `packed_min_rows`) and bf16 (same weights), median over `--steps`.
 
     .venv/bin/python bench/packed_linear.py [--rows 1,2,4,8,16,64,256] [--batches 1,4,16] [--reps 7] [--steps 30]
 """
@@ -128,7 +128,9 @@ def main(argv=None) -> int:
     cmd = "python bench/packed_linear.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res = {"command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].split(":", 1)[1].strip(),
-           "load_avg_before": os.getloadavg(), "torch": torch.__version__, "linears": lin_rows, "engine_steps": step_rows}
+           "load_avg_before": os.getloadavg(), "torch": torch.__version__, "packed_min_rows": packed[0].min_rows,
+           "bf16_mv_min_rows": engines["bf16"].model.layers[0].up.min_rows,
+           "linears": lin_rows, "engine_steps": step_rows}
     Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
     md = [f"# Cloud engine linears: oneDNN pre-packed fp32 weights and bf16 vs F.linear fp32 (SmolLM2-135M)\n",
           f"Command: `{res['command']}` ({res['date']}, {res['cpu']}, 1 thread pinned to core {a.cpu}, "
@@ -138,7 +140,10 @@ def main(argv=None) -> int:
           "|---|---|---|---|---|---|"]
     md += [f"| {r['rows']} | {r['f_linear_ms']} | {r['packed_ms']} | {r['bf16_ms']} | {r['speedup']}x | {r['bf16_speedup']}x |"
            for r in lin_rows]
-    md += ["", "One decode-only `LLMEngine.step` with N requests in flight (chitchat prompts 32-128 tokens), ms (median):\n",
+    md += ["", f"One decode-only `LLMEngine.step` with N requests in flight (chitchat prompts 32-128 tokens), ms (median); "
+           f"the packed engine runs the packed kernel from {res['packed_min_rows']} row(s) on (measured at load, "
+           "`llama.kernel_min_rows`), F.linear below; the bf16 engine's one-row calls run "
+           + ("torch.mv" if res["bf16_mv_min_rows"] == 1 else "F.linear (torch.mv measured slower)") + ":\n",
            "| N | dense fp32 step ms | packed fp32 step ms | bf16 step ms | packed speedup | bf16 speedup |",
            "|---|---|---|---|---|---|"]
     md += [f"| {r['requests']} | {r['dense_step_ms']} | {r['packed_step_ms']} | {r['bf16_step_ms']} | {r['speedup']}x | "

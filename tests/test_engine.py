@@ -279,7 +279,7 @@ def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
     # below the module's min_rows rows the dense weight runs (F.linear, bit for bit); from it on, the
     # packed one; one min_rows for every linear of the model, measured on this CPU at load (1..3)
-    from relayinfer.cloud.models.llama import PackedLinear, packed_min_rows
+    from relayinfer.cloud.models.llama import PackedLinear, _packed, kernel_min_rows
 
     rows = {m.min_rows for m in packed.modules() if isinstance(m, PackedLinear)}
     assert len(rows) == 1 and rows <= {1, 2, 3}, rows
@@ -294,7 +294,7 @@ def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
         lin.min_rows = saved
     assert torch.equal(few, torch.nn.functional.linear(x[:, :2], lin.dense, lin.bias))
     assert torch.equal(many, raw)
-    assert packed_min_rows([lin], rows=(1,), reps=1) in (1, 2)
+    assert kernel_min_rows([lin], _packed, rows=(1,), reps=1) in (1, 2)
 
 
 def test_dtype_names_and_auto():
@@ -333,8 +333,12 @@ def test_half_precision_engine_is_close_to_float32(torch_engine, prompts, dtype,
     lin = half.model.layers[0].up  # one row runs torch.mv, more F.linear: the same products
     assert isinstance(lin, GemvLinear) and half.model.lm_head.weight is half.model.embed.weight
     x = torch.randn(1, 2, lin.in_features, dtype=half.dtype)
+    assert {m.min_rows for m in half.model.modules() if isinstance(m, GemvLinear)} <= {1, 2}  # measured at load
     with torch.inference_mode():
-        torch.testing.assert_close(lin(x[:, :1]).float(), lin(x)[:, :1].float(), rtol=1e-2, atol=1e-2)
+        for rows in (1, 2):  # torch.mv (1) or F.linear (2) for a one-row call: the same products
+            lin.min_rows = rows
+            torch.testing.assert_close(lin(x[:, :1]).float(), lin(x)[:, :1].float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(lin(x[:, :1]), torch.nn.functional.linear(x[:, :1], lin.weight))  # 2: F.linear itself
     agree, kls = [], []
     for ids in prompts:
         a = torch_engine.forward(ids, torch_engine.new_cache(len(ids)), last_only=False).double()

@@ -296,6 +296,7 @@ def test_pd_moves_a_bfloat16_kv_cache_bit_for_bit(torch_engine, prompts):
         assert {m.kv.dtype for m in msgs} == {"bfloat16"}
         back = from_messages(msgs)
         for a, b in zip(back.parts, payloads[0].parts):
+            assert a.dtype.name == "bfloat16" and _tensor(a).dtype == torch.bfloat16  # typed again, not uint16
             assert torch.equal(_tensor(a).view(torch.int16), _tensor(b).view(torch.int16))
     # what Ray actors rebuild the model from keeps the dtype: the same weights, bit for bit
     from relayinfer.cloud.pd.ray_pool import build_model, model_weights

@@ -363,7 +363,7 @@ class PackedLinear(nn.Module):
     """`nn.Linear` whose fp32 weight is also held pre-packed in oneDNN's blocked layout
     (`torch.ops.mkldnn._reorder_linear_weight`, the weight prepacking of PyTorch Inductor's CPU
     freezing pass) and run by `torch.ops.mkldnn._linear_pointwise` from `min_rows` rows on
-    (`PACKED_MIN_ROWS`, or what `packed_min_rows` measured on this CPU).
+    (`PACKED_MIN_ROWS`, or what `kernel_min_rows` measured on this CPU).
 
     Why (bench/results/packed_linear.md, one core): the packed kernel runs the model's linears at
     4-16 rows 1.3-1.5x faster than `F.linear`'s MKL path and the same at prefill sizes (the
@@ -401,19 +401,23 @@ class PackedLinear(nn.Module):
 
 class GemvLinear(nn.Linear):
     """`nn.Linear` of a half-precision CPU model whose one-row calls run `torch.mv` (a decode step
-    of one request): for bfloat16 on one core of an Intel Xeon the matrix-vector kernel runs the
+    of one request) when `min_rows` is 1, as `pack_linears` sets it where that was measured faster
+    (`kernel_min_rows`): for bfloat16 on one core of an Intel Xeon the matrix-vector kernel runs the
     model's linears ~1.4x faster than `F.linear`'s one-row GEMM (decode step of one request in
-    bf16 62 -> 49 ms); more rows go to `F.linear`. x [..., in_features] in the model dtype ->
-    [..., out_features]; the weight and the state dict are `nn.Linear`'s."""
+    bf16 62 -> 49 ms), on an AMD EPYC slower; more rows go to `F.linear`. x [..., in_features] in
+    the model dtype -> [..., out_features]; the weight and the state dict are `nn.Linear`'s."""
+
+    min_rows = 1
 
     @classmethod
     def of(cls, lin: nn.Linear) -> "GemvLinear":
-        g = cls.__new__(cls)
-        g.__dict__.update(lin.__dict__)  # the same parameters (a tied head stays tied)
-        return g
+        """`lin` itself, now a GemvLinear (its class swapped in place: the same module, parameters
+        and hooks; a tied head stays tied)."""
+        lin.__class__ = cls
+        return lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features:
+        if x.numel() != self.in_features or self.min_rows > 1:
             return F.linear(x, self.weight, self.bias)
         y = torch.mv(self.weight, x.reshape(-1))
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
@@ -426,34 +430,42 @@ def can_pack(model: nn.Module) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def packed_min_rows(linears: list[PackedLinear], rows=(1, 2), reps: int = 5) -> int:
-    """The fewest rows from which the packed kernel is at least as fast as `F.linear` on the dense
-    weight, measured here on `linears` (all of a model's but its head: more bytes than the CPU's
-    caches, as in a decode step) at the torch thread count in force: 1 when packed wins at every
-    row count in `rows`, else one past the largest row count where dense wins.
+def kernel_min_rows(linears: list[nn.Module], kernel, rows=(1, 2), reps: int = 5) -> int:
+    """The fewest rows from which `kernel(lin, x)` is at least as fast as `F.linear(x, lin.weight,
+    lin.bias)`, measured here on `linears` (all of a model's but its head: more bytes than the CPU's
+    caches, as in a decode step) at the torch thread count in force: 1 when `kernel` wins at every
+    row count in `rows`, else one past the largest row count where F.linear wins.
 
-    Why measured: which kernel wins at 1-2 rows differs by CPU (packed_linear.md: 0.81x packed on
-    an Intel Xeon; on an AMD EPYC 1.23x at 1 row and 1.6x at 2, the model's linears fp32, 1 thread).
-    Fastest of `reps` interleaved passes per path; costs 4 * reps passes over the weights (~0.8 s
-    for SmolLM2-135M). Both paths give the same results to fp32 rounding (~1e-6 relative)."""
-    dense_wins = []
+    Why measured: which kernel wins at 1-2 rows differs by CPU (bench/results/packed_linear.md, the
+    model's linears, 1 thread: oneDNN's packed fp32 kernel 0.81x F.linear at 1 row on an Intel Xeon,
+    1.17x / 1.61x at 1 / 2 rows on an AMD EPYC; bf16 `torch.mv` ~1.4x the one-row F.linear on the
+    Xeon, slower on the EPYC). Fastest of `reps` interleaved passes per path; costs 2 * reps *
+    len(rows) passes over the weights (~0.8 s for SmolLM2-135M in fp32). Both paths give the same
+    results to rounding (~1e-6 relative in fp32)."""
+    kernel_wins_from = 1
     with torch.inference_mode():
         for m in rows:
-            xs = {lin.in_features: torch.randn(m, lin.in_features, dtype=lin.dense.dtype) for lin in linears}
-            best = {"dense": float("inf"), "packed": float("inf")}
+            p = linears[0].weight
+            xs = {lin.in_features: torch.randn(m, lin.in_features, dtype=p.dtype, device=p.device) for lin in linears}
+            best = {"linear": float("inf"), "kernel": float("inf")}
             for _ in range(reps):
                 for path in best:
                     t = time.perf_counter()
                     for lin in linears:
                         x = xs[lin.in_features]
-                        if path == "dense":
-                            F.linear(x, lin.dense, lin.bias)
-                        else:
-                            torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+                        F.linear(x, lin.weight, lin.bias) if path == "linear" else kernel(lin, x)
                     best[path] = min(best[path], time.perf_counter() - t)
-            if best["dense"] < best["packed"]:
-                dense_wins.append(m)
-    return max(dense_wins, default=0) + 1
+            if best["linear"] < best["kernel"]:
+                kernel_wins_from = m + 1
+    return kernel_wins_from
+
+
+def _packed(lin: "PackedLinear", x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+
+
+def _mv(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.mv(lin.weight, x.reshape(-1))
 
 
 def pack_linears(model: nn.Module, min_rows: int | None = None) -> nn.Module:
@@ -462,7 +474,8 @@ def pack_linears(model: nn.Module, min_rows: int | None = None) -> nn.Module:
     oneDNN) and return the model. A weight shared with another module (a tied LM head) is packed as
     its own copy; the dense tensor stays shared. Costs one reorder per weight (~1 s for
     SmolLM2-135M) and the packed copies' bytes. `min_rows`: the row count from which the packed
-    kernel runs (`PackedLinear`); None measures it on this CPU (`packed_min_rows`)."""
+    kernel runs (`PackedLinear`; for `GemvLinear` 1: one-row calls run `torch.mv`, 2: never); None
+    measures it on this CPU (`kernel_min_rows`)."""
     p = next(model.parameters())
     half = p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
     if not (can_pack(model) or half):
@@ -471,13 +484,13 @@ def pack_linears(model: nn.Module, min_rows: int | None = None) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, GemvLinear.of(child) if half else PackedLinear(child))
-    if not half:
-        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        if min_rows is None:
-            head = getattr(model, "lm_head", None)
-            min_rows = packed_min_rows([m for m in packed if m is not head] or packed)
-        for m in packed:
-            m.min_rows = min_rows
+    mods = [m for m in model.modules() if isinstance(m, (PackedLinear, GemvLinear))]
+    if min_rows is None:
+        head = getattr(model, "lm_head", None)
+        body = [m for m in mods if m is not head] or mods
+        min_rows = kernel_min_rows(body, _mv, rows=(1,)) if half else kernel_min_rows(body, _packed)
+    for m in mods:
+        m.min_rows = min_rows
     return model
 
 

@@ -51,11 +51,11 @@ class KVPayload:
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
-    """A torch view of a payload array; bfloat16 (an `ml_dtypes.bfloat16` array, or the uint16
-    patterns a `KVTransfer` frame decodes to) comes back as torch.bfloat16."""
+    """A torch view of a payload array; an `ml_dtypes.bfloat16` array comes back as torch.bfloat16
+    (`from_messages` gives a frame's bfloat16 that dtype; any other array keeps its own)."""
     with warnings.catch_warnings():  # Ray hands read-only zero-copy arrays; we only read them
         warnings.simplefilter("ignore", UserWarning)
-        if a.dtype.name in ("bfloat16", "uint16"):
+        if a.dtype.name == "bfloat16":
             return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(a)
 
@@ -143,6 +143,10 @@ def from_messages(msgs: list[KVTransfer], block_size: int = 16) -> KVPayload:
         ValueError: blocks missing, repeated or not contiguous, or not starting at position 0.
     """
     start, parts = kv_parts(msgs)
+    if msgs[0].kv.dtype == "bfloat16":  # the frame's raw uint16 patterns, typed again
+        import ml_dtypes
+
+        parts = [p.view(ml_dtypes.bfloat16) for p in parts]
     if start != 0:
         raise ValueError(f"a P/D KV payload starts at position 0, these messages at {start}")
     mode = "contiguous" if msgs[0].block_index < 0 else "block-fixed"
