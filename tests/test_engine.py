@@ -279,7 +279,7 @@ def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
     # below the module's min_rows rows the dense weight runs (F.linear, bit for bit); from it on, the
     # packed one; one min_rows for every linear of the model, measured on this CPU at load (1..3)
-    from relayinfer.cloud.models.llama import PackedLinear, _packed, kernel_min_rows
+    from relayinfer.cloud.models.llama import PackedLinear, kernel_min_rows
 
     rows = {m.min_rows for m in packed.modules() if isinstance(m, PackedLinear)}
     assert len(rows) == 1 and rows <= {1, 2, 3}, rows
@@ -290,11 +290,12 @@ def test_packed_linears_equal_the_dense_model(torch_engine, prompts):
         with torch.inference_mode():
             few, many = lin(x[:, :2]), lin(x)
             raw = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+        assert torch.equal(lin.kernel(x), raw)
     finally:
         lin.min_rows = saved
     assert torch.equal(few, torch.nn.functional.linear(x[:, :2], lin.dense, lin.bias))
     assert torch.equal(many, raw)
-    assert kernel_min_rows([lin], _packed, rows=(1,), reps=1) in (1, 2)
+    assert kernel_min_rows([lin], rows=(1,), reps=1) in (1, 2)
 
 
 def test_dtype_names_and_auto():

@@ -392,6 +392,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < self.min_rows * self.in_features:
             return F.linear(x, self.dense, self.bias)
+        return self.kernel(x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed oneDNN kernel at any row count (what `forward` runs from `min_rows` rows)."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -419,6 +423,10 @@ class GemvLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() != self.in_features or self.min_rows > 1:
             return F.linear(x, self.weight, self.bias)
+        return self.kernel(x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """`torch.mv` on a one-row `x` (what `forward` runs for one row when `min_rows` is 1)."""
         y = torch.mv(self.weight, x.reshape(-1))
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
 
@@ -430,11 +438,12 @@ def can_pack(model: nn.Module) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def kernel_min_rows(linears: list[nn.Module], kernel, rows=(1, 2), reps: int = 5) -> int:
-    """The fewest rows from which `kernel(lin, x)` is at least as fast as `F.linear(x, lin.weight,
-    lin.bias)`, measured here on `linears` (all of a model's but its head: more bytes than the CPU's
-    caches, as in a decode step) at the torch thread count in force: 1 when `kernel` wins at every
-    row count in `rows`, else one past the largest row count where F.linear wins.
+def kernel_min_rows(linears: list[PackedLinear | GemvLinear], rows=(1, 2), reps: int = 5) -> int:
+    """The fewest rows from which the modules' own kernel (`lin.kernel(x)`) is at least as fast as
+    `F.linear(x, lin.weight, lin.bias)`, measured here on `linears` (all of a model's but its head:
+    more bytes than the CPU's caches, as in a decode step) at the torch thread count in force: 1
+    when the kernel wins at every row count in `rows`, else one past the largest row count where
+    F.linear wins.
 
     Why measured: which kernel wins at 1-2 rows differs by CPU (bench/results/packed_linear.md, the
     model's linears, 1 thread: oneDNN's packed fp32 kernel 0.81x F.linear at 1 row on an Intel Xeon,
@@ -442,10 +451,9 @@ def kernel_min_rows(linears: list[nn.Module], kernel, rows=(1, 2), reps: int = 5
     Xeon, slower on the EPYC). Fastest of `reps` interleaved passes per path; costs 2 * reps *
     len(rows) passes over the weights (~0.8 s for SmolLM2-135M in fp32). Both paths give the same
     results to rounding (~1e-6 relative in fp32)."""
-    kernel_wins_from = 1
+    kernel_wins_from, p = 1, linears[0].weight
     with torch.inference_mode():
         for m in rows:
-            p = linears[0].weight
             xs = {lin.in_features: torch.randn(m, lin.in_features, dtype=p.dtype, device=p.device) for lin in linears}
             best = {"linear": float("inf"), "kernel": float("inf")}
             for _ in range(reps):
@@ -453,19 +461,11 @@ def kernel_min_rows(linears: list[nn.Module], kernel, rows=(1, 2), reps: int = 5
                     t = time.perf_counter()
                     for lin in linears:
                         x = xs[lin.in_features]
-                        F.linear(x, lin.weight, lin.bias) if path == "linear" else kernel(lin, x)
+                        F.linear(x, lin.weight, lin.bias) if path == "linear" else lin.kernel(x)
                     best[path] = min(best[path], time.perf_counter() - t)
             if best["linear"] < best["kernel"]:
                 kernel_wins_from = m + 1
     return kernel_wins_from
-
-
-def _packed(lin: "PackedLinear", x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
-
-
-def _mv(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.mv(lin.weight, x.reshape(-1))
 
 
 def pack_linears(model: nn.Module, min_rows: int | None = None) -> nn.Module:
@@ -488,7 +488,7 @@ def pack_linears(model: nn.Module, min_rows: int | None = None) -> nn.Module:
     if min_rows is None:
         head = getattr(model, "lm_head", None)
         body = [m for m in mods if m is not head] or mods
-        min_rows = kernel_min_rows(body, _mv, rows=(1,)) if half else kernel_min_rows(body, _packed)
+        min_rows = kernel_min_rows(body, rows=(1,) if half else (1, 2))  # torch.mv takes one row only
     for m in mods:
         m.min_rows = min_rows
     return model
