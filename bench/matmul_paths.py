@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from machine import describe  # bench/machine.py, beside this script
 from relayinfer.cloud.ggml_blocks import decompose
 from relayinfer.protocol.model.model_file import default_model_path
 
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     wbytes = sum(w.numel() * 4 for w in dense)
     doc = {"command": "python bench/matmul_paths.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
-           "cpu_model": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"),
+           "cpu_model": describe(),
            "torch": torch.__version__, "onnxruntime": __import__("onnxruntime").__version__,
            "matrices": len(dense), "fp32_weight_mb": round(wbytes / 1e6, 1), "int4_weight_mb": round(wbytes / 8 / 1e6 * 1.25, 1),
            "exactness": errors, "results": results}

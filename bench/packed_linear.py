@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from machine import describe  # bench/machine.py, beside this script
 from relayinfer.cloud.engine.llm_engine import LLMEngine
 from relayinfer.cloud.engine.torch_engine import TorchEngine
 from relayinfer.cloud.models.llama import PackedLinear, load_llama, pack_linears
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         print(step_rows[-1], flush=True)
     cmd = "python bench/packed_linear.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res = {"command": cmd.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].split(":", 1)[1].strip(),
+           "cpu": describe(),
            "load_avg_before": os.getloadavg(), "torch": torch.__version__, "packed_min_rows": packed[0].min_rows,
            "bf16_mv_min_rows": engines["bf16"].model.layers[0].up.min_rows,
            "linears": lin_rows, "engine_steps": step_rows}

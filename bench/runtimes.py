@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from machine import cpu_isa, cpu_name  # bench/machine.py, beside this script
+
 ROOT = Path(__file__).resolve().parent
 FAMILIES = ("transformers", "torch", "onnx-fp32", "onnx-gguf", "onnx-gguf-q8", "llama.cpp")
 ROWS = [(f, t) for f in FAMILIES if f != "onnx-gguf-q8" for t in (1, 2)]  # the default rows
@@ -512,7 +514,7 @@ def main(argv=None) -> int:
     report = {
         "command": " ".join([".venv/bin/python", "bench/runtimes.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"cpu": cpu_name() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name() or platform.machine(), "isa": cpu_isa(), "cores": os.cpu_count(),
                     "loadavg_before": [round(x, 2) for x in loadavg], "python": platform.python_version(),
                     "versions": {p: _version(p) for p in ("torch", "onnxruntime", "transformers", "numpy")}},
         "model": model_info,
@@ -540,14 +542,6 @@ def _version(pkg: str) -> str | None:
     try:
         return importlib.metadata.version(pkg)
     except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def cpu_name() -> str | None:
-    """The CPU model from /proc/cpuinfo (None where it cannot be read); also used by serve_compare.py."""
-    try:
-        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
         return None
 
 

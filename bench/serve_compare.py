@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from runtimes import cpu_name  # bench/runtimes.py, beside this script
+from machine import cpu_isa, cpu_name  # bench/machine.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
@@ -273,7 +273,7 @@ def fmt(x, nd=0) -> str:
 def write_markdown(path: Path, rep: dict) -> None:
     s = rep["settings"]
     lines = [f"# Serving comparison: relayinfer vs llama-server, {Path(rep['model']['q4_1']).name}", "",
-             f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpu']}, {rep['machine']['cores']} cores "
+             f"Command: `{rep['command']}` ({rep['date']}, {machine_line(rep['machine'])}, {rep['machine']['cores']} cores "
              f"shared with other jobs, load avg before {rep['machine']['loadavg_before']}, wall {rep['wall_s']:.0f} s; "
              f"llama.cpp {rep['llama_cpp']}).", "",
              f"Streaming `/v1/chat/completions`, chitchat-dataset conversations (prompts {s['prompt_tokens']['min']}-"
@@ -301,9 +301,25 @@ def write_markdown(path: Path, rep: dict) -> None:
     errs = [(lv["server"], lv["concurrency"], lv["errors"]) for lv in rep["levels"] if lv["errors"]]
     if errs:
         lines += ["", "Errors: " + "; ".join(f"{a} N={b}: {c}" for a, b, c in errs)]
+    path.write_text("\n".join(lines) + "\n" + kept_notes(path, machine_line(rep["machine"])))
+
+
+def machine_line(m: dict) -> str:
+    """'<CPU>; ISA avx2, ...' of a report's `machine` (what the hand-written notes are about)."""
+    return f"{m['cpu']}; ISA {', '.join(m['isa']) if m.get('isa') else 'unknown'}"
+
+
+def kept_notes(path: Path, machine: str) -> str:
+    """The hand-written '## Notes' of the file a run overwrites, kept only where that file's run
+    was on the same machine (`machine_line` in its header); notes about another CPU are dropped
+    with a line on stderr, so a results file never carries another host's reading."""
     old = path.read_text() if path.is_file() else ""
-    notes = old[old.index("## Notes"):] if "## Notes" in old else ""
-    path.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
+    if "## Notes" not in old:
+        return ""
+    if f", {machine}, " not in old.split("\n\n", 2)[1]:
+        print(f"serve_compare: the notes of {path} were written for another machine; not kept", file=sys.stderr)
+        return ""
+    return "\n" + old[old.index("## Notes"):]
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -418,7 +434,7 @@ def main(argv=None) -> int:
     rep = {
         "command": " ".join([".venv/bin/python", "bench/serve_compare.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"cpu": cpu_name() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name() or platform.machine(), "isa": cpu_isa(), "cores": os.cpu_count(),
                     "loadavg_before": [round(x, 2) for x in loadavg]},
         "llama_cpp": llama_ver, "model": models,
         "weights": WEIGHTS,

@@ -49,3 +49,25 @@ def test_python_dash_m_runs_a_driver_from_the_checkout_root():
     r = subprocess.run([sys.executable, "-m", "bench.kv_handoff", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and "--lengths" in r.stdout
+
+
+def test_serve_compare_keeps_hand_written_notes_only_for_the_machine_they_describe(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the scripts import their neighbours
+    import machine
+    import serve_compare
+
+    here = {"cpu": "CPU A", "isa": ["avx2", "fma"], "cores": 2}
+    there = {"cpu": "CPU A", "isa": ["avx2", "fma", "avx512f", "amx_bf16"], "cores": 2}
+    path = tmp_path / "serve_compare.md"
+    header = lambda m: f"# Serving comparison\n\nCommand: `x` (today, {serve_compare.machine_line(m)}, 2 cores ...).\n\n| t |\n"
+    path.write_text(header(here) + "\n## Notes\n\nabout CPU A with AVX2 only\n")
+    assert serve_compare.kept_notes(path, serve_compare.machine_line(here)) == "\n## Notes\n\nabout CPU A with AVX2 only\n"
+    # the same model name with other instruction sets is another machine: its notes are dropped, said on stderr
+    assert serve_compare.kept_notes(path, serve_compare.machine_line(there)) == ""
+    assert "written for another machine" in capsys.readouterr().err
+    assert serve_compare.kept_notes(tmp_path / "absent.md", "x") == ""
+    isa = machine.cpu_isa()
+    if isa is not None:  # Linux: the flags read are the CPU's, in ISA_FLAGS order
+        flags = set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split())
+        assert isa == [f for f in machine.ISA_FLAGS if f in flags]
+        assert machine.describe().endswith("ISA " + (", ".join(isa) or "unknown"))
