@@ -31,7 +31,8 @@ The display interval is a decision, not only max(target, cloud TPOT, device TPOT
 cannot catch up at that pace within the answer, the plan may slow the display down to
 `max_interval_ms` (the speed controller of P/D-Device buying the device time; 1.8 x the target
 by the real device's default, `split.SplitOptions.max_tpot_ms`), the smallest interval for which a
-hand-off fits (`settings.choose_settings`). The plan is revisited whenever a measured figure
+hand-off fits (`settings.choose_settings`). The cloud's pace is never set as the interval
+(`display_interval`): the display follows it through `speed.source_floor`. The plan is revisited whenever a measured figure
 moves it (`moved`: the cloud's TTFT or TPOT, the device's prefill ms/token, by more than 10 %) and
 whenever the device finishes a prompt chunk, not only at fixed token counts.
 """
@@ -53,7 +54,7 @@ BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan kee
 __all__ = [
     "Phase", "Event", "IGNORED", "TRANSITIONS", "MODE_OF", "PhaseError", "Phases", "PlanInput", "Plan", "Progress",
     "plan", "replan", "Replan", "replan_held", "moved", "MOVED_TOL", "Prefill", "HandOff", "HOLD", "catch_up_step", "on_done", "stall_is_fault",
-    "BACKGROUND_CHUNK", "SLOWEST_PACE", "PACE_STEPS", "device_pace", "refined_tokens",
+    "BACKGROUND_CHUNK", "SLOWEST_PACE", "PACE_STEPS", "device_pace", "display_interval", "refined_tokens",
 ]
 
 
@@ -211,6 +212,19 @@ class Plan:
     reason: str
 
 
+def display_interval(t: Timing, target_tpot_ms: float, chosen_ms: float) -> float:
+    """The speed controller's interval (ms/token) for the display interval `chosen_ms` that
+    `settings.choose_settings` chose under `t`: `chosen_ms` where the plan slowed the display past
+    I0 = max(target, cloud TPOT c, device TPOT d) to let the device catch up (a decision, at most
+    `max_interval_ms`); else max(target, d). The cloud's pace c is the plan's arithmetic, not a
+    setting: while cloud tokens are shown the display already follows their sustained pace
+    (`speed.source_floor`), which falls as soon as the cloud speeds up, whereas an interval never
+    falls before the hand-off: one slow measured gap (another request's prefill sharing the cloud's
+    step) set as the interval would slow every token until the device takes over."""
+    pace = max(target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
+    return chosen_ms if chosen_ms > pace + 0.5 else max(target_tpot_ms, t.decode_ms_per_token)
+
+
 def plan(p: PlanInput) -> Plan:
     """The cloud budget and display interval of `settings.choose_settings` for `p`: with the KV
     hand-off the device starts after token 0 and the transfer and prefills one token; with
@@ -222,17 +236,18 @@ def plan(p: PlanInput) -> Plan:
     elif p.refine:
         t = replace(t, device_start_ms=t.cloud_ttft_ms)
     st = choose_settings(t, n, p.max_new_tokens, p.target_tpot_ms, max_interval_ms=p.max_interval_ms)
+    interval = display_interval(t, p.target_tpot_ms, st.interval_ms)
     if st.cloud_budget is not None:
         pace = max(p.target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
         slowed = f", slowed from {pace:.0f} ms so that the device catches up" if st.interval_ms > pace + 0.5 else ""
-        return Plan(st.cloud_budget, st.interval_ms, False, n,
+        return Plan(st.cloud_budget, interval, False, n,
                     f"the cloud streams at most {st.cloud_budget} tokens, then the device takes over "
-                    f"(settings: display interval {st.interval_ms:.0f} ms{slowed})")
+                    f"(settings: display interval {interval:.0f} ms{slowed})")
     why = (f"the device cannot catch up: its prefill takes {t.prefill_ms_per_token:.0f} ms a token, not less "
            f"than the {st.interval_ms:.0f} ms display interval" if t.prefill_ms_per_token >= st.interval_ms else
            f"the device cannot catch up within {p.max_new_tokens} tokens (prompt of {n} tokens: about "
            f"{t.prefill_ms_base + t.prefill_ms_per_token * n:.0f} ms to prefill on the device)")
-    return Plan(None, st.interval_ms, True, n, why)
+    return Plan(None, interval, True, n, why)
 
 
 @dataclass(frozen=True)
@@ -291,13 +306,14 @@ def replan(t: Timing, progress: Progress, budget: int, max_new_tokens: int, targ
     `max_interval_ms`: a `Replan` when the budget must grow (the whole answer when the device can
     no longer catch up) or the display must slow down; None to keep both."""
     floor = max(target_tpot_ms, interval_ms or 0.0)
-    st = choose_settings(progress.measured(t), progress.prompt_left, max_new_tokens, floor, margin=0.1,
-                         max_interval_ms=max_interval_ms)
+    m = progress.measured(t)
+    st = choose_settings(m, progress.prompt_left, max_new_tokens, floor, margin=0.1, max_interval_ms=max_interval_ms)
     want = st.cloud_budget if st.cloud_budget is not None else max_new_tokens
-    slower = st.cloud_budget is not None and st.interval_ms > floor + 0.5
+    iv = display_interval(m, floor, st.interval_ms)
+    slower = st.cloud_budget is not None and iv > floor + 0.5
     if want <= budget and not slower:
         return None
-    return Replan(max(want, budget), st.interval_ms if slower else floor)
+    return Replan(max(want, budget), iv if slower else floor)
 
 
 def replan_held(t: Timing, progress: Progress, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
@@ -309,10 +325,10 @@ def replan_held(t: Timing, progress: Progress, prompt_tokens: int, max_new_token
     None: keep holding."""
     m = progress.measured(t)
     if progress.prompt_left == 0 and progress.behind == 0:  # it covered every token received: it can go now
-        return max(target_tpot_ms, m.cloud_tpot_ms, m.decode_ms_per_token)
+        return display_interval(m, target_tpot_ms, 0.0)
     st = choose_settings(m, min(prompt_tokens, progress.prompt_left), max_new_tokens, target_tpot_ms,
                          max_interval_ms=max_interval_ms)
-    return None if st.cloud_budget is None else st.interval_ms
+    return None if st.cloud_budget is None else display_interval(m, target_tpot_ms, st.interval_ms)
 
 
 # -- catching up --------------------------------------------------------------------------------------

@@ -235,10 +235,12 @@ def handoff_time(t: Timing, prompt_tokens: int, n: int) -> float:
 
 def simulate(t: Timing, prompt_tokens: int, answer_tokens: int, budget: int | None, interval_ms: float,
              target_tpot_ms: float, stall_factor: float = 2.0) -> dict:
-    """Shown times of a split answer under timing `t` with the given settings.
+    """Shown times of a split answer under timing `t` with the given settings: cloud tokens at
+    max(interval_ms, c), the pace the speed controller's source floor holds on a cloud streaming
+    every c ms (`speed.source_floor`), the device's tokens (from the hand-off on) at interval_ms.
 
-    Returns {'shown_ms': float64 [answer_tokens], 'stalls': gaps > stall_factor*max(target, interval),
-    'late': tokens shown after their slot T + k*I, 'handoff': N or None, 'tpot_max_ms'}.
+    Returns {'shown_ms': float64 [answer_tokens], 'stalls': gaps > stall_factor*max(target, pace),
+    'late': tokens shown after their slot T + k*max(I, c), 'handoff': N or None, 'tpot_max_ms'}.
     """
     n = answer_tokens if budget is None else min(budget, answer_tokens)
     ready = t.cloud_ttft_ms + t.cloud_tpot_ms * np.arange(answer_tokens, dtype=np.float64)
@@ -246,12 +248,16 @@ def simulate(t: Timing, prompt_tokens: int, answer_tokens: int, budget: int | No
     if n < answer_tokens:
         handoff, r = catch_up(t, prompt_tokens, n)
         ready[handoff:] = r + t.decode_ms_per_token * np.arange(answer_tokens - handoff)
+    cloud_pace = max(interval_ms, t.cloud_tpot_ms)
+    pace = np.full(answer_tokens, cloud_pace)
+    if handoff is not None:
+        pace[handoff:] = interval_ms
     shown = np.empty(answer_tokens)
     for k in range(answer_tokens):
-        shown[k] = release_time(ready[k], shown[k - 1] if k else None, interval_ms)
+        shown[k] = release_time(ready[k], shown[k - 1] if k else None, pace[k])
     gaps = np.diff(shown)
-    slots = t.cloud_ttft_ms + interval_ms * np.arange(answer_tokens)
-    return {"shown_ms": shown, "stalls": count_stalls(shown, interval_ms, target_tpot_ms, stall_factor),
+    slots = t.cloud_ttft_ms + cloud_pace * np.arange(answer_tokens)
+    return {"shown_ms": shown, "stalls": count_stalls(shown, pace, target_tpot_ms, stall_factor),
             "late": int((shown > slots + 1e-6).sum()), "handoff": handoff,
             "tpot_max_ms": float(gaps.max()) if gaps.size else 0.0}
 

@@ -3,6 +3,7 @@ transition, illegal events), and the plan / replan / catch-up / Done decisions o
 device profiles (device/profiles/*.json) and the client's default cloud estimate."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from relayinfer.device.policy import (
@@ -110,7 +111,8 @@ def test_replan_extends_the_budget_when_the_device_falls_behind_its_plan():
     40 ms). Re-planned with two measured arrivals and the whole prompt still to prefill: at 0.4 s
     (an earlier first token, 300 ms, moves the display slots earlier) a few more tokens; at 2 s
     (the device started late) many more; a 120 ms/token cloud slows the display enough that the
-    budget stands (the re-plan then only sets the display to the cloud's pace)."""
+    budget stands and nothing changes (the display follows that cloud through the source floor,
+    not through its interval)."""
     t = _timing("phone", 256)
     p = plan(PlanInput(t, 256, 256, 50.0))
     assert p.budget == 130
@@ -119,8 +121,8 @@ def test_replan_extends_the_budget_when_the_device_falls_behind_its_plan():
         return replan(t, Progress(now_ms, (300.0, 300.0 + tpot_ms), 256), p.budget, 256, 50.0, p.interval_ms)
 
     assert at(400.0, 40.0) == Replan(135, 52.6) and at(2000.0, 40.0) == Replan(184, 52.6)
-    # a 120 ms/token cloud: the budget stands, the display follows the cloud's pace
-    assert at(400.0, 120.0) == at(2000.0, 120.0) == Replan(130, 120.0)
+    # a 120 ms/token cloud: the budget stands, the interval too
+    assert at(400.0, 120.0) is None and at(2000.0, 120.0) is None
     assert replan(t, Progress(400.0, (300.0, 340.0), 256), 140, 256, 50.0, 52.6) is None  # nothing to change
 
 
@@ -129,7 +131,8 @@ def test_a_held_device_is_released_when_the_measured_cloud_is_slower():
     cannot catch up within 256 tokens and holds (cloud to the end). The device re-plans when a
     measured figure moved (`moved`): the first token (TTFT 1 s, not the planned 1.15 s) and the
     second (TPOT measured); at 200 ms a token the re-plan after cloud token 2 finds a hand-off (the
-    display then follows the cloud's pace); at the estimated 40 ms nothing moves after token 1 and
+    interval is the device's 79.1 ms pace; the display follows the slower cloud through its source
+    floor); at the estimated 40 ms nothing moves after token 1 and
     it keeps holding."""
     c = CloudEstimate(ttft_base_ms=150.0, prefill_ms_per_token=1.0, tpot_ms=40.0)
     t = Timing(24.0, 16.57, 79.1, c.ttft_ms(1000), c.tpot_ms)
@@ -149,7 +152,7 @@ def test_a_held_device_is_released_when_the_measured_cloud_is_slower():
                 return k, interval, replans
         return None, None, replans
 
-    assert released_at(200.0) == (2, 200.0, [1, 2])
+    assert released_at(200.0) == (2, 79.1, [1, 2])
     assert released_at(40.0) == (None, None, [1])  # nothing moved after the first token: no re-plan
 
 
@@ -291,3 +294,29 @@ def test_device_pace_follows_the_measured_decode_steps_once_there_are_enough():
     # a device slower than its calibration is shown at its real pace, never faster than the target
     assert device_pace(50.0, 40.0, [90.0, 95.0, 92.0]) == 92.0
     assert device_pace(50.0, 40.0, [20.0, 21.0, 22.0]) == 50.0
+
+
+def test_one_slow_cloud_gap_does_not_slow_the_display_until_the_hand_off():
+    """A real request's arrivals (118-token prompt, phone fit, target 90 ms): the first cloud gap
+    took 329 ms (another request's prefill shared the cloud's step), the next ones 63 ms. Re-planned
+    after each arrival, no interval above the target is set (the cloud's pace is not a setting), so
+    the display, following the source floor, shows the backlog at 90 ms once the cloud speeds up
+    instead of at 329 ms until the hand-off."""
+    from relayinfer.device.speed import display_ms
+
+    t = Timing(0.0, 16.67, 52.6, 300.0, 60.0)
+    p = plan(PlanInput(t, 118, 256, 90.0, max_interval_ms=162.0))
+    assert not p.held and p.interval_ms == 90.0
+    ready = [303.8, 632.4] + [632.4 + 63.2 * i for i in range(1, 25)]
+    interval = p.interval_ms
+    for k in range(2, len(ready) + 1):
+        r = replan(t, Progress(ready[k - 1], tuple(ready[:k]), 118 - 30), p.budget, 256, 90.0, interval, 162.0)
+        interval = max(interval, r.interval_ms) if r is not None else interval
+        assert interval == 90.0, k
+    shown = display_ms(ready, interval, follow_source=True)
+    gaps = np.diff(shown)
+    assert gaps[0] == pytest.approx(328.6) and max(gaps[2:]) <= 90.0 + 1e-6
+    # with the cloud's measured pace as the interval (329 ms) the display would crawl
+    assert np.diff(display_ms(ready, 328.6, follow_source=True))[2:].min() > 300.0
+    # a caught-up held device is released at the device's pace, not at a slow cloud's
+    assert replan_held(t, Progress(700.0, (303.8, 632.4), 0, behind=0), 118, 256, 90.0, 162.0) == 90.0
