@@ -257,10 +257,10 @@ class SplitOptions:
     bytes/s, None = unknown = never; `kv_overhead_ms`, encode + decode + import), True always,
     False never; with a measured link the cloud sends the KV at `kv_rate_share` of it
     (`Generate.kv_rate`, default `protocol.kvhandoff.KV_RATE_SHARE`), so the answer's tokens are
-    not queued behind it, and the plan counts the transfer at that rate. max_tpot_ms: the slowest display interval the plan may choose so that the device
-    catches up within the answer (ms/token, the speed controller slowing down; None:
-    `SLOWEST_PACE` x target_tpot_ms; target_tpot_ms: never slower than max(target, cloud TPOT,
-    device TPOT))."""
+    not queued behind it, and the plan counts the transfer at that rate. max_tpot_ms: the
+    slowest display interval the plan may choose so that the device catches up within the answer
+    (ms/token, the speed controller slowing down; None: `SLOWEST_PACE` x target_tpot_ms); it bounds
+    that choice only: a cloud slower than it is still shown at its own pace (the source floor)."""
 
     mode: str = "split"
     target_tpot_ms: float = 50.0
