@@ -93,7 +93,7 @@ def old_forward(model, ids: list[int]) -> torch.Tensor:
 
 def test_model_logits_equal_previous_implementation(torch_engine, chat_prompt_ids):
     """Prefill (all positions) and token-by-token decode through `StaticKV`, and the export cache
-    `ConcatKV`, give the float64 expanded-K/V re-derivation's logits within fp32 rounding (1e-4 + 2e-5 x |logit|)."""
+    `ConcatKV`, give the float64 expanded-K/V re-derivation's logits within fp32 rounding (1e-5 x max |logit| + 2e-5 x |logit|)."""
     model, ids = torch_engine.model, chat_prompt_ids[1][:40]
     ref = old_forward(model, ids)
     with torch.inference_mode():
@@ -109,9 +109,16 @@ def test_model_logits_equal_previous_implementation(torch_engine, chat_prompt_id
         empty = torch.zeros(1, model.cfg.n_kv_heads, 0, model.cfg.head_dim)
         cat = model(torch.tensor([ids]), ConcatKV([(empty, empty)] * model.cfg.n_layers), 0, last_only=False)[0]
     got = torch.cat([pre, torch.stack(dec)]).double()
-    # fp32 rounding over 30 layers grows with the logit's size (|logit| reaches ~30): 1e-4 + 2e-5·|ref|
-    torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-4)
-    torch.testing.assert_close(cat.double(), ref, rtol=2e-5, atol=1e-4)
+    # fp32 rounding over 30 layers scales with the operands, not with one logit: a logit near 0 carries
+    # the error of its row's large ones. The bound is 1e-5 x the largest |logit| (~30, so ~3e-4) plus
+    # 2e-5 x |logit|; CPUs whose kernels sum in another order (AVX2 vs AVX-512) were seen at 1.24e-4.
+    # A wrong mask, RoPE or KV position moves logits by > 1e-2.
+    atol = 1e-5 * ref.abs().max().item()
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=atol)
+    torch.testing.assert_close(cat.double(), ref, rtol=2e-5, atol=atol)
+    top2 = ref.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * atol  # the greedy token is defined past rounding
+    assert clear.sum() >= len(ids) // 2 and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 def full_sort_keep(p: np.ndarray, top_p: float) -> np.ndarray:
