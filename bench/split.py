@@ -556,7 +556,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                     print(f"[bench split] {name or '':8s} {prof:6s} {mode:11s} {len(ids):5d} tok: ttft {r.ttft_ms:7.0f} ms  {r.mode:11s} "
                           f"plan {r.plan:16s} answer {len(r.token_ids):3d} cloud {r.cloud_streamed:3d} handoff "
                           f"{r.handoff_index} stalls {r.stalls} tpot max {r.tpot_ms_max:4.0f} I {r.interval_ms:3.0f} "
-                          f"kv {r.kv_imported_tokens}", flush=True)
+                          f"kv {r.kv_imported_tokens}" + (f" {r.kv_wire}" if r.kv_imported_tokens else ""), flush=True)
         if capacity:
             from relayinfer.device.virtual import capacity_sweep
 

@@ -73,8 +73,8 @@ import numpy as np
 from relayinfer.protocol.model.decoding import SamplingParams, check_prompt, finish_reason, generate_message, sample
 from relayinfer.protocol.model.grammar import Guide, new_guide_async
 from relayinfer.protocol.errors import ErrorCode, RelayInferError, RemoteError
-from relayinfer.protocol.kvhandoff import (KV_RATE_SHARE, common_prefix, kv_bytes_per_token, kv_handoff_ms,
-                                           kv_handoff_pays, kv_layers)
+from relayinfer.protocol.kvhandoff import (KV_RATE_SHARE, KV_WIRES, common_prefix, kv_handoff_ms, kv_handoff_pays,
+                                           kv_layers, wire_bytes_per_token)
 from relayinfer.protocol.messages import (Cancel, Done, Error, ExtendBudget, Generate, KVTransfer, RefinedPrompt, Stop,
                                          Token)
 from relayinfer.protocol.model.refine import TemplateMarkers, check_refine, choose_refine, system_prefix_len
@@ -184,6 +184,7 @@ class GenerationResult:
     plan_reason: str = ""
     device_cached_tokens: int = 0
     kv_imported_tokens: int = 0
+    kv_wire: str | None = None
     device_prompt_ms: float = 0.0
     cloud_cached_tokens: int = 0
     request_id: str = ""
@@ -196,7 +197,8 @@ class GenerationResult:
 
 # GenerationResult, multi-turn and KV hand-off fields: device_cached_tokens: prompt tokens whose KV the
 # device reused from the conversation's previous turn; kv_imported_tokens: prompt tokens whose KV came
-# from the cloud (`Generate.kv_from`) instead of a device prefill; device_prompt_ms: wall ms of the
+# from the cloud (`Generate.kv_from`) instead of a device prefill; kv_wire: the format the KV was asked
+# in ('float16' or 'int8', `SplitOptions.kv_wire`; None: no KV hand-off asked); device_prompt_ms: wall ms of the
 # device's prompt work (prefill of the uncached tokens, or waiting for and importing the KV), before
 # the catch-up; cloud_cached_tokens: prompt tokens the cloud reused (its first `Token.cached_tokens`;
 # 0 when the device answered before that token arrived: the cloud's `Done.cached_tokens` then has it);
@@ -257,7 +259,11 @@ class SplitOptions:
     bytes/s, None = unknown = never; `kv_overhead_ms`, encode + decode + import), True always,
     False never; with a measured link the cloud sends the KV at `kv_rate_share` of it
     (`Generate.kv_rate`, default `protocol.kvhandoff.KV_RATE_SHARE`), so the answer's tokens are
-    not queued behind it, and the plan counts the transfer at that rate. max_tpot_ms: the
+    not queued behind it, and the plan counts the transfer at that rate. kv_wire: the KV's
+    format on the wire (`Generate.kv_wire`): 'float16', 'int8' (per-token scales, 52 % of the
+    bytes; the device then decodes from a KV quantized as `protocol.kvhandoff.quantize_int8`
+    writes it) or 'auto' (float16 where a float16 hand-off pays, else int8 where that pays; with
+    kv_handoff True: float16). max_tpot_ms: the
     slowest display interval the plan may choose so that the device catches up within the answer
     (ms/token, the speed controller slowing down; None: `SLOWEST_PACE` x target_tpot_ms); it bounds
     that choice only: a cloud slower than it is still shown at its own pace (the source floor)."""
@@ -272,6 +278,7 @@ class SplitOptions:
     progress_floor_s: float = 3.0
     progress_factor: float = 5.0
     kv_handoff: bool | str = "auto"
+    kv_wire: str = "auto"
     link_bytes_per_s: float | None = None
     kv_overhead_ms: float = 20.0
     kv_rate_share: float = KV_RATE_SHARE
@@ -293,6 +300,8 @@ class SplitOptions:
             raise ValueError(f"progress_timeout_s must be > 0, got {self.progress_timeout_s}")
         if self.kv_handoff not in (True, False, "auto"):
             raise ValueError(f"kv_handoff must be True, False or 'auto', got {self.kv_handoff!r}")
+        if self.kv_wire not in KV_WIRES + ("auto",):
+            raise FieldError("kv_wire", f"one of {', '.join(KV_WIRES + ('auto',))}", self.kv_wire)
         if self.link_bytes_per_s is not None and not self.link_bytes_per_s > 0:
             raise ValueError(f"link_bytes_per_s must be > 0 (bytes/s), got {self.link_bytes_per_s}")
         if not 0 < self.kv_rate_share <= 1:
@@ -412,6 +421,7 @@ class _Cloud:
     done: Done | None = None
     cached: int = 0
     kv_from: int | None = None
+    kv_wire: str = "float16"
     kv_parts: list[KVTransfer] = field(default_factory=list)
     kv_done_ms: float | None = None  # when the last KV piece came (ms since the request started)
     got_kv: asyncio.Event = field(default_factory=asyncio.Event)
@@ -652,10 +662,11 @@ class _Run:
         self.dev.wake.set()
         self.start_device()
 
-    def kv_bpt(self) -> int:
-        """KV bytes per token on the wire (fp16) for the device model."""
+    def kv_bpt(self, wire: str | None = None) -> int:
+        """KV bytes per token on the wire for the device model, in `wire` (default: the format
+        this request asks for, `_Cloud.kv_wire`)."""
         c = self.s.engine.cfg
-        return kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
+        return wire_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, wire or self.cloud.kv_wire)
 
     def kv_transfer_ms(self) -> float:
         """Expected ms from the cloud's first token to the imported KV: bytes at the rate the
@@ -677,23 +688,31 @@ class _Run:
         prefills). Only in split mode, without refinement, with an engine that imports KV; with
         kv_handoff 'auto' only where `protocol.kvhandoff.kv_handoff_pays` (measured link bandwidth,
         device prefill fit, expected cloud TTFT) and the KV would arrive before the cloud could
-        stream all `max_new_tokens` (expected TTFT + TPOT each); True always, False never."""
+        stream all `max_new_tokens` (expected TTFT + TPOT each), in the first format of
+        `SplitOptions.kv_wire` for which both hold (sets `_Cloud.kv_wire`); True always, False
+        never."""
         s, opt, reused = self.s, self.s.opt, self.dev.reused
         n = len(self.prompt) - 1 - reused  # tokens to send: all uncached prompt tokens but the last
         if (opt.kv_handoff is False or self.plan.mode != "split" or n <= 0 or not hasattr(s.engine, "kv_import")
                 or (not reused and choose_refine(len(self.prompt), opt.refine) is not None)):
             return None
+        wires = KV_WIRES if opt.kv_wire == "auto" else (opt.kv_wire,)
         if opt.kv_handoff is True:
+            self.cloud.kv_wire = wires[0]
             return reused
         if s.device_timing is None:
             return None
         a, b, _ = s.device_timing
         rate, ttft = self.kv_plan_rate() if opt.kv_rate() else None, s.cloud.ttft_ms(n + 1)
-        if not kv_handoff_pays(n, self.kv_bpt(), rate, ttft, a, b, opt.kv_overhead_ms):
-            return None
         # an answer the cloud streams to its end before the KV could arrive: the transfer is waste
         answer_ms = ttft + (self.params.max_new_tokens - 1) * s.cloud.tpot_ms
-        return reused if kv_handoff_ms(n, self.kv_bpt(), rate, ttft, a, b, opt.kv_overhead_ms) < answer_ms else None
+        for wire in wires:
+            bpt = self.kv_bpt(wire)
+            if (kv_handoff_pays(n, bpt, rate, ttft, a, b, opt.kv_overhead_ms)
+                    and kv_handoff_ms(n, bpt, rate, ttft, a, b, opt.kv_overhead_ms) < answer_ms):
+                self.cloud.kv_wire = wire
+                return reused
+        return None
 
     def cache(self) -> DeviceCache | None:
         """The device cache after this request, for the next turn: the last KV the engine returned
@@ -829,7 +848,8 @@ class _Run:
         refine = (choose_refine(len(self.prompt), self.s.opt.refine)
                   if split and not self.dev.reused and self.cloud.kv_from is None else None)
         return generate_message(self.request_id, self.prompt, p, cloud_budget=self.plan.budget if split else None,
-                                refine=refine, kv_from=self.cloud.kv_from, kv_rate=self.s.opt.kv_rate())
+                                refine=refine, kv_from=self.cloud.kv_from, kv_rate=self.s.opt.kv_rate(),
+                                kv_wire=self.cloud.kv_wire)
 
     async def connect_failed(self, e: Exception, wait_ms: float) -> None:
         """The cloud refused or is unreachable: raise in cloud-only mode, else go device-only."""
@@ -1085,13 +1105,12 @@ class _Run:
             log.info("request %s: the answer ended before the KV hand-off (%d of %d pieces came)",
                      self.request_id, len(c.kv_parts), c.kv_parts[0].num_blocks)
             return kv, prompt
+        n, parts = len(prompt) - 1, c.kv_parts
         try:
-            start, layers = kv_layers(c.kv_parts)
-            n = len(prompt) - 1
-            if start != d.reused or layers[0][0].shape[2] != n:
-                raise ValueError(f"KV of {layers[0][0].shape[2]} tokens from {start}, expected {n} from {d.reused}")
-
-            def merge():
+            def merge():  # on the device thread: decoding (and dequantizing) ~n x 23 KB is not the event loop's work
+                start, layers = kv_layers(parts)
+                if start != d.reused or layers[0][0].shape[2] != n:
+                    raise ValueError(f"KV of {layers[0][0].shape[2]} tokens from {start}, expected {n} from {d.reused}")
                 old = eng.kv_export(kv) if kv is not None and kv.length else None
                 full = layers if old is None else [(np.concatenate([ok, k], axis=2), np.concatenate([ov, v], axis=2))
                                                    for (ok, ov), (k, v) in zip(old, layers)]
@@ -1142,7 +1161,8 @@ class _Run:
             self.s.cloud.update(len(self.prompt), cloud[0], tpot_from_arrivals(cloud))
         c = self.cloud
         if c.kv_done_ms is not None and cloud and c.kv_done_ms > cloud[0]:  # a whole KV hand-off came
-            self.s.cloud.update_kv(sum(len(p.kv.data) for p in c.kv_parts), c.kv_done_ms - cloud[0])
+            self.s.cloud.update_kv(sum(len(p.kv.data) + (len(p.scale.data) if p.scale is not None else 0)
+                                       for p in c.kv_parts), c.kv_done_ms - cloud[0])
 
     def result(self) -> GenerationResult:
         """The request's `GenerationResult`; `mode` is the phase the answer ended in (`Phases.mode`)."""
@@ -1158,7 +1178,8 @@ class _Run:
             device_prefill_ms=d.prefill_ms, device_prompt_tokens=d.prompt_tokens, cloud_budget=pl.budget,
             budget_extensions=pl.extended, interval_ms=self.speed.interval_ms, fault=self.fault.kind,
             error=self.fault.error, plan=pl.planned, plan_reason=pl.reason, device_cached_tokens=d.reused,
-            kv_imported_tokens=d.kv_imported, device_prompt_ms=d.prompt_ms, cloud_cached_tokens=self.cloud.cached,
+            kv_imported_tokens=d.kv_imported, kv_wire=self.cloud.kv_wire if self.cloud.kv_from is not None else None,
+            device_prompt_ms=d.prompt_ms, cloud_cached_tokens=self.cloud.cached,
             request_id=self.request_id, prefill_left_at_fault=self.fault.prefill_left, ready_ms=list(a.ready_ms))
 
 

@@ -13,7 +13,7 @@
   between two pieces instead of waiting behind the whole transfer (a shaped link is a FIFO queue:
   without pacing a 15 MB hand-off at 3.6 MB/s holds every token behind it for 4 s).
 * `kv_messages` / `kv_pieces` / `kv_layers`: the prompt's KV as `KVTransfer` messages (float16,
-  split by tokens into frames of at most `max_bytes`; `kv_pieces` builds them one at a time, as a
+  or int8 with per-token scales, `KV_WIRES` / `quantize_int8`; split by tokens into frames of at most `max_bytes`; `kv_pieces` builds them one at a time, as a
   sender interleaving them with other frames wants them) and back into per-layer (key, value) arrays [1, kv_heads,
   tokens, head_dim], the device engine's past-KV layout.
 
@@ -32,6 +32,13 @@ from .messages import MAX_FRAME_BYTES, KVTransfer, Tensor
 
 WIRE_DTYPE = np.float16
 FRAME_MARGIN = 4096  # bytes left in a frame for the message's other fields
+
+KV_WIRES = ("float16", "int8")
+"""The cloud -> device hand-off's wire formats (`Generate.kv_wire`): float16, or int8 with one
+float16 scale per (layer, K/V, head, token) over head_dim (`quantize_int8`: symmetric absmax / 127,
+the per-token granularity of 8-bit KV caches, e.g. vLLM's int8 / fp8 KV cache; KIVI, Liu et al.
+2024, quantizes values per token too). For SmolLM2-135M a token is 23,040 bytes in float16 and
+11,880 in int8 (`wire_bytes_per_token`)."""
 
 
 KV_RATE_SHARE = 0.75
@@ -81,6 +88,37 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, bytes_per_
     3 x 64 x 2 = 23,040 bytes (22.5 KiB) in fp16. `ModelConfig.kv_bytes_per_token` and the
     engine's cache sizing call this."""
     return n_layers * 2 * n_kv_heads * head_dim * bytes_per_value
+
+
+def wire_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, wire: str = "float16") -> int:
+    """Bytes of one token's K and V on the wire in format `wire` (`KV_WIRES`): float16
+    `kv_bytes_per_token`; int8 n_layers x 2 x n_kv_heads x (head_dim + 2), the values and one
+    float16 scale per head.
+
+    Raises:
+        ValueError: `wire` is not one of `KV_WIRES`.
+    """
+    if wire == "float16":
+        return kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
+    if wire == "int8":
+        return n_layers * 2 * n_kv_heads * (head_dim + 2)
+    raise ValueError(f"kv_wire must be one of {', '.join(KV_WIRES)}, got {wire!r}")
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`x` (float, [..., head_dim]) -> (int8 [..., head_dim], float16 scale [..., 1]) with x ~=
+    q * scale: per row scale = absmax / 127 (rounded to float16; 1 for an all-zero row), q =
+    round(x / scale) clipped to [-127, 127], so each value is off by at most about scale / 2."""
+    x = np.asarray(x, dtype=np.float32)
+    scale = (np.abs(x).max(axis=-1, keepdims=True) / 127.0).astype(np.float16)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(x / scale.astype(np.float32)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """`quantize_int8`'s inverse: float32 q * scale, shape of `q`."""
+    return q.astype(np.float32) * scale.astype(np.float32)
 
 
 def kv_handoff_ms(tokens: int, bytes_per_token: int, bandwidth_bytes_s: float, cloud_ttft_ms: float,
@@ -145,11 +183,12 @@ def kv_part_messages(request_id: str, parts: Sequence[np.ndarray], token_start: 
 
 def kv_parts(msgs: Sequence[KVTransfer]) -> tuple[int, list[np.ndarray]]:
     """The `KVTransfer` messages of one hand-off (any order) -> (token_start, the parts' arrays
-    [layers, 2, kv_heads, n_i, head_dim] in token order). Inverse of `kv_part_messages`.
+    [layers, 2, kv_heads, n_i, head_dim] in token order; an int8 part with its `scale`
+    dequantized to float32). Inverse of `kv_part_messages` and `kv_pieces`.
 
     Raises:
-        ValueError: no message, parts missing or repeated, tokens not contiguous, or a tensor of
-            the wrong shape.
+        ValueError: no message, parts missing or repeated, tokens not contiguous, a tensor of
+            the wrong shape, or an int8 part without its scale (or a scale of the wrong shape).
     """
     if not msgs:
         raise ValueError("no KVTransfer messages")
@@ -162,66 +201,81 @@ def kv_parts(msgs: Sequence[KVTransfer]) -> tuple[int, list[np.ndarray]]:
         a = m.kv.to_numpy()
         if a.ndim != 5 or a.shape[1] != 2 or a.shape[3] != m.num_tokens or m.token_start != at:
             raise ValueError(f"KV part {m.block_index}: shape {a.shape}, tokens {m.num_tokens} from {m.token_start}")
+        if m.scale is not None or a.dtype == np.int8:
+            s = None if m.scale is None else m.scale.to_numpy()
+            if a.dtype != np.int8 or s is None or s.shape != a.shape[:4] + (1,):
+                raise ValueError(f"KV part {m.block_index}: an int8 kv needs a scale of shape {a.shape[:4] + (1,)}, "
+                                 f"got kv {a.dtype} with scale {None if s is None else s.shape}")
+            a = dequantize_int8(a, s)
         arrays.append(a)
         at += m.num_tokens
     return parts[0].token_start, arrays
 
 
-def kv_piece_tokens(kv: np.ndarray, max_bytes: int) -> int:
-    """Tokens of `kv` ([layers, 2, kv_heads, tokens, head_dim], counted in float16) one
-    `KVTransfer` of at most `max_bytes` holds: (max_bytes - FRAME_MARGIN) // bytes per token.
+def kv_piece_tokens(kv: np.ndarray, max_bytes: int, wire: str = "float16") -> int:
+    """Tokens of `kv` ([layers, 2, kv_heads, tokens, head_dim], counted in wire format `wire`,
+    `wire_bytes_per_token`) one `KVTransfer` of at most `max_bytes` holds: (max_bytes -
+    FRAME_MARGIN) // bytes per token.
 
     Raises:
-        ValueError: `kv` is not 5-d, or one token does not fit in `max_bytes`.
+        ValueError: `kv` is not 5-d, one token does not fit in `max_bytes`, or an unknown `wire`.
     """
     if kv.ndim != 5 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got shape {kv.shape}")
-    per_token = kv.shape[0] * 2 * kv.shape[2] * kv.shape[4] * np.dtype(WIRE_DTYPE).itemsize
+    per_token = wire_bytes_per_token(kv.shape[0], kv.shape[2], kv.shape[4], wire)
     step = (max_bytes - FRAME_MARGIN) // per_token if per_token else max(kv.shape[3], 1)
     if step < 1:
         raise ValueError(f"one token of KV is {per_token} bytes, more than the frame limit of {max_bytes}")
     return step
 
 
-def kv_pieces(request_id: str, kv: np.ndarray, token_start: int, max_bytes: int = MAX_FRAME_BYTES):
-    """`kv_messages`, one message at a time: a generator that builds piece i (its float16 copy
-    and `Tensor`) only when asked for it, so a sender that stops early (the device's Stop or
-    Cancel) never builds the rest, and at most one piece is encoded at a time. Same messages,
-    same order (token order, `block_index` 0, 1, ...; one message with block_index -1 when it fits).
+def kv_pieces(request_id: str, kv: np.ndarray, token_start: int, max_bytes: int = MAX_FRAME_BYTES,
+              wire: str = "float16"):
+    """`kv_messages`, one message at a time: a generator that builds piece i (its float16 copy,
+    or with `wire` "int8" its `quantize_int8` values and scales, and the `Tensor`s) only when asked
+    for it, so a sender that stops early (the device's Stop or Cancel) never builds the rest, and
+    at most one piece is encoded at a time. Token order, `block_index` 0, 1, ...; one message with
+    block_index -1 when it fits.
 
     Raises (on creation):
-        ValueError: `kv` is not 5-d, or one token does not fit in `max_bytes`.
+        ValueError: `kv` is not 5-d, one token does not fit in `max_bytes`, or an unknown `wire`.
     """
-    step = kv_piece_tokens(kv, max_bytes)
+    step = kv_piece_tokens(kv, max_bytes, wire)
     n = kv.shape[3]
     total = max(-(-n // step), 1)
 
+    def piece(i: int, lo: int, hi: int) -> KVTransfer:
+        part, scale = kv[:, :, :, lo:hi], None
+        if wire == "int8":
+            part, s = quantize_int8(part)
+            scale = Tensor.from_numpy(s)
+        else:
+            part = part.astype(WIRE_DTYPE, copy=False)
+        return KVTransfer(request_id, 0, Tensor.from_numpy(part), part.shape[3], i if total > 1 else -1, total,
+                          token_start=token_start + lo, scale=scale)
+
     def gen():
-        if total == 1:
-            yield from kv_part_messages(request_id, [kv.astype(WIRE_DTYPE, copy=False)], token_start)
-            return
         for i in range(total):
-            part = kv[:, :, :, i * step:(i + 1) * step].astype(WIRE_DTYPE, copy=False)
-            yield KVTransfer(request_id, 0, Tensor.from_numpy(part), part.shape[3], i, total,
-                             token_start=token_start + i * step)
+            yield piece(i, i * step, min((i + 1) * step, n))
     return gen()
 
 
 def kv_messages(request_id: str, kv: np.ndarray, token_start: int,
-                max_bytes: int = MAX_FRAME_BYTES) -> list[KVTransfer]:
-    """`kv` float16 [layers, 2, kv_heads, tokens, head_dim] as `KVTransfer` messages of at most
-    `max_bytes` each (split by tokens: message i holds `block_index` i of `num_blocks`, its
-    `token_start` absolute). One message, block_index -1, when it fits. (`kv_pieces` as a list.)
+                max_bytes: int = MAX_FRAME_BYTES, wire: str = "float16") -> list[KVTransfer]:
+    """`kv` [layers, 2, kv_heads, tokens, head_dim] as `KVTransfer` messages in wire format `wire`
+    (`KV_WIRES`) of at most `max_bytes` each (split by tokens: message i holds `block_index` i of
+    `num_blocks`, its `token_start` absolute). One message, block_index -1, when it fits.
+    (`kv_pieces` as a list.)
 
     Raises:
-        ValueError: `kv` is not 5-d, or one token does not fit in `max_bytes`.
+        ValueError: `kv` is not 5-d, one token does not fit in `max_bytes`, or an unknown `wire`.
     """
-    return list(kv_pieces(request_id, kv, token_start, max_bytes))
+    return list(kv_pieces(request_id, kv, token_start, max_bytes, wire))
 
 
 def kv_layers(msgs: Sequence[KVTransfer]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
     """The `KVTransfer` messages of one hand-off (any order) -> (token_start, per layer (key,
-    value) float16 [1, kv_heads, tokens, head_dim]).
+    value) [1, kv_heads, tokens, head_dim], float16, or float32 from an int8 hand-off).
 
     Raises:
         ValueError: parts missing or repeated, tokens not contiguous, or a tensor of the wrong shape.

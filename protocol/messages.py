@@ -192,6 +192,8 @@ class Generate(_Msg, tag="generate"):
     ``kv_rate``: None (as fast as the connection takes them), or the average rate (bytes/s) at
     which the cloud sends those pieces, in pieces of about 20 ms of it, so that the request's tokens
     are not queued on the link behind the transfer; ignored without ``kv_from``.
+    ``kv_wire``: the pieces' format, ``"float16"`` or ``"int8"`` (one float16 scale per layer, K/V,
+    head and token: 52 % of the float16 bytes for a 64-wide head; ``protocol.kvhandoff.KV_WIRES``).
     ``grammar``: None, or a ``Grammar`` the answer must follow (structured output: a JSON schema,
     regex or Lark grammar); the cloud masks the tokens it samples and the device, after the
     hand-off, feeds its matcher the cloud's tokens and masks its own, so the whole answer follows it.
@@ -215,6 +217,7 @@ class Generate(_Msg, tag="generate"):
     logit_bias: list[tuple[int, float]] = []
     kv_rate: Union[float, None] = None
     grammar: Union[Grammar, None] = None
+    kv_wire: str = "float16"
 
 
 class Token(_Msg, tag="token"):
@@ -312,10 +315,12 @@ class KVTransfer(_Msg, tag="kv_transfer"):
 
     P/D hand-off (``relayinfer.cloud.pd.kv``): the dtype of the prefill's cache, token_start 0;
     block-fixed mode sends one part per KV block. Cloud -> device KV hand-off (answer to
-    ``Generate.kv_from``): float16, cut by tokens into pieces of at most the cloud's piece size
-    (1 MiB by default), in token order, interleaved with other frames; none after the device's
-    Stop or Cancel (docs/PROTOCOL.md); keys after RoPE: layer i's K and V are the ONNX past-KV
-    inputs [1, kv_heads, tokens, head_dim].
+    ``Generate.kv_from``): float16 (or int8 with ``scale`` when ``Generate.kv_wire`` asks for
+    it), cut by tokens into pieces of at most the cloud's piece size (1 MiB by default), in token
+    order, interleaved with other frames; none after the device's Stop or Cancel
+    (docs/PROTOCOL.md); keys after RoPE: layer i's K and V are the ONNX past-KV inputs [1,
+    kv_heads, tokens, head_dim]. ``scale``: None, or with an int8 ``kv`` its float16 scales
+    [layers, 2, kv_heads, num_tokens, 1]: the values are ``kv * scale``.
     """
 
     request_id: str
@@ -325,6 +330,7 @@ class KVTransfer(_Msg, tag="kv_transfer"):
     block_index: int = -1
     num_blocks: int = 1
     token_start: int = 0
+    scale: Union[Tensor, None] = None
 
 
 class PreInfer(_Msg, tag="pre_infer"):

@@ -220,6 +220,8 @@ class Client:
         kv_handoff: the cloud sends the prompt's KV instead of the device prefilling it: 'auto'
             (where the link bandwidth makes it faster, `protocol.kvhandoff.kv_handoff_pays`), True
             or False (`SplitOptions.kv_handoff`).
+        kv_wire: the KV's format on the wire: 'auto' (float16 where that pays, else int8 where
+            that does), 'float16' or 'int8' (`SplitOptions.kv_wire`).
         link_bytes_per_s: the link's bandwidth (bytes/s) for that choice; None = unknown (no KV
             hand-off under 'auto') until `measure_link()` measures it.
         reconnect_attempts, reconnect_backoff_s: how the client's websocket is opened again after
@@ -265,7 +267,7 @@ class Client:
                  profile=None, engine=None, ca: str | os.PathLike | None = None, verify: bool = True,
                  cloud_http_url: str | None = None, progress=None, kv_handoff: bool | str = "auto",
                  link_bytes_per_s: float | None = None, reconnect_attempts: int = 2,
-                 reconnect_backoff_s: float = 0.1):
+                 reconnect_backoff_s: float = 0.1, kv_wire: str = "auto"):
         from relayinfer.protocol.transport.security import context_for_url
 
         if cloud_url is not None:
@@ -275,7 +277,7 @@ class Client:
         self.ssl = context_for_url(cloud_url, ca, verify)  # ssl.SSLContext for wss://, None for ws://
         self.options = SplitOptions(mode=mode, target_tpot_ms=target_tpot_ms, cloud_budget=cloud_budget,
                                     connect_timeout_s=connect_timeout_s, kv_handoff=kv_handoff,
-                                    link_bytes_per_s=link_bytes_per_s)
+                                    kv_wire=kv_wire, link_bytes_per_s=link_bytes_per_s)
         self.cloud_http_url, self._ca, self._verify = cloud_http_url, ca, verify
         self._rt = _Runtime()  # the client's event loop and websocket (`_client_loop`, `link`)
         self._reconnect = (reconnect_attempts, reconnect_backoff_s)
@@ -390,13 +392,13 @@ class Client:
             if sampling.get("grammar") is not None:
                 raise FieldError("json_schema", "left out when grammar is given", sampling["json_schema"])
             sampling["grammar"] = json_schema_grammar(sampling.pop("json_schema"))
-        for k in ("mode", "target_tpot_ms", "cloud_budget", "refine", "kv_handoff"):
+        for k in ("mode", "target_tpot_ms", "cloud_budget", "refine", "kv_handoff", "kv_wire"):
             if k in sampling:
                 opts[k] = sampling.pop(k)
         unknown = sorted(set(sampling) - set(SamplingParams.__dataclass_fields__))
         if unknown:
             raise FieldError(unknown[0], f"one of the sampling fields {', '.join(SamplingParams.__dataclass_fields__)} "
-                             "or mode, target_tpot_ms, cloud_budget, refine, kv_handoff", sampling[unknown[0]])
+                             "or mode, target_tpot_ms, cloud_budget, refine, kv_handoff, kv_wire", sampling[unknown[0]])
         params = SamplingParams(**{**sampling, "stop_ids": tuple(sampling.get("stop_ids", ()))})
         if params.logprobs is not None:  # the device returns none, nor does the split protocol carry them
             raise FieldError("logprobs", "left out: the SDK returns no logprobs (the OpenAI HTTP API does)",

@@ -43,7 +43,7 @@ from relayinfer.protocol.model.grammar import grammar_text
 from relayinfer.protocol.errors import ChannelClosed, ErrorCode, RelayInferError
 from relayinfer.protocol.transport.limits import (Charge, ConnectionGate, ConnectionLimits, GatedSite, MemoryBudget,
     quiet_accept_errors, runner_kwargs)
-from relayinfer.protocol.kvhandoff import FRAME_MARGIN, KVPacer, kv_bytes_per_token, kv_pieces, paced_piece_bytes
+from relayinfer.protocol.kvhandoff import FRAME_MARGIN, KV_WIRES, KVPacer, kv_pieces, paced_piece_bytes, wire_bytes_per_token
 from relayinfer.protocol.messages import (MAX_FRAME_BYTES, Cancel, Done, Error, ExtendBudget, Generate, Pong,
                                           RefinedPrompt, Stop, Token, encode)
 from relayinfer.protocol.model.model_file import DEFAULT_MODEL_FILE, KNOWN_MODELS, file_sha256
@@ -290,6 +290,8 @@ def _check_fields(msg: Generate, vocab: int) -> None:
     if msg.kv_from is not None and msg.refine is not None:
         raise FieldError("kv_from", "left out when refine is given (they cannot be combined)", msg.kv_from)
     check("kv_rate", msg.kv_rate, optional=True)
+    if msg.kv_wire not in KV_WIRES:
+        raise FieldError("kv_wire", f"one of {', '.join(KV_WIRES)}", msg.kv_wire)
     params = params_of(msg)  # SamplingParams checks the sampling fields
     check_vocab(vocab, params.stop_ids, params.logit_bias)
 
@@ -850,7 +852,8 @@ class CloudService:
 
     async def _send_kv(self, channel, req: _Request, sess: _Session, out: KVParts) -> None:
         """Send a KV hand-off as `KVTransfer` pieces of at most `kv_piece_bytes` each, in token
-        order, each built only when it is its turn (`protocol.kvhandoff.kv_pieces`). Between two
+        order, in the format `Generate.kv_wire` asks for (float16, or int8 with per-token
+        scales), each built only when it is its turn (`protocol.kvhandoff.kv_pieces`). Between two
         pieces the loop yields, so the session's reader acts on what the device sent (Stop, Cancel,
         Ping: its Pong goes out before the next piece) and the other requests' frames interleave;
         a piece is sent only while the request is neither stopping nor cancelling (checked with no
@@ -859,14 +862,14 @@ class CloudService:
         the pieces are about `PACED_PIECE_MS` of that rate each and go out at that average rate
         (`protocol.kvhandoff.KVPacer`). The hand-off's memory charge is released once it is sent or
         dropped."""
-        rid, table, rate = req.msg.request_id, sess.table, req.msg.kv_rate
+        rid, table, rate, wire = req.msg.request_id, sess.table, req.msg.kv_rate, req.msg.kv_wire
         piece_bytes = self.kv_piece_bytes
         pacer = KVPacer(rate) if rate else None
         if pacer is not None:  # pieces of about PACED_PIECE_MS at the asked rate (at least one token)
             c = self.engine.cfg
-            one = kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim) + FRAME_MARGIN
+            one = wire_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, wire) + FRAME_MARGIN
             piece_bytes = paced_piece_bytes(rate, self.kv_piece_bytes, one)
-        pieces = kv_pieces(rid, out.kv, out.token_start, piece_bytes)
+        pieces = kv_pieces(rid, out.kv, out.token_start, piece_bytes, wire)
         del out
         sent = total = 0
         loop = asyncio.get_running_loop()

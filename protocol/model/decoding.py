@@ -303,9 +303,11 @@ def params_of(msg: Generate) -> SamplingParams:
 
 def generate_message(request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                      cloud_budget: int | None = None, refine: float | None = None,
-                     kv_from: int | None = None, kv_rate: float | None = None) -> Generate:
+                     kv_from: int | None = None, kv_rate: float | None = None,
+                     kv_wire: str = "float16") -> Generate:
     """The Generate that asks a cloud for `params` on `prompt_ids` (every sampling field travels, so
-    both sides sample the same answer); `kv_from` / `kv_rate` (bytes/s) ask for the KV hand-off.
+    both sides sample the same answer); `kv_from` / `kv_rate` (bytes/s) / `kv_wire` (its format,
+    'float16' or 'int8') ask for the KV hand-off.
 
     Raises:
         ValueError: `params.logprobs` is set; the split protocol carries no logprobs (the OpenAI
@@ -317,7 +319,8 @@ def generate_message(request_id: str, prompt_ids: Sequence[int], params: Samplin
     kw = {k: getattr(params, k) for k in WIRE_SAMPLING}
     kw["stop_ids"], kw["logit_bias"] = list(params.stop_ids), list(params.logit_bias)
     return Generate(request_id, list(prompt_ids), cloud_budget=cloud_budget, refine=refine, kv_from=kv_from,
-                    kv_rate=kv_rate if kv_from is not None else None, **kw)
+                    kv_rate=kv_rate if kv_from is not None else None,
+                    kv_wire=kv_wire if kv_from is not None else "float16", **kw)
 
 
 def check_prompt(n_prompt: int, max_new_tokens: int, context_length: int) -> None:
