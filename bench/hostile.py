@@ -372,8 +372,10 @@ def ws_generate_fields(vocab: int, max_len: int) -> dict:
         "repetition_penalty": (lambda v: _num_invalid(v, 0, 2) or (True if v == 0 else None), []),  # (0, 2]
         "min_tokens": (lambda v: _num_invalid(v, 0, None, True), [("int:3", 3)]),
         "kv_from": (lambda v: _num_invalid(v, 0, 1, True), [("int:1", 1), ("int:2", 2)]),
-        "kv_wire": (lambda v: None if v is MISSING or v in ("float16", "int8") else True,
-                    [("str:int8", "int8"), ("str:int4", "int4")]),
+        # the base frame has no kv_from: kv_rate and a non-default kv_wire are refused without one
+        "kv_wire": (lambda v: None if v is MISSING or v == "float16" else True,
+                    [("str:float16", "float16"), ("str:int8", "int8"), ("str:int4", "int4")]),
+        "kv_rate": (lambda v: None if v is MISSING or v is None else True, [("float:1e6", 1e6)]),
         "logit_bias": (lambda v: _bias_pairs_invalid(v, vocab),
                        [("pairs:[[5,100]]", [[5, 100.0]]), ("pairs:repeated id", [[5, 100.0], [5, 100.0]]),
                         ("pairs:[[vocab,1]]", [[vocab, 1.0]]), ("pairs:[[0,101]]", [[0, 101.0]]),

@@ -191,9 +191,9 @@ class Generate(_Msg, tag="generate"):
     prefills the last prompt token itself for its logits). Not combined with ``refine``.
     ``kv_rate``: None (as fast as the connection takes them), or the average rate (bytes/s) at
     which the cloud sends those pieces, in pieces of about 20 ms of it, so that the request's tokens
-    are not queued on the link behind the transfer; ignored without ``kv_from``.
+    are not queued on the link behind the transfer; refused (bad_request) without ``kv_from``.
     ``kv_wire``: the pieces' format, ``"float16"`` or ``"int8"`` (one float16 scale per layer, K/V,
-    head and token: 52 % of the float16 bytes for a 64-wide head; ``protocol.kvhandoff.KV_WIRES``).
+    head and token: 52 % of the float16 bytes for a 64-wide head; ``protocol.kvhandoff.KV_WIRES``); only float16 without ``kv_from``.
     ``grammar``: None, or a ``Grammar`` the answer must follow (structured output: a JSON schema,
     regex or Lark grammar); the cloud masks the tokens it samples and the device, after the
     hand-off, feeds its matcher the cloud's tokens and masks its own, so the whole answer follows it.

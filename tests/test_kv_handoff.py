@@ -172,10 +172,10 @@ def test_int8_kv_hand_off_end_to_end_and_an_unknown_wire_is_refused(cloud, onnx_
     if res.device_prompt_tokens:  # the device ran (the cloud did not finish first)
         assert res.kv_imported_tokens == len(ids) - 1 and res.device_prompt_tokens == 1
 
-    async def ask(kv_wire: str, rid: str):
+    async def ask(kv_wire: str, rid: str, kv_from: int | None = 0, kv_rate: float | None = None):
         ch = await proto_ws.open_channel(cloud.url, torch_engine.fingerprint)
         try:
-            await ch.send(Generate(rid, ids, 2, kv_from=0, kv_wire=kv_wire))
+            await ch.send(Generate(rid, ids, 2, kv_from=kv_from, kv_rate=kv_rate, kv_wire=kv_wire))
             while True:
                 m = await asyncio.wait_for(ch.recv(), 60)
                 if isinstance(m, (Error, Done)):
@@ -186,5 +186,9 @@ def test_int8_kv_hand_off_end_to_end_and_an_unknown_wire_is_refused(cloud, onnx_
     err = asyncio.run(ask("int4", "bad-wire"))
     assert isinstance(err, Error) and err.code == "bad_request" and "kv_wire" in err.message, err
     assert isinstance(asyncio.run(ask("int8", "good-wire")), Done)
+    # without kv_from there is no hand-off for kv_wire / kv_rate to shape: refused by name, not ignored
+    for field, kw in (("kv_wire", dict(kv_wire="int8")), ("kv_rate", dict(kv_wire="float16", kv_rate=1e6))):
+        err = asyncio.run(ask(rid=f"no-from-{field}", kv_from=None, **kw))
+        assert isinstance(err, Error) and err.code == "bad_request" and field in err.message, err
     with pytest.raises(ValueError, match="kv_wire"):
         Client(cloud_url=cloud.url, engine=onnx_engine, kv_wire="int4")

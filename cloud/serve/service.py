@@ -292,6 +292,12 @@ def _check_fields(msg: Generate, vocab: int) -> None:
     check("kv_rate", msg.kv_rate, optional=True)
     if msg.kv_wire not in KV_WIRES:
         raise FieldError("kv_wire", f"one of {', '.join(KV_WIRES)}", msg.kv_wire)
+    if msg.kv_from is None:  # both shape a KV hand-off only: refused rather than ignored without one
+        if msg.kv_rate is not None:
+            raise FieldError("kv_rate", "left out without kv_from (it paces a KV hand-off)", msg.kv_rate)
+        if msg.kv_wire != "float16":
+            raise FieldError("kv_wire", "left out (or float16) without kv_from (it formats a KV hand-off)",
+                             msg.kv_wire)
     params = params_of(msg)  # SamplingParams checks the sampling fields
     check_vocab(vocab, params.stop_ids, params.logit_bias)
 
