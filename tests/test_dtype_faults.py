@@ -21,6 +21,9 @@ def test_rope_table_stays_float32_in_half_precision(torch_engine):
         half = TorchEngine(torch_engine.model_path, threads=1, dtype=dtype)
         assert half.model.inv_freq.dtype == torch.float32
         assert torch.equal(half.model.inv_freq, rope_bases(half.cfg))
+        # Layer 0's keys depend on the embeddings and block 0 only: the other blocks are dropped
+        # from the half model (half-precision matmuls are slow on CPU).
+        half.model.layers = half.model.layers[:1]
         kv = half.new_cache(len(ids))
         half.forward(ids, kv)
         a, b = ref.k[0, 0, :, 900:1000], kv.k[0, 0, :, 900:1000].float()
