@@ -26,7 +26,7 @@ export interface Generate {
   temperature?: number; top_p?: number; top_k?: number; seed?: Int | null; cloud_budget?: number | null;
   refine?: number | null; stop_ids?: number[]; presence_penalty?: number; frequency_penalty?: number;
   repetition_penalty?: number; min_tokens?: number; kv_from?: number | null; logit_bias?: [number, number][];
-  kv_rate?: number | null; grammar?: Grammar | null;
+  kv_rate?: number | null; grammar?: Grammar | null; kv_wire?: "float16" | "int8";
 }
 export interface Token { type: "token"; request_id: string; token_id: number; index: number; t_cloud_ms: number; cached_tokens?: number; finish_reason?: string | null }
 export interface RefinedPrompt { type: "refined_prompt"; request_id: string; kept_indices: number[] }
@@ -37,7 +37,7 @@ export interface Done { type: "done"; request_id: string; reason: string; cloud_
 export interface ErrorMsg { type: "error"; code: string; message: string; request_id?: string | null; retry_after_ms?: number | null }
 export interface Ping { type: "ping"; nonce: Int; t_ms: number }
 export interface Pong { type: "pong"; nonce: Int; t_ms: number }
-export interface KVTransfer { type: "kv_transfer"; request_id: string; layer_start: number; kv: Tensor; num_tokens: number; block_index?: number; num_blocks?: number; token_start?: number }
+export interface KVTransfer { type: "kv_transfer"; request_id: string; layer_start: number; kv: Tensor; num_tokens: number; block_index?: number; num_blocks?: number; token_start?: number; scale?: Tensor | null }
 export interface PreInfer { type: "pre_infer"; request_id: string; user_id: Int; item_ids: Int[]; timestamps: Int[] }
 export interface Rank { type: "rank"; request_id: string; user_id: Int; item_ids: Int[]; timestamps: Int[]; candidate_ids: Int[]; request_ts?: Int | null }
 export interface Scores { type: "scores"; request_id: string; scores: Tensor; prefix_source: string }
@@ -65,7 +65,7 @@ export const FIELDS: Record<MessageType, Field[]> = {
     ["cloud_budget", "int", true, null], ["refine", "float", true, null], ["stop_ids", "ints", false, []],
     ["presence_penalty", "float", false, 0.0], ["frequency_penalty", "float", false, 0.0], ["repetition_penalty", "float", false, 1.0],
     ["min_tokens", "int", false, 0], ["kv_from", "int", true, null], ["logit_bias", "logit_bias", false, []],
-    ["kv_rate", "float", true, null], ["grammar", "grammar", true, null]],
+    ["kv_rate", "float", true, null], ["grammar", "grammar", true, null], ["kv_wire", "str", false, "float16"]],
   token: [["request_id", "str", false, R], ["token_id", "int", false, R], ["index", "int", false, R], ["t_cloud_ms", "float", false, R],
     ["cached_tokens", "int", false, 0], ["finish_reason", "str", true, null]],
   refined_prompt: [["request_id", "str", false, R], ["kept_indices", "ints", false, R]],
@@ -78,7 +78,8 @@ export const FIELDS: Record<MessageType, Field[]> = {
   ping: [["nonce", "int", false, R], ["t_ms", "float", false, R]],
   pong: [["nonce", "int", false, R], ["t_ms", "float", false, R]],
   kv_transfer: [["request_id", "str", false, R], ["layer_start", "int", false, R], ["kv", "tensor", false, R], ["num_tokens", "int", false, R],
-    ["block_index", "int", false, -1], ["num_blocks", "int", false, 1], ["token_start", "int", false, 0]],
+    ["block_index", "int", false, -1], ["num_blocks", "int", false, 1], ["token_start", "int", false, 0],
+    ["scale", "tensor", true, null]],
   pre_infer: [["request_id", "str", false, R], ["user_id", "int", false, R], ["item_ids", "ints", false, R], ["timestamps", "ints", false, R]],
   rank: [["request_id", "str", false, R], ["user_id", "int", false, R], ["item_ids", "ints", false, R], ["timestamps", "ints", false, R],
     ["candidate_ids", "ints", false, R], ["request_ts", "int", true, null]],
