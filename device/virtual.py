@@ -4,7 +4,8 @@ profile's timing but runs no model.
 One virtual request (`virtual_request`): connect + handshake (`open_channel`), send `Generate`
 (prompt ids, the cloud budget of the real device's plan, optional refine ratio), receive `Token`s;
 the device (`VirtualDevice`) takes the real `SplitSession`'s decisions (`device.policy`: the plan,
-the ExtendBudget re-plan after the prompt, a cloud-to-the-end plan that holds the device until
+the re-plans when a measured figure moves the plan or a prompt chunk is done and the ExtendBudget
+re-plan after the prompt, a cloud-to-the-end plan that holds the device until
 `replan_held` releases it, the catch-up batches of `settings.CatchUp`) and spends the profile's time
 on each engine call (`Timing.prefill_ms`: the prompt in calls of `chunk` tokens, 32 while held, as
 `SplitOptions.prefill_chunk` and `policy.BACKGROUND_CHUNK`; each catch-up batch in one call). When
@@ -155,7 +156,8 @@ class VirtualDevice:
     prompt_tokens: tokens the device prefills; chunk: prompt tokens per call (32 while held); cost:
     what its engine calls take (a, b, d; None: the plan's fit, as for a device whose calibration is
     exact; a real device may plan on a fit that differs from its calls).
-    After `run`: handoff (index or None), handoff_ms, budget, extensions, held, interval_ms."""
+    After `run`: handoff (index or None), handoff_ms, budget, extensions (and extended_ms, when
+    each ExtendBudget was sent), held, interval_ms."""
 
     def __init__(self, timing: Timing, p: Plan, prompt_tokens: int, max_new_tokens: int, target_tpot_ms: float,
                  chunk: int = PREFILL_CHUNK, cost: Timing | None = None):
@@ -165,13 +167,23 @@ class VirtualDevice:
         self.budget, self.held, self.interval_ms, self.prompt_est = p.budget, p.held, p.interval_ms, \
             p.device_prompt_tokens
         self.extensions, self.handoff, self.handoff_ms = 0, None, None
+        self.extended_ms: list[float] = []
+        self.chunk_ms, self.chunk_tokens, self.chunk_calls = 0.0, 0, 0  # the prompt's calls, as `_Run.dev`
+        self.planned = timing  # the timing the last plan or re-plan used (`policy.moved`), as `_Run.planned`
+
+    def progress(self, now_ms: float, arrivals: Sequence[float], prompt_left: int) -> Progress:
+        """`_Run.progress`: the arrivals and the device's prefill ms/token measured on its prompt
+        calls (their per-call base a, the plan's, taken out; None before the first)."""
+        rate = (max(0.0, self.chunk_ms - self.chunk_calls * self.t.prefill_ms_base) / self.chunk_tokens
+                if self.chunk_tokens else None)
+        return Progress(now_ms, tuple(arrivals), prompt_left, rate)
 
     def on_token(self, now_ms: float, arrivals: Sequence[float], force: bool = False) -> None:
         """A cloud token arrived (or, `force`, the prompt is prefilled): a device held by a
         cloud-to-the-end plan is released when `policy.replan_held` finds a hand-off feasible."""
         if not self.held or not arrivals:
             return
-        iv = policy.replan_held(self.t, Progress(now_ms, tuple(arrivals), self.prompt_left), self.prompt_est,
+        iv = policy.replan_held(self.t, self.progress(now_ms, arrivals, self.prompt_left), self.prompt_est,
                                 self.max_new, self.target, SLOWEST_PACE * self.target)
         if iv is not None:
             self.interval_ms, self.held = max(self.interval_ms, iv), False
@@ -187,8 +199,13 @@ class VirtualDevice:
             if io.finished():
                 return None
             n = min(self.prompt_left, min(self.chunk, BACKGROUND_CHUNK) if self.held else self.chunk)
-            await io.sleep(self.c.prefill_ms(n))
+            ms = self.c.prefill_ms(n)
+            await io.sleep(ms)
             self.prompt_left -= n
+            if n > 1:  # the measured prefill rate (a one-token call is a decode step)
+                self.chunk_ms, self.chunk_tokens, self.chunk_calls = self.chunk_ms + ms, self.chunk_tokens + n, \
+                    self.chunk_calls + 1
+            await self.revisit(io, chunk=True)
         await self._replan(io)
         self.on_token(io.now(), io.arrivals, force=True)
         rule = CatchUp()
@@ -204,17 +221,33 @@ class VirtualDevice:
                 rule.prefilled(step.end)
         return None
 
-    async def _replan(self, io: DeviceIO) -> None:
-        """`_Run.replan(0)`: with the cloud measured so far, ask for more tokens if the hand-off needs them."""
+    async def revisit(self, io: DeviceIO, chunk: bool = False) -> None:
+        """`_Run.revisit` while the prompt prefills and the plan does not hold the device (a held
+        one re-plans on every cloud token, `on_token`): re-plan (`_replan` with the prompt tokens
+        left) when a measured figure moved the plan (`policy.moved`: cloud TTFT/TPOT) or, `chunk`, a
+        prompt chunk is done. Called after each chunk and each cloud token; a device whose calls
+        (`cost`) are slower than its fit re-plans on the rate it measured, as the real one."""
+        if self.held or not self.prompt_left or self.handoff is not None or io.cloud_done():
+            return
+        now = self.progress(io.now(), io.arrivals, self.prompt_left).measured(self.t)
+        if not chunk and not policy.moved(self.planned, now):
+            return
+        self.planned = now
+        await self._replan(io, self.prompt_left)
+
+    async def _replan(self, io: DeviceIO, prompt_left: int = 0) -> None:
+        """`_Run.replan(prompt_left)`: with the cloud measured so far, ask for more tokens if the
+        hand-off needs them."""
         if self.budget is None or not io.arrivals or io.cloud_done():
             return
-        r = policy.replan(self.t, Progress(io.now(), tuple(io.arrivals), 0), self.budget, self.max_new, self.target,
-                          self.interval_ms, SLOWEST_PACE * self.target)
+        r = policy.replan(self.t, self.progress(io.now(), io.arrivals, prompt_left), self.budget, self.max_new,
+                          self.target, self.interval_ms, SLOWEST_PACE * self.target)
         if r is None:
             return
         self.interval_ms = max(self.interval_ms, r.interval_ms)
         if r.budget > self.budget:
             self.budget, self.extensions = r.budget, self.extensions + 1
+            self.extended_ms.append(io.now())
             await io.extend(r.budget)
 
     def answer(self, arrivals: Sequence[float], answer_len: int) -> tuple[list[float], list[float]]:
@@ -258,19 +291,20 @@ class _Replay:
             return self.trace[k]
         return self.trace[-1] + self.gap * (k - len(self.trace) + 1)
 
-    def _advance(self, to_ms: float) -> None:
+    async def _advance(self, to_ms: float) -> None:
         while (at := self._at(len(self.arrivals))) is not None and at <= to_ms:
             self.clock = max(self.clock, at)
             self.arrivals.append(at)
             self.extrapolated += len(self.arrivals) > len(self.trace)
             self.dev.on_token(at, self.arrivals)
+            await self.dev.revisit(self)  # may extend the budget, so `_at` is asked again
         self.clock = max(self.clock, to_ms)
 
     def now(self) -> float:
         return self.clock
 
     async def sleep(self, ms: float) -> None:
-        self._advance(self.clock + ms)
+        await self._advance(self.clock + ms)
 
     def finished(self) -> bool:
         return self.ends and len(self.arrivals) >= self.answer_len
@@ -283,7 +317,7 @@ class _Replay:
         if at is None:
             self.dev.release()  # the stream is over: a held device takes over
         else:
-            self._advance(at)
+            await self._advance(at)
 
     async def extend(self, budget: int) -> None:
         pass
@@ -298,7 +332,7 @@ def replay(device: DeviceProfile | Timing | str, prompt_tokens: int, arrivals_ms
     (False: the cloud was stopped, so only the device can end it). The plan is `plan_for(device,
     ...)` on `cloud` (the estimate the recorded request started with); `cost`: what the device's
     calls take (None: the plan's fit). Returns {'ttft_ms',
-    'tpot_ms', 'handoff', 'handoff_ms', 'budget', 'extensions', 'interval_ms', 'ready_ms',
+    'tpot_ms', 'handoff', 'handoff_ms', 'budget', 'extensions', 'extended_ms', 'interval_ms', 'ready_ms',
     'shown_ms', 'extrapolated' (cloud tokens past the recording, at its mean gap)}."""
     t, p = plan_for(device, prompt_tokens, max_new_tokens, target_tpot_ms, cloud=cloud)
     dev = VirtualDevice(t, p, prompt_tokens, max_new_tokens, target_tpot_ms, chunk, cost)
@@ -307,6 +341,7 @@ def replay(device: DeviceProfile | Timing | str, prompt_tokens: int, arrivals_ms
     ready, shown = dev.answer(io.arrivals, answer_len)
     return {"ttft_ms": shown[0] if shown else None, "tpot_ms": tpot_p90_ms(shown), "handoff": dev.handoff,
             "handoff_ms": dev.handoff_ms, "budget": dev.budget, "extensions": dev.extensions,
+            "extended_ms": dev.extended_ms,
             "interval_ms": dev.interval_ms, "ready_ms": ready, "shown_ms": shown, "extrapolated": io.extrapolated}
 
 
@@ -385,6 +420,7 @@ class _Live:
                     self.ended = self.ended or bool(msg.finish_reason)
                     if self.dev is not None and (self.dev.handoff is None):
                         self.dev.on_token(self.arrivals[-1], self.arrivals)
+                        await self.dev.revisit(self)
                 elif isinstance(msg, RefinedPrompt):
                     self.kept = list(msg.kept_indices)
                     self.got_refined.set()
