@@ -50,11 +50,21 @@ from .speed import tpot_from_arrivals
 SLOWEST_PACE = 1.8  # default slowest display interval, x the target TPOT: TPOT max stays under 2x the target
                     # (the stall bound) with room for the jitter of the arrivals and the event loop
 BACKGROUND_CHUNK = 32  # tokens per low-priority prefill call while the plan keeps the device idle
+FIRST_CHUNK = 64  # tokens of the first prompt call: the prefill rate is measured after it (`Progress`), so a
+                 # plan resting on a fit the device does not meet is revisited within ~64 tokens, not 256
+
+
+def prompt_chunk(done: int, chunk: int, held: bool) -> int:
+    """Tokens of the device's next prompt prefill call after `done` prompt tokens: `chunk`
+    (`SplitOptions.prefill_chunk`), at most BACKGROUND_CHUNK while a plan holds the device, at most
+    FIRST_CHUNK for the first call (the measured rate comes after it; `revisit` re-plans on it)."""
+    n = min(chunk, BACKGROUND_CHUNK) if held else chunk
+    return min(n, FIRST_CHUNK) if done == 0 else n
 
 __all__ = [
     "Phase", "Event", "IGNORED", "TRANSITIONS", "MODE_OF", "PhaseError", "Phases", "PlanInput", "Plan", "Progress",
     "plan", "replan", "Replan", "replan_held", "moved", "MOVED_TOL", "Prefill", "HandOff", "HOLD", "catch_up_step", "on_done", "stall_is_fault",
-    "BACKGROUND_CHUNK", "SLOWEST_PACE", "PACE_STEPS", "device_pace", "display_interval", "refined_tokens",
+    "BACKGROUND_CHUNK", "FIRST_CHUNK", "prompt_chunk", "SLOWEST_PACE", "PACE_STEPS", "device_pace", "display_interval", "refined_tokens",
 ]
 
 

@@ -991,7 +991,7 @@ class _Run:
         while i < len(prompt):
             if self.phases.done:
                 return  # the cloud finished the answer first
-            step = min(self.s.opt.prefill_chunk, policy.BACKGROUND_CHUNK) if self.plan.held else self.s.opt.prefill_chunk
+            step = policy.prompt_chunk(i, self.s.opt.prefill_chunk, self.plan.held)
             c0, ids = time.perf_counter(), prompt[i:i + step]
             logits, kv = await self.call(prefill_at, eng, ids, kv, at and at[i:i + step])
             if len(ids) > 1:  # the device's measured prefill rate (a one-token call is a decode step)

@@ -7,8 +7,8 @@ the device (`VirtualDevice`) takes the real `SplitSession`'s decisions (`device.
 the re-plans when a measured figure moves the plan or a prompt chunk is done and the ExtendBudget
 re-plan after the prompt, a cloud-to-the-end plan that holds the device until
 `replan_held` releases it, the catch-up batches of `settings.CatchUp`) and spends the profile's time
-on each engine call (`Timing.prefill_ms`: the prompt in calls of `chunk` tokens, 32 while held, as
-`SplitOptions.prefill_chunk` and `policy.BACKGROUND_CHUNK`; each catch-up batch in one call). When
+on each engine call (`Timing.prefill_ms`: the prompt in calls of `policy.prompt_chunk` tokens, as the
+real device; each catch-up batch in one call). When
 it covers every token received it sends `Stop{handoff}` (Stop{0}: ready before the first cloud
 token, it answers alone); its tokens h, h+1, ... are ready at R, R + d, ... (R: the hand-off time,
 d: decode ms/token), up to `answer_len`. Shown times follow the speed controller
@@ -59,7 +59,7 @@ from relayinfer.protocol.model.decoding import SamplingParams, generate_message
 from relayinfer.protocol.requests import RequestTable, RequestViolation, Role
 
 from . import policy
-from .policy import BACKGROUND_CHUNK, HOLD, SLOWEST_PACE, HandOff, Plan, PlanInput, Progress, catch_up_step, plan
+from .policy import HOLD, SLOWEST_PACE, HandOff, Plan, PlanInput, Progress, catch_up_step, plan
 from .profiles import DeviceProfile, load_profile
 from .settings import CatchUp, CloudEstimate, Timing
 from .speed import display_ms, tpot_from_arrivals, tpot_p90_ms
@@ -198,7 +198,7 @@ class VirtualDevice:
         while self.prompt_left:  # the prompt, call by call
             if io.finished():
                 return None
-            n = min(self.prompt_left, min(self.chunk, BACKGROUND_CHUNK) if self.held else self.chunk)
+            n = min(self.prompt_left, policy.prompt_chunk(self.prompt_tokens - self.prompt_left, self.chunk, self.held))
             ms = self.c.prefill_ms(n)
             await io.sleep(ms)
             self.prompt_left -= n

@@ -156,25 +156,31 @@ def test_occupancy_model_and_prefill_fit():
         gm.prefill_fit([{"prompt_tokens": 100, "zero_load_ttft_ms": 400.0}] * 2)
 
 
-def test_replay_of_a_device_slower_than_its_fit_extends_the_budget_while_its_prompt_prefills():
+def test_replay_of_a_device_slower_than_its_fit_extends_the_budget_while_its_prompt_prefills(monkeypatch):
     """A device whose calls take 25 ms a token where its fit says 16.67 re-plans after its first
-    256-token prompt chunk (the measured prefill rate moved the plan, `policy.moved`) and asks the
-    cloud for the whole answer then, while the cloud still streams and long before its 700-token
-    prompt is prefilled, as the real device's `revisit` does: the cloud answers to the end and no
-    shown gap is longer than the display interval (re-planned only after the prompt, the budget ran
-    out at 10 s and the display stalled 5.4 s before a hand-off at 22.8 s). A device as fast as its
-    fit asks for nothing."""
+    prompt call (`policy.FIRST_CHUNK`, 64 tokens: the measured prefill rate moved the plan,
+    `policy.moved`) and asks the cloud for the whole answer at 1.6 s, while the cloud still streams
+    its 213-token budget (to 4.6 s) and long before its 700-token prompt is prefilled, as the real
+    device's `revisit` does: the cloud answers to the end and no shown gap is longer than the display
+    interval. With a 256-token first call the re-plan comes at 6.4 s, after the budget ran out, and
+    the display stalls until the device hands off. A device as fast as its fit asks for nothing."""
+    from relayinfer.device import policy
     from relayinfer.device.settings import Timing
 
-    P, T, c, answer = 700, 400.0, 45.0, 256
+    P, T, c, answer = 700, 400.0, 20.0, 256
     est = _exact_estimate(T, c, P)
     t, p = virtual.plan_for(PHONE, P, 256, 50.0, cloud=est)
-    assert p.budget is not None and not p.held and T + c * (p.budget - 1) > t.prefill_ms(virtual.PREFILL_CHUNK)
+    assert p.budget is not None and not p.held
     trace = [T + c * k for k in range(answer)]
     exact = virtual.replay(PHONE, P, trace, answer, 256, 50.0, cloud=est)
     assert exact["extensions"] == 0 and exact["extended_ms"] == [] and exact["handoff"] is not None
     slow = Timing(PHONE.prefill_ms_base, 25.0, PHONE.decode_ms_per_token, 0.0, 0.0)
     r = virtual.replay(PHONE, P, trace, answer, 256, 50.0, cloud=est, cost=slow)
     assert (r["extensions"], r["budget"], r["handoff"]) == (1, answer, None)
-    assert r["extended_ms"][0] == pytest.approx(slow.prefill_ms(virtual.PREFILL_CHUNK))
+    assert r["extended_ms"][0] == pytest.approx(slow.prefill_ms(policy.FIRST_CHUNK))
+    assert r["extended_ms"][0] < trace[p.budget - 1]
     assert len(r["shown_ms"]) == answer and np.diff(r["shown_ms"]).max() == pytest.approx(r["interval_ms"])
+    monkeypatch.setattr(policy, "FIRST_CHUNK", virtual.PREFILL_CHUNK)
+    late = virtual.replay(PHONE, P, trace, answer, 256, 50.0, cloud=est, cost=slow)
+    assert late["extensions"] == 0 and late["handoff"] == p.budget
+    assert np.diff(late["shown_ms"]).max() > 10 * late["interval_ms"]  # the stall
