@@ -338,3 +338,47 @@ def test_no_permessage_deflate_either_way():
             async with await ws.open_channel(url, FP, max_frame_bytes=LIMIT) as ch:
                 assert ch.ws.protocol.extensions == [] and "Sec-WebSocket-Extensions" not in ch.ws.request.headers
     run(main())
+
+
+@pytest.mark.parametrize("ending", ["bad_frame", "handler_returns", "channel_close"])
+def test_close_is_prompt_while_the_peer_still_sends(ending):
+    """A server whose incoming queue is full (`max_queue=1`, as the slide service's) closes a
+    connection in well under websockets' 10 s close timeout: after a bad frame, when its handler
+    returns, and on `ServerChannel.close()`, while the client has sent frames the server will never
+    read. (Reading pauses when the queue is full, so the peer's close frame would not be read and
+    the close would wait the 10 s out.)"""
+    import time
+
+    async def handler(channel):
+        if ending == "bad_frame":
+            async for _ in channel:
+                pass
+        elif ending == "handler_returns":
+            await channel.recv()  # reads one message, then returns with the rest unread
+        else:
+            await channel.recv()
+            await channel.close()
+
+    async def main():
+        server = await ws.serve(handler, "127.0.0.1", 0, expected_fingerprint=FP, max_frame_bytes=LIMIT, max_queue=1)
+        try:
+            url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            ch = await ws.open_channel(url, FP, max_frame_bytes=LIMIT)
+            t0 = time.monotonic()
+            if ending == "bad_frame":
+                await ch.ws.send(b"\xc1 not msgpack")
+            for i in range(8):  # messages for the handler, more than the server's queue holds
+                with contextlib.suppress(ConnectionClosed):
+                    await ch.ws.send(encode(Cancel(request_id=f"r{i}")))
+            with pytest.raises(RelayInferError):
+                while True:
+                    await ch.recv()
+            await ch.ws.wait_closed()
+            return time.monotonic() - t0, ch.ws.close_code
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    elapsed, code = run(main(), timeout=30.0)
+    assert elapsed < 3.0, f"the close took {elapsed:.1f} s"
+    assert code == (1002 if ending == "bad_frame" else 1000)

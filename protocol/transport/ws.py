@@ -74,11 +74,34 @@ async def _send_quietly(conn: ServerConnection | ClientConnection, frame: bytes)
         pass  # the next recv reports the closure
 
 
+async def _close(conn: ServerConnection | ClientConnection, code: int = 1000, reason: str = "") -> None:
+    """Close the websocket (close `code`, `reason`), reading and dropping whatever the peer still
+    sends meanwhile. Without that, a peer whose frames fill the incoming queue (websockets'
+    `max_queue`: reading pauses when it is full) gets its close frame left unread, and the close
+    waits out websockets' `close_timeout` (10 s) with the connection, and its session slot, held.
+    Every close in this module goes through here."""
+
+    async def drain() -> None:
+        try:
+            while True:
+                await conn.recv()
+        except Exception:  # noqa: BLE001  closed, or another task is reading (it drains then)
+            pass
+
+    reader = asyncio.ensure_future(drain())
+    try:
+        await conn.close(code, reason)
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
 async def _fail(conn: ServerConnection | ClientConnection, session: ServerSession | ClientSession,
                 code: ErrorCode, message: str) -> None:
     """Send a connection-level Error frame and close the websocket with the matching close code."""
     await _send_quietly(conn, session.fail(code, message))
-    await conn.close(_CLOSE_CODES.get(ErrorCode(code), 1008), ErrorCode(code).value)
+    await _close(conn, _CLOSE_CODES.get(ErrorCode(code), 1008), ErrorCode(code).value)
 
 
 class _Channel:
@@ -140,7 +163,7 @@ class _Channel:
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Close the connection normally (websocket close ``code``, ``reason`` up to 123 bytes)."""
         self.session.close()
-        await self.ws.close(code, reason)
+        await _close(self.ws, code, reason)
 
     def __aiter__(self) -> "_Channel":
         return self
@@ -183,10 +206,10 @@ class _Channel:
                 self._received.append(event.message)
             elif isinstance(event, ProtocolViolation):
                 code = ErrorCode(event.error.code)
-                await self.ws.close(_CLOSE_CODES.get(code, 1008), code.value)
+                await _close(self.ws, _CLOSE_CODES.get(code, 1008), code.value)
                 raise ProtocolError(code, event.error.message)
             elif isinstance(event, PeerError):
-                await self.ws.close()
+                await _close(self.ws)
                 raise RemoteError(event.error.code, event.error.message, retry_after_ms=event.error.retry_after_ms)
         return events
 
@@ -308,7 +331,7 @@ def serve(
         refusal = admit() if admit is not None else None
         if refusal is not None:
             await _send_quietly(ws, session.send(refusal))
-            await ws.close(_CLOSE_CODES.get(ErrorCode(refusal.code), 1008), refusal.code)
+            await _close(ws, _CLOSE_CODES.get(ErrorCode(refusal.code), 1008), refusal.code)
             return
         try:
             try:
@@ -325,6 +348,7 @@ def serve(
                     await _fail(ws, session, ErrorCode.INTERNAL, "internal server error")
                 raise
         finally:
+            await _close(ws)  # the handler is done: what the client still sends is not read (no-op if closed)
             if release is not None:
                 release()
 
@@ -369,9 +393,9 @@ async def open_channel(
         with _handshake_limit(ws, session):
             await asyncio.wait_for(_until_handshake(channel), open_timeout)
     except asyncio.TimeoutError:
-        await ws.close()
+        await _close(ws)
         raise TimeoutError(f"no welcome from {url} within {open_timeout} s") from None
     except BaseException:
-        await ws.close()
+        await _close(ws)
         raise
     return channel
