@@ -54,6 +54,15 @@ accepted off the wire converts with ``to_numpy`` on any supported numpy."""
 _MAX_ADDRESSABLE_BYTES = int(np.iinfo(np.intp).max)
 
 
+class _TensorError(ProtocolError, ValueError):
+    """A bad tensor (BAD_FRAME). Also a ValueError, so that msgspec, decoding a frame, wraps it in
+    a ValidationError whose message ends with the field's path (`- at $.tiles`): the Error the peer
+    gets names the field that held the bad tensor."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.BAD_FRAME, message)
+
+
 class Tensor(msgspec.Struct, frozen=True):
     """An n-d array as ``dtype`` name, ``shape`` (list of dims) and raw little-endian C-order ``data``.
 
@@ -72,24 +81,21 @@ class Tensor(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         np_dtype = TENSOR_DTYPES.get(self.dtype)
         if np_dtype is None:
-            raise ProtocolError(ErrorCode.BAD_FRAME,
-                                f"tensor dtype {self.dtype!r} not allowed; use one of {', '.join(TENSOR_DTYPES)}")
+            raise _TensorError(f"tensor dtype {self.dtype!r} not allowed; use one of {', '.join(TENSOR_DTYPES)}")
         if len(self.shape) > MAX_TENSOR_DIMS:
-            raise ProtocolError(ErrorCode.BAD_FRAME,
-                                f"tensor has {len(self.shape)} dimensions; at most {MAX_TENSOR_DIMS} are allowed")
+            raise _TensorError(f"tensor has {len(self.shape)} dimensions; at most {MAX_TENSOR_DIMS} are allowed")
         if any(d < 0 for d in self.shape):
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"tensor shape {self.shape} has a negative dimension")
+            raise _TensorError(f"tensor shape {self.shape} has a negative dimension")
         # numpy refuses a shape whose non-zero dims times the itemsize overflow intp, even when another dim is 0.
         if math.prod(d for d in self.shape if d) * np_dtype.itemsize > _MAX_ADDRESSABLE_BYTES:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"tensor shape {self.shape} is too large to address")
+            raise _TensorError(f"tensor shape {self.shape} is too large to address")
         expected = math.prod(self.shape) * np_dtype.itemsize
         if len(self.data) != expected:
-            raise ProtocolError(
-                ErrorCode.BAD_FRAME,
+            raise _TensorError(
                 f"tensor data is {len(self.data)} bytes but {self.dtype} shape {self.shape} needs {expected} bytes",
             )
         if self.dtype == "bool" and self.data.translate(None, b"\x00\x01"):
-            raise ProtocolError(ErrorCode.BAD_FRAME, "bool tensor data holds bytes other than 0 and 1")
+            raise _TensorError("bool tensor data holds bytes other than 0 and 1")
 
     @classmethod
     def from_numpy(cls, arr: np.ndarray, dtype: str | None = None) -> "Tensor":
@@ -454,4 +460,5 @@ def _explain(data: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     if tag not in MESSAGE_TYPES:
         return ProtocolError(ErrorCode.UNKNOWN_MESSAGE,
                              f"unknown message type {tag[:64]!r} (protocol version {PROTOCOL_VERSION})")
-    return ProtocolError(ErrorCode.BAD_FRAME, f"invalid {tag!r} message: {exc}")
+    detail = str(exc).replace(f"[{ErrorCode.BAD_FRAME.value}] ", "", 1)  # a `_TensorError` inside: its text alone
+    return ProtocolError(ErrorCode.BAD_FRAME, f"invalid {tag!r} message: {detail}")

@@ -155,9 +155,11 @@ def _raw_scores(tensor: dict) -> bytes:
     ({"dtype": "float32", "shape": [1], "data": "abcd"}, r"invalid 'scores' message: Expected `bytes`, got `str`"),
 ])
 def test_bad_tensor_on_the_wire(tensor, match):
+    """A bad tensor in a frame is BAD_FRAME naming what is wrong and the field that held it."""
     with pytest.raises(ProtocolError, match=match) as exc:
         decode(_raw_scores(tensor))
     assert exc.value.code is ErrorCode.BAD_FRAME
+    assert "- at `$.scores" in str(exc.value) and str(exc.value).count("[bad_frame]") == 1, str(exc.value)
 
 
 # -- decode errors ----------------------------------------------------------------------------------
