@@ -444,9 +444,26 @@ def decode(data: bytes) -> Message:
     except msgspec.ValidationError as exc:
         raise _explain(data, exc) from None
     except msgspec.DecodeError as exc:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(data)} bytes is not valid MessagePack: {exc}") from None
+        where = _undecodable_field(data)
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(data)} bytes is not valid MessagePack: {exc}"
+                            + (f" (in field `{where}`)" if where else "")) from None
     except RecursionError:  # msgspec raises it for MessagePack nested past the interpreter's recursion limit
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame of {len(data)} bytes is nested too deeply") from None
+
+
+def _undecodable_field(data: bytes) -> str | None:
+    """The top-level field whose value does not decode (a string that is not UTF-8, say) in a
+    frame that is otherwise a map with string keys; None when the map itself is broken."""
+    try:
+        fields = msgspec.msgpack.decode(data, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    for name, raw in fields.items():
+        try:
+            msgspec.msgpack.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return name[:64]
+    return None
 
 
 def _explain(data: bytes, exc: msgspec.ValidationError) -> ProtocolError:

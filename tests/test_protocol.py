@@ -164,6 +164,18 @@ def test_bad_tensor_on_the_wire(tensor, match):
 
 # -- decode errors ----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("field", ["request_id", "slide_id"])
+def test_a_string_that_is_not_utf8_is_bad_frame_naming_its_field(field):
+    """A lone surrogate's CESU-8 bytes (ed a0 80) are not UTF-8: the frame is BAD_FRAME and the
+    error names the field that held them."""
+    body = {"type": "tile_batch", "request_id": "p", "slide_id": "s", "coords": [], "last": True}
+    body[field] = "\x00MARK\x00"
+    raw = msgspec.msgpack.encode(body).replace(b"\x00MARK\x00", b"\xed\xa0\x80abc")  # same length
+    with pytest.raises(ProtocolError, match=rf"Invalid UTF-8 .*\(in field `{field}`\)") as exc:
+        decode(raw)
+    assert exc.value.code is ErrorCode.BAD_FRAME
+
+
 def test_every_truncation_is_bad_frame():
     data = encode(SAMPLES[2])
     for n in range(len(data)):
