@@ -128,6 +128,13 @@ def generic_values(wire: str) -> list[tuple[str, Any]]:
     return vals
 
 
+def _ws_invalid(name: str, value: Any, invalid: bool | None) -> bool | None:
+    """Whether a websocket frame with `value` in field `name` is invalid: a lone surrogate (bytes
+    that are not UTF-8) makes any known field's frame invalid; an unknown key's value is skipped
+    unread (docs/PROTOCOL.md: unknown keys are ignored), so its bytes are not checked."""
+    return True if value == _SURR_MARK and name != "unknown_field" else invalid
+
+
 def abbreviate(v: Any, depth: int = 0) -> Any:
     """A JSON-able, short description of `v` (the repro in the report): long strings and lists
     are written as <'A' * N> / <[x] * N>, floats that JSON lacks as "NaN"/"Infinity"."""
@@ -682,9 +689,7 @@ class Generator:
                     rid = f"g{i}"
                     key = "bogus_field" if name == "unknown_field" else name
                     frame = _set(base(rid), [key], value)
-                    inv = invalid(value)
-                    if value == _SURR_MARK:
-                        inv = True
+                    inv = _ws_invalid(name, value, invalid(value))
                     return Case(i, "ws", "generate", name, label, body=frame, invalid=inv, expect="done")
                 self.makers.append((f"generate.{name}", label, make))
 
@@ -755,9 +760,7 @@ class Generator:
                         if t == "pre_infer":
                             frame.pop("candidate_ids")
                         frame = _set(frame, ["bogus_field" if name == "unknown_field" else name], value)
-                        inv = invalid(value)
-                        if value == _SURR_MARK:
-                            inv = True
+                        inv = _ws_invalid(name, value, invalid(value))
                         return Case(i, "ws", t, f"{t}.{name}", label, body=frame, invalid=inv,
                                     expect="scores" if t == "rank" else "")
                     self.makers.append((f"{msg_type}.{name}", label, make))
@@ -820,9 +823,7 @@ class Generator:
                     frame = dict(use, request_id=f"p{i}")
                     frame = _set(frame, ["bogus_field" if name == "unknown_field" else name], value) if not isinstance(
                         value, (bytes,)) else frame
-                    inv = invalid(value)
-                    if value == _SURR_MARK:
-                        inv = True
+                    inv = _ws_invalid(name, value, invalid(value))
                     return Case(i, "ws", "tile_batch", f"tile_batch.{name}", label, body=frame, invalid=inv,
                                 expect="embeddings")
                 self.makers.append((f"tile_batch.{name}", label, make))

@@ -307,8 +307,8 @@ class PathoService:
         if msg.features is not None:
             f = msg.features.to_numpy()
             if msg.features.dtype not in ("float16", "float32") or f.shape != (n, DEVICE_FEATURE_DIM):
-                raise _Refused(ErrorCode.BAD_REQUEST, f"features must be float16/32 ({n}, {DEVICE_FEATURE_DIM}), "
-                                                      f"got {msg.features.dtype} {tuple(f.shape)}")
+                raise _Refused(ErrorCode.BAD_REQUEST, f"features must be float16/32 ({n}, {DEVICE_FEATURE_DIM}), one row "
+                                                      f"for each of the {n} coords; got {msg.features.dtype} {tuple(f.shape)}")
             return None, f.astype(np.float32)
         if msg.jpeg:
             if len(msg.jpeg) != n:
@@ -321,8 +321,8 @@ class PathoService:
         if n == 0:
             return np.zeros((0, self.tile_px, self.tile_px, 3), np.uint8), None
         if t.dtype != "uint8" or list(t.shape) != [n, self.tile_px, self.tile_px, 3]:
-            raise _Refused(ErrorCode.BAD_REQUEST, f"tiles must be uint8 [{n}, {self.tile_px}, {self.tile_px}, 3], "
-                                                  f"got {t.dtype} {t.shape}")
+            raise _Refused(ErrorCode.BAD_REQUEST, f"a batch of {n} coords without jpeg or features needs tiles, uint8 "
+                                                  f"[{n}, {self.tile_px}, {self.tile_px}, 3]; got tiles {t.dtype} {t.shape}")
         return t.to_numpy(), None
 
 
