@@ -128,6 +128,13 @@ def generic_values(wire: str) -> list[tuple[str, Any]]:
     return vals
 
 
+def _limit_1009(closed: str) -> int | None:
+    """The limit (bytes) in websockets' 1009 close ("1009 frame [with N bytes ]exceeds limit of M
+    bytes", by version), or None for any other close."""
+    m = re.match(r"1009 frame (?:with \d+ bytes )?exceeds limit of (\d+) bytes", closed)
+    return int(m.group(1)) if m else None
+
+
 def _ws_invalid(name: str, value: Any, invalid: bool | None) -> bool | None:
     """Whether a websocket frame with `value` in field `name` is invalid: a lone surrogate (bytes
     that are not UTF-8) makes any known field's frame invalid; an unknown key's value is skipped
@@ -1009,16 +1016,18 @@ class Runner:
         rid = rid if isinstance(rid, str) else None
         pre_rid = case.pre["request_id"] if case.pre else None
         nonce = random.getrandbits(62)
+        payload = case.raw if case.raw is not None else _frame(case.body)
         try:
             if case.pre:
                 await ws.send(_frame(case.pre))
-            payload = case.raw if case.raw is not None else _frame(case.body)
             await ws.send(payload)
             await ws.send(_frame({"type": "ping", "nonce": nonce, "t_ms": 0.0}))
         except ConnectionClosed as e:
             holder.pop("ch", None)
             self.tally.statuses["ws_closed_on_send"] += 1
-            if case.raw is None and case.field != "<frame>":
+            code = f"{e.rcvd.code} {e.rcvd.reason}" if e.rcvd else ""
+            over = _limit_1009(code)  # a frame above the server's websocket limit: 1009, as PROTOCOL.md says
+            if case.raw is None and case.field != "<frame>" and not (over and len(payload) > over):
                 self.tally.find("ws_closed_without_error", case, f"closed while sending: {e}")
             return
         got: list[dict] = []
@@ -1072,9 +1081,9 @@ class Runner:
         if closed is not None:
             holder.pop("ch", None)
         well_framed = case.raw is None
-        m1009 = re.match(r"1009 frame exceeds limit of (\d+) bytes", closed or "")
-        if m1009 and not errors:  # websockets refused a frame above ws_max_size(limit) before reading it
-            limit, size = int(m1009.group(1)), len(payload)
+        limit = _limit_1009(closed or "")
+        if limit and not errors:  # websockets refused a frame above ws_max_size(limit) before reading it
+            size = len(payload)
             if limit == HANDSHAKE_WS_LIMIT and size <= limit * 64:
                 self.tally.find("ws_handshake_limit_after_welcome", case, {**answer, "frame_bytes": size},
                                 note="a frame sent right after the Welcome was refused at the pre-handshake limit")
@@ -1103,7 +1112,8 @@ class Runner:
         if well_framed and errors and case.field not in ("<frame>",) and case.invalid is not False:
             fname = case.field.split(".")[-1]
             text = " ".join(e["message"] for e in errors)
-            if case.label != "missing" and fname not in text and fname != "unknown_field" and \
+            whole = re.search(r"unexpected \w+ from a|does not handle \w+", text)  # the message type itself is refused
+            if case.label != "missing" and fname not in text and fname != "unknown_field" and not whole and \
                     not any(e["code"] in ("overloaded", "unknown_message") for e in errors) and \
                     case.field not in ("token", "done", "welcome", "hello", "error", "error-conn", "ping", "pong",
                                        "rank", "generate", "tile_batch", "cancel-no-id"):

@@ -348,9 +348,9 @@ def serve(
                     await _fail(ws, session, ErrorCode.INTERNAL, "internal server error")
                 raise
         finally:
-            await _close(ws)  # the handler is done: what the client still sends is not read (no-op if closed)
-            if release is not None:
+            if release is not None:  # the session ends with its handler, before the close handshake
                 release()
+            await _close(ws)  # what the client still sends is not read (no-op if closed already)
 
     gate = gate or ConnectionGate()
     hello_timeout = gate.limits.header_timeout_s if handshake_timeout is None else handshake_timeout
