@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from relayinfer.sdk import Client
+
 # Tests share 2 cores with the servers they start; one intra-op thread each avoids oversubscription.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -89,3 +91,53 @@ class BackgroundSlow:
         if threading.current_thread().name.startswith("device-background"):
             time.sleep(max(0.0, len(ids) * self.ms_per_token / 1e3 - (time.perf_counter() - t0)))
         return out
+
+
+class _CloudGate:
+    """The device engine, its prefill calls returning only once `open` is set (bounded by
+    `CloudFirstClient.GATE_S`); decode steps untouched."""
+
+    def __init__(self, engine):
+        self.engine, self.open = engine, threading.Event()
+        self.open.set()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill(self, ids, kv=None, positions=None):
+        out = self.engine.prefill(ids, kv) if positions is None else self.engine.prefill(ids, kv, positions=positions)
+        self.open.wait(CloudFirstClient.GATE_S)
+        return out
+
+
+class CloudFirstClient(Client):
+    """A `Client` whose device is never ready before the cloud's first token is shown: in a split
+    request its prefill calls return only after the first cloud `TokenEvent` (or the request's end,
+    or GATE_S). A device ready first rightly answers device-only; on a loaded machine a slow cloud
+    TTFT would make a test of the split path depend on the load, so tests of that path use this.
+    One request at a time (the gate is the client's)."""
+
+    GATE_S = 60.0
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.engine = self.gate = _CloudGate(self.engine)
+
+    def _runner(self, prompt, sampling, *a, **kw):
+        split = sampling.get("mode", self.options.mode) == "split"
+        run = super()._runner(prompt, sampling, *a, **kw)
+
+        async def gated(on_token):
+            def seen(ev):
+                if ev.source == "cloud":
+                    self.gate.open.set()
+                if on_token is not None:
+                    on_token(ev)
+
+            if split:
+                self.gate.open.clear()
+            try:
+                return await run(seen)
+            finally:
+                self.gate.open.set()
+        return gated

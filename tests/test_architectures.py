@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gguf_synth import TYPES, WINDOW, write_tiny
+from conftest import CloudFirstClient
 
 PROMPT = "the rain in spain stays mainly on the plain and the north wind howls at night"
 
@@ -199,7 +200,7 @@ def test_refined_prompt_on_a_model_without_a_chat_template(tiny, monkeypatch):
     ids = tok.encode_chat(PROMPT + " " + PROMPT)
     engine = TorchEngine(path, device="cpu", threads=1)
     with ServiceThread(CloudService(engine, engine.fingerprint, step_delay_ms=20.0), http_port=None) as cloud:
-        c = Client(cloud_url=cloud.url, engine=load_engine("onnx", path), cloud_budget=4, target_tpot_ms=1.0,
+        c = CloudFirstClient(cloud_url=cloud.url, engine=load_engine("onnx", path), cloud_budget=4, target_tpot_ms=1.0,
                    kv_handoff=False)
         res = c.complete(ids, max_new_tokens=8, refine=0.5)
         c.close()
@@ -351,7 +352,7 @@ def test_gemma3_270m_split_equals_cloud_only_and_device_only(gemma, tmp_path, mo
     svc = CloudService(engine, engine.fingerprint, device_model_dir=ensure_device_model(gemma), step_delay_ms=20.0)
     tok = Tokenizer.from_gguf(gemma)
     with ServiceThread(svc) as cloud:
-        c = Client(cloud_url=cloud.url, profile=DeviceProfile("test-slow", prefill_ms_per_token=40.0),
+        c = CloudFirstClient(cloud_url=cloud.url, profile=DeviceProfile("test-slow", prefill_ms_per_token=40.0),
                    target_tpot_ms=30.0, cloud_budget=6)
         assert c.fingerprint == engine.fingerprint and str(tmp_path) in str(c.engine.model_dir)
         for p in PROMPTS[:3]:

@@ -39,7 +39,7 @@ from relayinfer.sdk import Client
 from relayinfer.device.profiles import DeviceProfile
 cloud_url, http_url, token = sys.argv[1:4]
 seen = []
-slow = DeviceProfile("test-slow", prefill_ms_per_token=40.0)  # the cloud answers first
+slow = DeviceProfile("test-slow", prefill_ms_per_token=100.0)  # the cloud answers first, however loaded the machine
 client = Client(cloud_url=cloud_url, cloud_http_url=http_url or None, token=token, cloud_budget=3, target_tpot_ms=30.0,
                 profile=slow,
                 progress=lambda name, done, total: seen.append((name, done, total)))

@@ -16,6 +16,7 @@ from relayinfer.cloud.engine.llm_engine import AsyncLLMEngine, LLMEngine
 from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.protocol.model.decoding import SamplingParams, adjust_logits, sample, token_logprobs
 from relayinfer.protocol.model.tokenizer import Tokenizer
+from conftest import CloudFirstClient
 
 MODEL = "smollm2-135m-instruct"
 KV_BYTES = 16 << 20  # 22 blocks of 16 tokens: max_model_len 352 < the 8,192-token context
@@ -185,7 +186,7 @@ def test_penalties_split_answer_identical_across_hand_off(service, torch_engine,
     # the batched engine (module service) and the per-request service path (no llm) on the cloud side
     with ServiceThread(CloudService(torch_engine, torch_engine.fingerprint)) as per_request:
         for svc in (service, per_request):
-            c = Client(cloud_url=svc.url, engine=onnx_engine, profile=slow, target_tpot_ms=30.0, cloud_budget=6)
+            c = CloudFirstClient(cloud_url=svc.url, engine=onnx_engine, profile=slow, target_tpot_ms=30.0, cloud_budget=6)
             split = c.complete(prompt, **sampling)
             assert split.mode == "split" and 0 < split.handoff_index < len(split.token_ids), (svc.llm, split)
             assert split.token_ids == ref, svc.llm

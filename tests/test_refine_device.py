@@ -14,6 +14,7 @@ from relayinfer.protocol.model.refine import REFINE_BY_LENGTH, check_refine, cho
 from relayinfer.sdk import Client
 
 from test_refine import CONV  # tests/ is on sys.path
+from conftest import CloudFirstClient
 
 
 class Recorder:
@@ -66,7 +67,7 @@ def test_device_refined_prefill_at_original_positions(torch_engine, onnx_engine,
     prompt = tokenizer.encode_chat(CONV)
     n = len(prompt)
     with ServiceThread(svc) as running:
-        c = Client(cloud_url=running.url, engine=eng, cloud_budget=6, target_tpot_ms=1.0, kv_handoff=False)
+        c = CloudFirstClient(cloud_url=running.url, engine=eng, cloud_budget=6, target_tpot_ms=1.0, kv_handoff=False)
         with pytest.raises(ValueError, match="refine must be"):
             c.complete(prompt, max_new_tokens=4, refine="half")  # refused before anything runs
         auto = c.complete(prompt, max_new_tokens=4, refine="auto")  # a short prompt: never refined

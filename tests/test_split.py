@@ -20,6 +20,7 @@ from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode, RemoteError
 from relayinfer.protocol.messages import Generate, Token, encode
 from relayinfer.sdk import Client
+from conftest import CloudFirstClient
 from servers import split_cloud
 
 # A device slower at prefill than the cloud, so the cloud's first tokens come before the device is
@@ -42,7 +43,8 @@ def reference(torch_engine, chat_prompt_ids):
 
 
 def client(cloud, onnx_engine, **kw) -> Client:
-    return Client(cloud_url=cloud.url, engine=onnx_engine, profile=kw.pop("profile", SLOW_DEVICE),
+    """A client of the split path: its device is never ready before the cloud's first token."""
+    return CloudFirstClient(cloud_url=cloud.url, engine=onnx_engine, profile=kw.pop("profile", SLOW_DEVICE),
                   target_tpot_ms=kw.pop("target_tpot_ms", 30.0), cloud_budget=kw.pop("cloud_budget", BUDGET), **kw)
 
 
@@ -78,7 +80,7 @@ def test_gguf_q8_device_takes_over_where_the_cloud_stopped(cloud, model_path, ch
     for ids, ref in zip(chat_prompt_ids, reference):
         split = c.complete(ids, max_new_tokens=MAX_NEW)
         h = split.handoff_index
-        assert split.mode == "split" and 0 < h == split.cloud_tokens <= BUDGET and split.fault is None
+        assert split.mode == "split" and 0 < h == split.cloud_tokens <= BUDGET and split.fault is None, split
         assert split.token_ids[:h] == ref[:h] and len(split.token_ids) == MAX_NEW
         logits, kv = q8.prefill(ids + split.token_ids[:h])
         for tok in split.token_ids[h:]:
@@ -166,7 +168,7 @@ def test_connection_lost_mid_stream_device_completes(torch_engine, onnx_engine, 
     svc = DroppingService(torch_engine, torch_engine.fingerprint, step_delay_ms=20.0)
     with ServiceThread(svc, http_port=None) as running:
         # prefill takes seconds on this device: the crash comes long before it could take over
-        c = Client(cloud_url=running.url, engine=onnx_engine, profile=DeviceProfile("slower", prefill_ms_per_token=80.0),
+        c = CloudFirstClient(cloud_url=running.url, engine=onnx_engine, profile=DeviceProfile("slower", prefill_ms_per_token=80.0),
                    target_tpot_ms=30.0, cloud_budget=None)
         res = c.complete(chat_prompt_ids[1], max_new_tokens=MAX_NEW)
     assert res.fault == "connection-lost" and res.mode == "split"
@@ -239,7 +241,7 @@ def test_bad_clients_get_errors_while_others_finish(torch_engine, onnx_engine, c
     fp = torch_engine.fingerprint
     svc = CloudService(torch_engine, fp, auth_token="s3cret", step_delay_ms=20.0, max_frame_bytes=1 << 20)
     with ServiceThread(svc, http_port=None) as running:
-        good = Client(cloud_url=running.url, engine=onnx_engine, token="s3cret", profile=SLOW_DEVICE,
+        good = CloudFirstClient(cloud_url=running.url, engine=onnx_engine, token="s3cret", profile=SLOW_DEVICE,
                       target_tpot_ms=30.0, cloud_budget=BUDGET)
         stream = good.generate(chat_prompt_ids[2], max_new_tokens=MAX_NEW)  # runs in its own thread
 

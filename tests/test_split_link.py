@@ -13,7 +13,7 @@ from relayinfer.device.profiles import DeviceProfile
 from relayinfer.sdk import Client
 from relayinfer.sdk.linkem import PROFILES, LinkProxyThread
 
-from conftest import BackgroundSlow
+from conftest import BackgroundSlow, CloudFirstClient
 
 MAX_NEW = 24
 LTE = PROFILES["lte"]
@@ -75,7 +75,7 @@ def generate_bounded(client: Client, ids, bound_s: float, on_event=None, **kw) -
 
 def test_split_through_lte_equals_device_only(cloud, onnx_engine, chat_prompt_ids, device_only):
     with LinkProxyThread(cloud.url, LTE, seed=1) as link:
-        c = Client(cloud_url=link.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=8)
+        c = CloudFirstClient(cloud_url=link.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=8)
         for k, (ids, ref) in enumerate(zip(chat_prompt_ids[:2], device_only)):
             r = c.complete(ids, max_new_tokens=MAX_NEW)
             assert r.token_ids == ref
@@ -102,7 +102,7 @@ def _cut_after_first_token(link):
 def test_link_cut_mid_stream_device_completes(cloud, onnx_engine, chat_prompt_ids, device_only):
     with LinkProxyThread(cloud.url, LTE, seed=2) as link:
         # prefill takes seconds on this device: the cut comes long before it could take over
-        c = Client(cloud_url=link.url, engine=onnx_engine, profile=SLOWER_DEVICE, target_tpot_ms=30.0,
+        c = CloudFirstClient(cloud_url=link.url, engine=onnx_engine, profile=SLOWER_DEVICE, target_tpot_ms=30.0,
                    cloud_budget=None)
         hook = _cut_after_first_token(link)
         box = generate_bounded(c, chat_prompt_ids[1], 60.0, on_event=hook)
@@ -130,7 +130,7 @@ def test_blackhole_while_device_prefills_ends_bounded(cloud, onnx_engine, chat_p
     """The network goes silent after the first token while the device is prefilling: the device
     completes from what it has and the call returns (no hang on the silent socket)."""
     with LinkProxyThread(cloud.url, LTE, seed=3) as link:
-        c = Client(cloud_url=link.url, engine=onnx_engine, profile=SLOWER_DEVICE, target_tpot_ms=30.0,
+        c = CloudFirstClient(cloud_url=link.url, engine=onnx_engine, profile=SLOWER_DEVICE, target_tpot_ms=30.0,
                    cloud_budget=None)
         hook = _blackhole_after_first_token(link)
         box = generate_bounded(c, chat_prompt_ids[1], 90.0, on_event=hook)

@@ -17,6 +17,7 @@ from relayinfer.protocol.model.decoding import SamplingParams, generate
 from relayinfer.protocol.model.grammar import Guide, GrammarError, choice_grammar, json_schema_grammar
 from relayinfer.sdk import Client
 from servers import openai_client, split_cloud
+from conftest import CloudFirstClient
 
 openai = pytest.importorskip("openai")
 
@@ -231,7 +232,7 @@ def test_split_answer_keeps_the_schema_and_equals_cloud_only(cloud, onnx_engine,
     """The cloud streams the first tokens under the grammar, the device feeds them to its own
     matcher and masks its tokens: the split answer is valid and, greedy, equal to cloud-only and
     device-only token for token."""
-    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=6,
+    c = CloudFirstClient(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=6,
                kv_handoff=kv_handoff)
     ids = tokenizer.encode_chat(ASK_CITY)
     split = c.complete(ids, max_new_tokens=60, json_schema=CITY)
@@ -291,7 +292,7 @@ def test_bad_grammar_in_generate_gets_bad_request_naming_it(cloud, torch_engine)
 
 def test_conversation_turns_keep_the_schema(cloud, onnx_engine):
     """Multi-turn (the device keeps the previous turn's KV): every turn's split answer validates."""
-    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=4)
+    c = CloudFirstClient(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=4)
     conv = c.conversation(max_new_tokens=60, json_schema=CITY)
     for q in ("Name a big city and its population, as JSON.", "Another city, please."):
         r = conv.send(q)
@@ -303,7 +304,7 @@ def test_conversation_turns_keep_the_schema(cloud, onnx_engine):
 def test_split_answer_the_cloud_completes_before_the_hand_off(cloud, onnx_engine, tokenizer):
     """A grammar the cloud completes within its budget ends the answer at the cloud ('stop', no
     device token), as cloud-only does."""
-    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=8)
+    c = CloudFirstClient(cloud_url=cloud.url, engine=onnx_engine, profile=SLOW_DEVICE, target_tpot_ms=30.0, cloud_budget=8)
     ids = tokenizer.encode_chat([{"role": "user", "content": "Is fire hot? Answer yes or no."}])
     g = choice_grammar(["yes", "no"])
     split = c.complete(ids, max_new_tokens=16, grammar=g)
@@ -413,7 +414,7 @@ def test_servers_compile_grammars_off_the_event_loop(api, cloud, onnx_engine, to
 
     calls.clear()
     key, schema = fresh()  # the split path: the service's admission and engine, then the device
-    c = Client(cloud_url=cloud.url, engine=onnx_engine, profile=DeviceProfile("t", prefill_ms_per_token=40.0),
+    c = CloudFirstClient(cloud_url=cloud.url, engine=onnx_engine, profile=DeviceProfile("t", prefill_ms_per_token=40.0),
                cloud_budget=4)
     res = c.complete(tokenizer.encode_chat(ASK_CITY), max_new_tokens=32, grammar=json_schema_grammar(schema))
     answer_keeps(res.text, key)

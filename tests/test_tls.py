@@ -24,6 +24,7 @@ from relayinfer.cloud.serve.service import CloudService, ServiceThread
 from relayinfer.device.profiles import DeviceProfile
 from relayinfer.protocol.transport.security import client_context, server_context
 from relayinfer.sdk import Client
+from conftest import CloudFirstClient
 
 trustme = pytest.importorskip("trustme")
 openai = pytest.importorskip("openai")
@@ -69,7 +70,7 @@ def tls(torch_engine, device_model_dir, pki):
 
 
 def _client(url, onnx_engine, **kw) -> Client:
-    return Client(cloud_url=url, engine=onnx_engine, token=TOKEN, profile=SLOW_DEVICE, target_tpot_ms=30.0,
+    return CloudFirstClient(cloud_url=url, engine=onnx_engine, token=TOKEN, profile=SLOW_DEVICE, target_tpot_ms=30.0,
                   cloud_budget=BUDGET, connect_timeout_s=5.0, **kw)
 
 
