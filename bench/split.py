@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from relayinfer.device.speed import release_ms
+
 LENGTHS = (64, 128, 256, 512, 1024, 2048)
 MODES = ("device-only", "cloud-only", "split", "split+refine")
 LOAD_LENGTHS = (64,)  # virtual-device request mix: ~60-token chitchat prompts (SPLIT.md: on this loaded
@@ -379,6 +381,40 @@ def _in_bucket(n: int, lo: int, hi: int | None) -> bool:
     return n >= lo and (hi is None or n < hi)
 
 
+LATE_TOL_MS = 20.0  # a cloud token shown this much later than the speed controller would have shown it: the device's loop held it
+
+
+def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
+    """Where the shown gaps over `over_ms` (ms) of one split row came from. For a cloud token (before
+    the hand-off) the speed controller's release time is recomputed from the row's own arrival times
+    and the previous token's real shown time (`speed.release_ms`, its interval, following the
+    source): a gap the controller asks for too is 'upstream' (the cloud or the link delivered late,
+    or the floor followed their pace; which of cloud and link is not recorded); one whose token was
+    shown more than `tol_ms` after that time is 'device_loop' (the device's event loop or core held a
+    token that was there). Gaps ending at or after the hand-off are 'device_decode' (the device's
+    own tokens). Returns the three counts and device_late_ms_max, the largest such lateness (ms)."""
+    shown, ready = row["shown_ms"], list(row["ready_ms"])
+    h = row["handoff_index"] if row["handoff_index"] is not None else len(shown)
+    out = {"upstream": 0, "device_loop": 0, "device_decode": 0, "device_late_ms_max": 0.0}
+    for k in range(1, len(shown)):
+        if shown[k] - shown[k - 1] <= over_ms:
+            continue
+        if k >= h:
+            out["device_decode"] += 1
+            continue
+        late = shown[k] - release_ms(k, ready[:h], shown[k - 1], row["interval_ms"], True)
+        out["device_late_ms_max"] = max(out["device_late_ms_max"], late)
+        out["device_loop" if late > tol_ms else "upstream"] += 1
+    return out
+
+
+def _gaps_cell(g: dict | None) -> str:
+    """A `slow_gaps` total as a table cell."""
+    if not g:
+        return "-"
+    return f"{g['upstream']} / {g['device_loop']} ({g['device_late_ms_max']:.0f} ms) / {g['device_decode']}"
+
+
 def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
     """Per link (rows' "link", None: the direct loopback; keyed "<link> <profile> <bucket>", else
     "<profile> <bucket>"), prompt-length bucket (`BUCKETS`; >=512 includes >=1024) and profile: for the split rows,
@@ -400,6 +436,7 @@ def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
             gaps = np.concatenate([np.diff(r["shown_ms"]) for r in sp if len(r["shown_ms"]) > 1] or [np.zeros(0)])
             ttft = [r["ttft_ms"] for r in sp]
             p50 = _pct(ttft, 50)
+            gs = [slow_gaps(r, 2 * target_tpot_ms) for r in sp]  # the TPOT max goal's gaps, by where they came from
             out[f"{prof} {name}" if link is None else f"{link} {prof} {name}"] = {
                 "link": link, "profile": prof, "bucket": name, "requests": len(sp),
                 "prompt_tokens": [r["prompt_tokens"] for r in sp],
@@ -420,6 +457,7 @@ def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
                 "tpot_max_over_target": float(gaps.max()) / target_tpot_ms if gaps.size else None,
                 "interval_ms": [r["interval_ms"] for r in sp],
                 "stalls": int(sum(r["stalls"] for r in sp)),
+                "slow_gaps": {k: (max if k.endswith("_max") else sum)(g[k] for g in gs) for k in gs[0]},
                 "result_modes": {m: sum(1 for r in sp if r["mode"] == m) for m in sorted({r["mode"] for r in sp})},
                 "plans": {m: sum(1 for r in sp if r["plan"] == m) for m in sorted({r["plan"] for r in sp})},
                 "replanned": sum(1 for r in sp if "re-planned" in (r.get("plan_reason") or "")),
@@ -614,8 +652,9 @@ def handoff_markdown(res: dict) -> str:
     f = lambda x, p=0: "-" if x is None else f"{x:,.{p}f}"  # noqa: E731
     lines = ["| profile | bucket | n | prompt tokens | answer tokens | handed off | cloud tok/req | split TTFT p50 / p99 |"
              " device-only p50 / p99 | cloud-only p50 / p99 | split / device-only p50 | split / cloud-only p50 |"
-             " TPOT p50 / max | interval | stalls | result modes | plans (re-planned) | fallbacks |",
-             "|" + "---|" * 18]
+             " TPOT p50 / max | gaps > 2x target: upstream / device loop (late max) / device decode | interval | stalls |"
+             " result modes | plans (re-planned) | fallbacks |",
+             "|" + "---|" * 19]
     for b in res["buckets"].values():
         lines.append(
             f"| {b.get('link') + ' / ' if b.get('link') else ''}{b['profile']} | {b['bucket']} | {b['requests']} | {', '.join(map(str, b['prompt_tokens']))} | "
@@ -625,7 +664,7 @@ def handoff_markdown(res: dict) -> str:
             f"{f(b['device_only_ttft_ms_p50'])} / {f(b['device_only_ttft_ms_p99'])} | "
             f"{f(b['cloud_only_ttft_ms_p50'])} / {f(b['cloud_only_ttft_ms_p99'])} | {f(b['ttft_p50_over_device_only'], 2)} | "
             f"{f(b['ttft_p50_over_cloud_only'], 2)} | {f(b['tpot_ms_p50'])} / {f(b['tpot_ms_max'])} | "
-            f"{', '.join(f(x) for x in b['interval_ms'])} | {b['stalls']} | "
+            f"{_gaps_cell(b.get('slow_gaps'))} | {', '.join(f(x) for x in b['interval_ms'])} | {b['stalls']} | "
             f"{', '.join(f'{k} {v}' for k, v in b['result_modes'].items())} | "
             f"{', '.join(f'{k} {v}' for k, v in b['plans'].items())} ({b['replanned']}) | {b['fallbacks']} |")
     cap = res.get("capacity") or {}

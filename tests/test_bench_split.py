@@ -31,7 +31,7 @@ def test_bucket_summary_counts_handoffs_fallbacks_and_ratios():
         return {"profile": "phone", "bench_mode": mode, "prompt_tokens": n, "mode": result, "ttft_ms": ttft,
                 "fault": fault, "plan": "split", "plan_reason": "", "token_ids": [1] * len(shown), "cloud_streamed": 2,
                 "cloud_tokens": 2, "handoff_index": 2 if result == "split" else None, "interval_ms": 80.0,
-                "stalls": 0, "shown_ms": [ttft + s for s in shown]}
+                "stalls": 0, "shown_ms": [ttft + s for s in shown], "ready_ms": [ttft + s for s in shown]}
 
     rows = [row("split", 600, "split", 1000.0), row("split", 1100, "cloud-only", 3000.0),
             row("split", 700, "device-only", 5000.0, fault="connection-lost"), row("split", 100, "split", 400.0),
@@ -45,6 +45,7 @@ def test_bucket_summary_counts_handoffs_fallbacks_and_ratios():
     assert ge512["ttft_p50_over_device_only"] == pytest.approx(0.2) and ge512["tpot_ms_max"] == 100.0
     assert ge1024["requests"] == 1 and short["handed_off_fraction"] == 1.0 and "phone 256-511" not in b
     assert ge512["ended_early"] == 0 and ge512["link"] is None
+    assert ge512["slow_gaps"]["upstream"] == 0  # no gap over 2 x 50 ms
     # per link: keys and goals carry the link's name; an answer that ended (EOS) inside the planned
     # cloud budget counts as not handed off, and as ended early
     eos = {**row("split", 800, "cloud-only", 2000.0, shown=(0.0, 90.0)), "finish_reason": "eos", "cloud_budget": 150}
@@ -55,3 +56,17 @@ def test_bucket_summary_counts_handoffs_fallbacks_and_ratios():
     goals = _split._goals(bl, None, 50.0, ["lte"])
     assert goals["lte handoff_fraction_ge512"] == {"value": 0.25, "goal": ">= 0.8", "met": False}
     assert goals["lte tpot_max_ge512_ms"]["met"] and goals["lte stalls_ge512"]["met"]
+
+
+def test_slow_gaps_name_where_each_came_from():
+    """Cloud tokens arriving every 120 ms give gaps the speed controller asks for too ('upstream'); a
+    token there 150 ms before it was shown is the device's ('device_loop'); a gap after the
+    hand-off is the device's own decode."""
+    row = {"ready_ms": [0.0, 120.0, 240.0, 360.0, 560.0], "shown_ms": [0.0, 120.0, 390.0, 510.0, 620.0],
+           "handoff_index": 4, "interval_ms": 50.0}
+    g = _split.slow_gaps(row, 100.0)
+    assert g == {"upstream": 2, "device_loop": 1, "device_decode": 1, "device_late_ms_max": 150.0}
+    on_time = {**row, "shown_ms": [0.0, 120.0, 240.0, 360.0, 620.0]}
+    assert _split.slow_gaps(on_time, 100.0) == {"upstream": 3, "device_loop": 0, "device_decode": 1,
+                                                "device_late_ms_max": 0.0}
+    assert _split.slow_gaps(on_time, 300.0)["upstream"] == 0  # only gaps over the bound count
