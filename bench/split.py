@@ -393,8 +393,9 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
     shown more than `tol_ms` after that time is 'device_loop' (the device's event loop or core held a
     token that was there). Gaps ending at or after the hand-off are 'device_decode' (the device's
     own tokens). Returns the three counts and device_late_ms_max, the largest such lateness (ms)."""
-    shown, ready = row["shown_ms"], list(row["ready_ms"])
+    shown = row["shown_ms"]
     h = row["handoff_index"] if row["handoff_index"] is not None else len(shown)
+    ready = list(row["ready_ms"][:h])  # the cloud tokens' arrivals
     out = {"upstream": 0, "device_loop": 0, "device_decode": 0, "device_late_ms_max": 0.0}
     for k in range(1, len(shown)):
         if shown[k] - shown[k - 1] <= over_ms:
@@ -402,7 +403,7 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
         if k >= h:
             out["device_decode"] += 1
             continue
-        late = shown[k] - release_ms(k, ready[:h], shown[k - 1], row["interval_ms"], True)
+        late = shown[k] - release_ms(k, ready, shown[k - 1], row["interval_ms"], True)
         out["device_late_ms_max"] = max(out["device_late_ms_max"], late)
         out["device_loop" if late > tol_ms else "upstream"] += 1
     return out

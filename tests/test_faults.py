@@ -24,7 +24,7 @@ from relayinfer.protocol.model.decoding import SamplingParams
 from relayinfer.protocol.errors import ErrorCode
 from relayinfer.protocol.messages import Done, Error, Generate, Stop, Token
 
-from conftest import BackgroundSlow
+from conftest import BackgroundSlow, inner_prefill
 
 MAX_NEW = 12
 SENT = 3  # tokens the fake cloud streams before its fault (phases after the first token)
@@ -213,7 +213,7 @@ class Watched:
         self.running += 1
         self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if hasattr(os, "getpriority") else 0)
         try:
-            out = self.engine.prefill(ids, kv) if positions is None else self.engine.prefill(ids, kv, positions=positions)
+            out = inner_prefill(self.engine, ids, kv, positions)
         finally:
             self.running -= 1
         self.prefilled += len(ids)
