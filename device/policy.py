@@ -251,8 +251,8 @@ def plan(p: PlanInput) -> Plan:
         pace = max(p.target_tpot_ms, t.cloud_tpot_ms, t.decode_ms_per_token)
         slowed = f", slowed from {pace:.0f} ms so that the device catches up" if st.interval_ms > pace + 0.5 else ""
         return Plan(st.cloud_budget, interval, False, n,
-                    f"the cloud streams at most {st.cloud_budget} tokens, then the device takes over "
-                    f"(settings: display interval {interval:.0f} ms{slowed})")
+                    f"a cloud budget of {st.cloud_budget} tokens, then the device takes over; the device "
+                    f"extends the budget if its prefill runs late (settings: display interval {interval:.0f} ms{slowed})")
     why = (f"the device cannot catch up: its prefill takes {t.prefill_ms_per_token:.0f} ms a token, not less "
            f"than the {st.interval_ms:.0f} ms display interval" if t.prefill_ms_per_token >= st.interval_ms else
            f"the device cannot catch up within {p.max_new_tokens} tokens (prompt of {n} tokens: about "

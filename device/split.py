@@ -506,7 +506,8 @@ def _asked(opt: SplitOptions, mode: str) -> str:
     if opt.cloud_budget is None:
         return "the cloud streams until the device takes over"
     if opt.cloud_budget != "auto":
-        return f"the cloud streams at most {opt.cloud_budget} tokens, then the device takes over"
+        return (f"a fixed cloud budget of {opt.cloud_budget} tokens, then the device takes over (the cloud "
+                "streams the rest if the device fails)")
     return "no device timing: the device takes over when ready"
 
 

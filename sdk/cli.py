@@ -462,8 +462,11 @@ def _outcome(res) -> str:
         return f"fault {res.fault}: {res.error}  (planned {res.plan})"
     if res.mode == "split" and res.handoff_index:
         n = len(res.token_ids)
+        ext = (f"; the device extended the cloud's budget {res.budget_extensions} time"
+               f"{'s' if res.budget_extensions > 1 else ''} (its prefill ran later than planned)"
+               if res.budget_extensions else "")
         return (f"split: the cloud streamed tokens 0-{res.handoff_index - 1}, the device took over at token "
-                f"{res.handoff_index} and decoded {n - res.handoff_index} of the {n} (planned {res.plan})")
+                f"{res.handoff_index} and decoded {n - res.handoff_index} of the {n} (planned {res.plan}){ext}")
     if res.plan == "split" and res.mode == "cloud-only":
         end = "at the end-of-text token" if res.finish_reason == "eos" else f"({res.finish_reason})"
         return (f"planned split; the answer ended {end} after {len(res.token_ids)} tokens, before the device had "
@@ -610,8 +613,9 @@ def _choice_line(choice: dict) -> str:
             f"tokens from the plan (cloud measured: TTFT {choice['cloud_ttft_ms']:.0f} ms, TPOT "
             f"{choice['cloud_tpot_ms']:.0f} ms): ")
     if choice["split"]:
-        return head + (f"a split, the cloud streaming at most {choice['budget']} tokens and the device taking over "
-                       f"near token {choice['planned_handoff']}, display every {choice['interval_ms']:.0f} ms")
+        return head + (f"a split, a cloud budget of {choice['budget']} tokens (the device extends it if its prefill "
+                       f"runs late) and the device taking over near token {choice['planned_handoff']}, display every "
+                       f"{choice['interval_ms']:.0f} ms")
     return head + f"no split fits ({choice['plan_reason']})"
 
 

@@ -67,6 +67,7 @@ def test_generates_share_one_websocket_and_overlap_by_request_id(cloud, onnx_eng
     with Client(cloud_url=cloud.url, engine=onnx_engine, cloud_budget=4) as c:
         first = [c.complete(ids, max_new_tokens=MAX_NEW) for ids in chitchat[:2]]
         assert handshakes(cloud) - before == 1 and c.link.connections == 1
+        assert first[0].plan_reason.startswith("a fixed cloud budget of 4 tokens, then the device takes over")
         # two calls at once from two threads: multiplexed over the same websocket (cloud-only, so that
         # every token crosses it whatever the machine's load: a split's device may answer first)
         out: dict = {}

@@ -368,7 +368,26 @@ def test_demo_cli_json():
     assert res["cloud_tokens"] == res["handoff_index"] and res["device_tokens"] == len(res["token_ids"]) - res["handoff_index"]
     assert res["outcome"].startswith(f"split: the cloud streamed tokens 0-{res['handoff_index'] - 1}, the device took "
                                      f"over at token {res['handoff_index']}")
+    # a budget the device extended is said as such, not as a cap the cloud then broke
+    assert ("extended the cloud's budget" in res["outcome"]) == (res["budget_extensions"] > 0), res["outcome"]
     assert out.stderr == "", out.stderr  # --json: nothing but the JSON object
+
+
+def test_outcome_line_counts_the_budget_extensions():
+    """The demo's and chat's second line: a split's hand-off, and how often the device extended
+    the planned cloud budget (its prefill ran later than planned)."""
+    from relayinfer.device.split import GenerationResult
+    from relayinfer.sdk.cli import _outcome
+
+    def res(ext):
+        return GenerationResult("", [1] * 96, "split", 60.0, 60.0, 80.0, 0, 51, 45, 51, plan="split",
+                                cloud_budget=53, budget_extensions=ext)
+
+    assert _outcome(res(0)) == ("split: the cloud streamed tokens 0-50, the device took over at token 51 and "
+                                "decoded 45 of the 96 (planned split)")
+    assert _outcome(res(1)).endswith("(planned split); the device extended the cloud's budget 1 time (its prefill "
+                                     "ran later than planned)")
+    assert "budget 2 times" in _outcome(res(2))
 
 
 def test_demo_choice_follows_the_plan():

@@ -88,6 +88,9 @@ def test_plan_on_the_laptop_hands_off_and_the_phone_streams_a_long_prompt_to_the
     laptop = plan(PlanInput(_timing("laptop", 512), 512, 256, 50.0))
     assert laptop.budget is not None and 0 < laptop.budget < 256 and not laptop.held
     assert laptop.interval_ms == 50.0 and laptop.device_prompt_tokens == 512
+    # the budget is a plan, not a cap: the reason says that the device may extend it (ExtendBudget)
+    assert laptop.reason.startswith(f"a cloud budget of {laptop.budget} tokens, then the device takes over")
+    assert "extends the budget if its prefill runs late" in laptop.reason
     phone = plan(PlanInput(_timing("phone", 2048), 2048, 256, 50.0))
     # 2048 x 16.67 ms of prefill cannot be caught up within 256 tokens at the phone's 52.6 ms decode pace
     assert phone.budget is None and phone.held and phone.interval_ms == 52.6
