@@ -20,7 +20,8 @@ Per mode (all times ms, as shown to the user by the speed controller):
   cloud; the highest rate with TTFT p99 <= 1 s, cloud-only vs split.
 
 Link profiles (`link=`): the device sessions reach the cloud through a `sdk.linkem.LinkProxy`
-emulating that link on loopback (delay, jitter, bandwidth cap, loss as retransmission stalls); the
+(in the hand-off bench: in a process of its own, `LinkProxyProcess`, on a third core or else the
+cloud's, never the device's) emulating that link on loopback (delay, jitter, bandwidth cap, loss as retransmission stalls); the
 summary then adds, per mode, TTFT ratios to device-only, result-mode and fault counts, fallbacks
 (requests ended by a network fault) and the proxy's counters. `pin_cores` pins the cloud's model
 thread and the device's model thread to two different cores (`os.sched_setaffinity`).
@@ -512,7 +513,8 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     split, each rate a window of `capacity_window_s` s and at most `capacity_max_requests` requests;
     with `long_answers`, again with every answer `max_new_tokens` long (`Generate.min_tokens`: the
     decode-heavy regime, labelled as such). `links`: `sdk.linkem.PROFILES` names; the device
-    sessions then reach the cloud through a `LinkProxy` per link (one `Client` per link and
+    sessions then reach the cloud through a `LinkProxy` per link, all in one `LinkProxyProcess`
+    pinned to the third core this process may use, or to the cloud's where there are two (one `Client` per link and
     profile, each prompt on every link in turn; device-only runs once per prompt and profile, it
     needs no link, and its row stands for every link; the capacity sweep stays on the loopback).
     Bounded: prompts are skipped (and counted) once `time_limit_s` has passed. Writes `out` (JSON).
@@ -520,7 +522,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     Raises:
         ValueError: fewer than 2 cores to pin to, an unknown profile or link."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from relayinfer.sdk.linkem import LinkProxyThread, get_profile
+    from relayinfer.sdk.linkem import LinkProxyProcess, get_profile
 
     link_names = list(links) if links else [None]
     link_profiles = {name: get_profile(name) for name in link_names if name is not None}  # unknown -> ValueError
@@ -540,6 +542,17 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     cloud = _CloudProcess(mp, cores[0], kv_cache_mb, life_s=time_limit_s + 1800.0)
     rows, skipped, cap, link_counters = [], 0, {}, {}
     with cloud as (url, http_url, fingerprint), contextlib.ExitStack() as stack:
+        # the link emulator in a process of its own (forked before this one loads a model or starts a
+        # thread), on a third core where there is one, else on the cloud's: its per-segment work then
+        # shows up as upstream delay (cloud or link), never in the device's interpreter or on its core;
+        # the device-model HTTP side goes through the same link profile (its own proxy: one more radio
+        # bucket), so that each client measures its link as a real one does (`Client.measure_link`) and
+        # can choose the KV hand-off where the transfer beats its own prefill
+        link_core = cores[2] if len(cores) > 2 else cores[0]
+        links_proc = LinkProxyProcess({**{("ws", n): (url, lp) for n, lp in link_profiles.items()},
+                                       **{("http", n): (http_url, lp) for n, lp in link_profiles.items()}},
+                                      link_core, seed=seed, life_s=time_limit_s + 1800.0)
+        link_urls = stack.enter_context(links_proc) if link_profiles else {}
         os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
         device_engine = load_engine("onnx", mp, quantize, threads=1)
         device_engine.warmup()
@@ -556,19 +569,13 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         for t, ids in plist:
             by.setdefault(t, []).append((t, ids))
         plist = [x for k in range(per_bucket) for t in bucket_targets for x in by.get(t, [])[k:k + 1]]
-        proxies = {name: stack.enter_context(LinkProxyThread(url, lp, seed=seed)) for name, lp in link_profiles.items()}
-        # the device-model HTTP side through the same link profile (its own proxy: one more radio bucket),
-        # so that each client measures its link as a real one does (`Client.measure_link`) and can choose
-        # the KV hand-off where the transfer beats its own prefill
-        http_proxies = {name: stack.enter_context(LinkProxyThread(http_url, lp, seed=seed))
-                        for name, lp in link_profiles.items()}
         clients, link_measured = {}, {}
         for name in link_names:
             for prof in profiles:
                 clients[name, prof] = client = Client(
-                    cloud_url=proxies[name].url if name else url, engine=device_engine, profile=prof,
+                    cloud_url=link_urls["ws", name] if name else url, engine=device_engine, profile=prof,
                     target_tpot_ms=target_tpot_ms,
-                    cloud_http_url=http_proxies[name].url.replace("ws://", "http://") if name else http_url)
+                    cloud_http_url=link_urls["http", name].replace("ws://", "http://") if name else http_url)
                 _pin(client._executor, cores[1])
                 link_measured[name, prof] = bw = client.measure_link()
                 print(f"[bench split] link {name or 'direct'}: measured {bw / 1e6:.2f} MB/s (device-model file)",
@@ -619,7 +626,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                           f"{long[mode]['capacity_rps']} rps", flush=True)
                 c, s = long["cloud-only"]["capacity_rps"], long["split"]["capacity_rps"]
                 long["ratio_split_over_cloud_only"] = (s / c) if c else None
-        link_counters = {name: p.counters() for name, p in proxies.items()}
+    link_counters = {n: c for (side, n), c in links_proc.counters.items() if side == "ws"}
     buckets = bucket_summary(rows, target_tpot_ms)
     res = {"command": command, "profiles": profiles, "per_bucket": per_bucket, "bucket_targets": list(bucket_targets),
            "max_new_tokens": max_new_tokens,
@@ -632,7 +639,9 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
                               f"KV, no prefix cache)) in its own (forked) process pinned to core {cores[0]}",
                      "device": f"OnnxEngine ({quantize or 'gguf'}) 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
-                     "link": (f"LinkProxy per link ({', '.join(link_profiles)}) on loopback (emulated, sdk.linkem)"
+                     "link": (f"LinkProxy per link ({', '.join(link_profiles)}) on loopback (emulated, sdk.linkem), "
+                              f"in its own process pinned to core {link_core}"
+                              + (" (the cloud's: no third core)" if link_core == cores[0] else "")
                               if link_profiles else "direct loopback"),
                      "calibration": {"prefill_ms_base": local.prefill_ms_base,
                                      "prefill_ms_per_token": local.prefill_ms_per_token,

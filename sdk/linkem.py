@@ -441,3 +441,75 @@ class LinkProxyThread:
         self._thread.join(10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+class LinkProxyProcess:
+    """Run `LinkProxy`s in a child process of their own, on one event loop, optionally pinned to
+    `core` (`os.sched_setaffinity`): a benchmark whose device runs in this process then keeps the
+    emulator's work (its reads, sleeps and writes of every segment) off the device's interpreter
+    and, given a core of its own, off both ends' cores. A context manager: `__enter__` forks the
+    child and returns {name: proxy URL}; `__exit__` closes every proxy and collects `counters`
+    ({name: `LinkProxy.counters()`}). Fork it before this process starts a thread or loads a model.
+
+    Args:
+        targets: {name: (target, profile)}: one proxy per name, `LinkProxy`'s target and profile.
+        core: the CPU the child is pinned to; None = not pinned.
+        seed: every proxy's seed (`LinkProxy`).
+        life_s: the child stops by itself after this many seconds (s), or when this process goes.
+
+    Raises:
+        RuntimeError: the child did not report its proxies within 30 s.
+        ValueError: a bad target or profile (raised here, before the fork).
+    """
+
+    def __init__(self, targets: dict[str, tuple], core: int | None = None, *, seed: int = 0, life_s: float = 3600.0):
+        import multiprocessing
+
+        for target, profile in targets.values():
+            LinkProxy(target, profile)  # a bad target or profile -> ValueError in this process
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=self._serve, args=(child, dict(targets), core, seed, life_s), daemon=True,
+                                 name="link-proxies")
+        self.counters: dict[str, dict] = {}
+
+    @staticmethod
+    def _serve(conn, targets: dict, core: int | None, seed: int, life_s: float) -> None:
+        import os
+
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+
+        async def main() -> None:
+            proxies = {name: LinkProxy(t, p, seed=seed) for name, (t, p) in targets.items()}
+            for p in proxies.values():
+                await p.start()
+            conn.send({name: p.url for name, p in proxies.items()})
+            loop = asyncio.get_running_loop()
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the pipe wait, off the proxies' loop
+                await loop.run_in_executor(pool, conn.poll, life_s)
+            counters = {name: p.counters() for name, p in proxies.items()}
+            for p in proxies.values():
+                await p.close()
+            conn.send(counters)
+
+        asyncio.run(main())
+
+    def __enter__(self) -> dict[str, str]:
+        self._proc.start()
+        if not self._conn.poll(30):
+            self.__exit__()
+            raise RuntimeError("the link-proxy process did not start within 30 s")
+        return self._conn.recv()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._conn.send("stop")
+            if self._conn.poll(30):
+                self.counters = self._conn.recv()
+        except (OSError, EOFError):
+            pass
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(10)

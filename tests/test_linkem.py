@@ -3,12 +3,13 @@ black-hole, counters. Fast, no model. Servers on 127.0.0.1, stopped by each test
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
 import pytest
 
-from relayinfer.sdk.linkem import PROFILES, LinkProfile, LinkProxy, LinkProxyThread, get_profile
+from relayinfer.sdk.linkem import PROFILES, LinkProfile, LinkProxy, LinkProxyProcess, LinkProxyThread, get_profile
 
 T = 20.0  # bound (s) on every async test body
 
@@ -343,6 +344,43 @@ def test_unreachable_upstream_closes_the_client():
 
     got, c = run(main())
     assert got == b"" and c["connections"] == 1 and c["bytes_down"] == 0
+
+
+def test_proxies_in_their_own_process_shape_the_link_and_report_counters():
+    """`LinkProxyProcess`: two proxies on one loop in a child process pinned to a core (the hand-off
+    bench's emulator, kept out of the device's process); the shaped one adds its 2 x 40 ms to a
+    round trip, the other does not, and each one's counters come back when it stops."""
+    up = socket.create_server(("127.0.0.1", 0))  # the upstream listens before the fork; served below
+    port, core = up.getsockname()[1], min(os.sched_getaffinity(0))
+    proc = LinkProxyProcess({"slow": (("127.0.0.1", port), LinkProfile(delay_ms=40.0)),
+                             "plain": (("127.0.0.1", port), "loopback")}, core, life_s=60.0)
+    with up, proc as urls:
+        assert set(urls) == {"slow", "plain"} and urls["slow"] != urls["plain"]
+        assert proc._proc.pid != os.getpid() and os.sched_getaffinity(proc._proc.pid) == {core}
+        rtt = {}
+        for name, url in urls.items():
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as c:
+                up.settimeout(10)
+                s, _ = up.accept()
+                with s:
+                    t = time.perf_counter()
+                    c.sendall(b"x" * 100)
+                    got = b""
+                    while len(got) < 100:
+                        got += s.recv(100)
+                    s.sendall(got)
+                    back = b""
+                    while len(back) < 100:
+                        back += c.recv(100)
+                    rtt[name] = (time.perf_counter() - t) * 1e3
+                    assert back == b"x" * 100
+    assert rtt["slow"] >= 80.0 and rtt["plain"] < rtt["slow"], rtt
+    assert not proc._proc.is_alive()
+    for name in urls:
+        assert (proc.counters[name]["bytes_up"], proc.counters[name]["bytes_down"]) == (100, 100), proc.counters
+        assert proc.counters[name]["connections"] == 1
+    with pytest.raises(ValueError, match="unknown link profile"):
+        LinkProxyProcess({"x": (("127.0.0.1", port), "5g")})  # refused before any fork
 
 
 def test_bench_link_summary_counts_fallbacks_and_ratios():
