@@ -173,12 +173,21 @@ def kv_part_messages(request_id: str, parts: Sequence[np.ndarray], token_start: 
         if p.ndim != 5 or p.shape[1] != 2:
             raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got shape {p.shape}")
     if whole:
-        return [KVTransfer(request_id, 0, Tensor.from_numpy(parts[0]), parts[0].shape[3], token_start=token_start)]
+        return [_kv_message(request_id, parts[0], -1, 1, token_start)]
     out, at = [], token_start
     for i, p in enumerate(parts):
-        out.append(KVTransfer(request_id, 0, Tensor.from_numpy(p), p.shape[3], i, len(parts), token_start=at))
+        out.append(_kv_message(request_id, p, i, len(parts), at))
         at += p.shape[3]
     return out
+
+
+def _kv_message(request_id: str, part: np.ndarray, block_index: int, num_blocks: int, token_start: int,
+                scale: np.ndarray | None = None) -> KVTransfer:
+    """One `KVTransfer` of `part` [layers, 2, kv_heads, n, head_dim] (its own dtype; `scale` its
+    int8 scales [layers, 2, kv_heads, n, 1]): the one place both senders (`kv_part_messages`,
+    `kv_pieces`) build the message that `kv_parts` reads."""
+    return KVTransfer(request_id, 0, Tensor.from_numpy(part), part.shape[3], block_index, num_blocks,
+                      token_start=token_start, scale=None if scale is None else Tensor.from_numpy(scale))
 
 
 def kv_parts(msgs: Sequence[KVTransfer]) -> tuple[int, list[np.ndarray]]:
@@ -247,12 +256,10 @@ def kv_pieces(request_id: str, kv: np.ndarray, token_start: int, max_bytes: int 
     def piece(i: int, lo: int, hi: int) -> KVTransfer:
         part, scale = kv[:, :, :, lo:hi], None
         if wire == "int8":
-            part, s = quantize_int8(part)
-            scale = Tensor.from_numpy(s)
+            part, scale = quantize_int8(part)
         else:
             part = part.astype(WIRE_DTYPE, copy=False)
-        return KVTransfer(request_id, 0, Tensor.from_numpy(part), part.shape[3], i if total > 1 else -1, total,
-                          token_start=token_start + lo, scale=scale)
+        return _kv_message(request_id, part, i if total > 1 else -1, total, token_start + lo, scale)
 
     def gen():
         for i in range(total):
