@@ -514,7 +514,8 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     with `long_answers`, again with every answer `max_new_tokens` long (`Generate.min_tokens`: the
     decode-heavy regime, labelled as such). `links`: `sdk.linkem.PROFILES` names; the device
     sessions then reach the cloud through a `LinkProxy` per link, all in one `LinkProxyProcess`
-    pinned to the third core this process may use, or to the cloud's where there are two (one `Client` per link and
+    pinned to the third core this process may use, or to the cloud's where there are two; a link
+    that shapes nothing (`loopback`, the control) connects directly (one `Client` per link and
     profile, each prompt on every link in turn; device-only runs once per prompt and profile, it
     needs no link, and its row stands for every link; the capacity sweep stays on the loopback).
     Bounded: prompts are skipped (and counted) once `time_limit_s` has passed. Writes `out` (JSON).
@@ -548,11 +549,17 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         # the device-model HTTP side goes through the same link profile (its own proxy: one more radio
         # bucket), so that each client measures its link as a real one does (`Client.measure_link`) and
         # can choose the KV hand-off where the transfer beats its own prefill
+        # A profile that shapes nothing (`loopback`, the control) connects directly: through a proxy on a
+        # shared core its only effect would be the proxy's own copying of the float16 KV at loopback speed
         link_core = cores[2] if len(cores) > 2 else cores[0]
-        links_proc = LinkProxyProcess({**{("ws", n): (url, lp) for n, lp in link_profiles.items()},
-                                       **{("http", n): (http_url, lp) for n, lp in link_profiles.items()}},
+        shaped = {n: lp for n, lp in link_profiles.items() if lp.shapes}
+        links_proc = LinkProxyProcess({**{("ws", n): (url, lp) for n, lp in shaped.items()},
+                                       **{("http", n): (http_url, lp) for n, lp in shaped.items()}},
                                       link_core, seed=seed, life_s=time_limit_s + 1800.0)
-        link_urls = stack.enter_context(links_proc) if link_profiles else {}
+        link_urls = {(side, n): u.replace("ws://", "http://") if side == "http" else u
+                     for (side, n), u in (stack.enter_context(links_proc) if shaped else {}).items()}
+        for n in link_profiles.keys() - shaped.keys():
+            link_urls["ws", n], link_urls["http", n] = url, http_url
         os.sched_setaffinity(0, {cores[1]})  # this thread (clients, virtual devices) and the device's on core 1
         device_engine = load_engine("onnx", mp, quantize, threads=1)
         device_engine.warmup()
@@ -575,7 +582,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                 clients[name, prof] = client = Client(
                     cloud_url=link_urls["ws", name] if name else url, engine=device_engine, profile=prof,
                     target_tpot_ms=target_tpot_ms,
-                    cloud_http_url=link_urls["http", name].replace("ws://", "http://") if name else http_url)
+                    cloud_http_url=link_urls["http", name] if name else http_url)
                 _pin(client._executor, cores[1])
                 link_measured[name, prof] = bw = client.measure_link()
                 print(f"[bench split] link {name or 'direct'}: measured {bw / 1e6:.2f} MB/s (device-model file)",
@@ -639,9 +646,10 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
                               f"KV, no prefix cache)) in its own (forked) process pinned to core {cores[0]}",
                      "device": f"OnnxEngine ({quantize or 'gguf'}) 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
-                     "link": (f"LinkProxy per link ({', '.join(link_profiles)}) on loopback (emulated, sdk.linkem), "
-                              f"in its own process pinned to core {link_core}"
+                     "link": (f"LinkProxy per shaped link ({', '.join(shaped) or 'none'}) on loopback (emulated, "
+                              f"sdk.linkem), in its own process pinned to core {link_core}"
                               + (" (the cloud's: no third core)" if link_core == cores[0] else "")
+                              + "; a link that shapes nothing connects directly"
                               if link_profiles else "direct loopback"),
                      "calibration": {"prefill_ms_base": local.prefill_ms_base,
                                      "prefill_ms_per_token": local.prefill_ms_per_token,

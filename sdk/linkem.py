@@ -97,6 +97,11 @@ class LinkProfile:
         if self.mss < 1 or self.burst_bytes < self.mss:
             raise ValueError("need mss >= 1 and burst_bytes >= mss")
 
+    @property
+    def shapes(self) -> bool:
+        """Whether the profile changes anything (a delay, jitter, a cap or loss); `loopback` does not."""
+        return bool(self.delay_ms or self.jitter_ms or self.loss or self.down_bytes_per_s or self.up_bytes_per_s)
+
     def rate(self, direction: str) -> float | None:
         """The bandwidth cap of 'up' or 'down' (bytes/s, None = unlimited)."""
         return self.up_bytes_per_s if direction == "up" else self.down_bytes_per_s

@@ -80,6 +80,8 @@ def test_profiles_are_sourced_and_valid():
     assert 10 <= 2 * wifi.delay_ms + wifi.jitter_ms <= 30 and wifi.down_bytes_per_s > lte.down_bytes_per_s
     assert lossy.loss == 0.02 and lossy.delay_ms == lte.delay_ms and lossy.rto_ms >= 200
     assert get_profile("lte") is lte
+    assert not PROFILES["loopback"].shapes and all(PROFILES[n].shapes for n in ("wifi", "lte", "lossy"))
+    assert LinkProfile(jitter_ms=1.0).shapes and LinkProfile(up_bytes_per_s=1e6).shapes
     with pytest.raises(ValueError, match="unknown link profile"):
         get_profile("5g")
     with pytest.raises(ValueError):
