@@ -392,9 +392,13 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
     source): a gap the controller asks for too is 'upstream' (the cloud or the link delivered late,
     or the floor followed their pace; which of cloud and link is not recorded); one whose token was
     shown more than `tol_ms` after that time is 'device_loop' (the device's event loop or core held a
-    token that was there). Gaps ending at or after the hand-off are 'device_decode' (the device's
-    own tokens). Returns the three counts and device_late_ms_max, the largest such lateness (ms)."""
-    shown = row["shown_ms"]
+    token that was there). A row with `late_ms` (the device's own record: how long after the release
+    its speed controller had set, with the pace in force then, each token was shown) is classified
+    by that instead of the recomputation (which knows only the row's last interval, not a display
+    the plan slowed for a while). Gaps ending at or after the hand-off are 'device_decode' (the
+    device's own tokens). Returns the three counts and device_late_ms_max, the largest such
+    lateness (ms)."""
+    shown, late_ms = row["shown_ms"], row.get("late_ms") or None
     h = row["handoff_index"] if row["handoff_index"] is not None else len(shown)
     ready = list(row["ready_ms"][:h])  # the cloud tokens' arrivals
     out = {"upstream": 0, "device_loop": 0, "device_decode": 0, "device_late_ms_max": 0.0}
@@ -404,7 +408,7 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
         if k >= h:
             out["device_decode"] += 1
             continue
-        late = shown[k] - release_ms(k, ready, shown[k - 1], row["interval_ms"], True)
+        late = late_ms[k] if late_ms else shown[k] - release_ms(k, ready, shown[k - 1], row["interval_ms"], True)
         out["device_late_ms_max"] = max(out["device_late_ms_max"], late)
         out["device_loop" if late > tol_ms else "upstream"] += 1
     return out

@@ -143,6 +143,7 @@ class SpeedController:
     floor_ms: float = 0.0
     shown_ms: list[float] = field(default_factory=list)
     pace_ms: list[float] = field(default_factory=list)  # interval in force when each token was shown
+    late_ms: list[float] = field(default_factory=list)  # how long after its release each token was shown
 
     def __post_init__(self):
         if self.target_tpot_ms <= 0:
@@ -159,10 +160,13 @@ class SpeedController:
         """The release interval in force: max(interval_ms, floor_ms) (ms)."""
         return max(self.interval_ms, self.floor_ms)
 
-    def shown(self, t_ms: float) -> None:
-        """Record that the next token was shown at `t_ms`."""
+    def shown(self, t_ms: float, release_ms: float | None = None) -> None:
+        """Record that the next token was shown at `t_ms`, due at `release_ms` (the `release_at` the
+        display waited for; None: on time). Its lateness, t_ms - release_ms (ms, >= 0), is the time
+        the display's own loop took to get to a token that was due (`late_ms`)."""
         self.shown_ms.append(t_ms)
         self.pace_ms.append(self.pace)
+        self.late_ms.append(0.0 if release_ms is None else max(t_ms - release_ms, 0.0))
 
     def gaps(self) -> np.ndarray:
         """Inter-token gaps as shown (ms), float64 [n_shown - 1]."""

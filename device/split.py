@@ -190,6 +190,7 @@ class GenerationResult:
     request_id: str = ""
     prefill_left_at_fault: int | None = None
     ready_ms: list[float] = field(default_factory=list)
+    late_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,7 +205,9 @@ class GenerationResult:
 # 0 when the device answered before that token arrived: the cloud's `Done.cached_tokens` then has it);
 # request_id: the id of the request on the wire (the cloud's logs and `Done` name it); ready_ms: when each
 # answer token was ready at the device (ms since the request started: a cloud token when it arrived, a
-# device token when sampled), before the speed controller;
+# device token when sampled), before the speed controller; late_ms: per shown token, how long after the
+# release the speed controller had set it was shown (ms, >= 0: the display's own loop was busy or not
+# scheduled; a token late for the cloud or the link is not late here: its release waits for its arrival);
 # prefill_left_at_fault: tokens (prompt + cloud tokens received) the device still had to prefill when the
 # cloud fault came (None without a cloud fault, or after the hand-off); under the cloud-to-the-end plan the
 # background prefill makes it less than the prompt.
@@ -1139,7 +1142,8 @@ class _Run:
                 await a.changed.wait()
             if self.dev.following_cloud:  # the cloud floor, from what has arrived and waits (speed.source_floor)
                 self.speed.floor_ms = source_floor(a.cloud_arrivals(), len(a.ids) - k)
-            delay = (self.speed.release_at(a.ready_ms[k]) - self.now()) / 1e3
+            due = self.speed.release_at(a.ready_ms[k])
+            delay = (due - self.now()) / 1e3
             if delay > 0:
                 a.changed.clear()
                 try:  # an arrival meanwhile may lift the floor: re-evaluate (speed.release_ms)
@@ -1148,7 +1152,7 @@ class _Run:
                 except asyncio.TimeoutError:
                     pass
             t = self.now()
-            self.speed.shown(t)
+            self.speed.shown(t, due)
             ev = TokenEvent(self.decoder.push(a.ids[k]), a.ids[k], a.source[k], t, k)
             a.events.append(ev)
             if self.on_token is not None:
@@ -1181,7 +1185,8 @@ class _Run:
             error=self.fault.error, plan=pl.planned, plan_reason=pl.reason, device_cached_tokens=d.reused,
             kv_imported_tokens=d.kv_imported, kv_wire=self.cloud.kv_wire if self.cloud.kv_from is not None else None,
             device_prompt_ms=d.prompt_ms, cloud_cached_tokens=self.cloud.cached,
-            request_id=self.request_id, prefill_left_at_fault=self.fault.prefill_left, ready_ms=list(a.ready_ms))
+            request_id=self.request_id, prefill_left_at_fault=self.fault.prefill_left, ready_ms=list(a.ready_ms),
+            late_ms=list(self.speed.late_ms))
 
 
 class _KeepKV:

@@ -70,3 +70,9 @@ def test_slow_gaps_name_where_each_came_from():
     assert _split.slow_gaps(on_time, 100.0) == {"upstream": 3, "device_loop": 0, "device_decode": 1,
                                                 "device_late_ms_max": 0.0}
     assert _split.slow_gaps(on_time, 300.0)["upstream"] == 0  # only gaps over the bound count
+    # the device's own lateness record (`GenerationResult.late_ms`) decides where there is one: a display
+    # the plan slowed to 150 ms shows the 120 ms arrivals late by the recomputation, on time by the record
+    slowed = {**row, "shown_ms": [0.0, 150.0, 300.0, 450.0, 620.0], "late_ms": [0.0, 0.0, 0.0, 35.0, 0.0]}
+    assert _split.slow_gaps({**slowed, "late_ms": None}, 100.0)["device_loop"] == 3  # against the last 50 ms
+    assert _split.slow_gaps(slowed, 100.0) == {"upstream": 2, "device_loop": 1, "device_decode": 1,
+                                               "device_late_ms_max": 35.0}

@@ -51,7 +51,9 @@ def client(cloud, onnx_engine, **kw) -> Client:
 def test_split_equals_cloud_only_and_device_only(cloud, onnx_engine, chat_prompt_ids, reference):
     c = client(cloud, onnx_engine)
     for ids, ref in zip(chat_prompt_ids, reference):
-        split = c.complete(ids, max_new_tokens=MAX_NEW)
+        stream = c.generate(ids, max_new_tokens=MAX_NEW)
+        shown = [e.shown_at_ms for e in stream]
+        split = stream.result
         cloud_only = c.complete(ids, max_new_tokens=MAX_NEW, mode="cloud-only")
         device_only = c.complete(ids, max_new_tokens=MAX_NEW, mode="device-only")
         assert split.token_ids == cloud_only.token_ids == device_only.token_ids == ref
@@ -61,6 +63,11 @@ def test_split_equals_cloud_only_and_device_only(cloud, onnx_engine, chat_prompt
         assert cloud_only.mode == "cloud-only" and cloud_only.device_tokens == 0
         assert device_only.mode == "device-only" and device_only.cloud_tokens == 0
         assert split.text == c.tokenizer.decode(ref, skip_special=True)
+        # the display's own lateness, one per shown token: never negative, never more than the token
+        # waited between being ready and being shown (a release is never before the token is ready)
+        assert len(split.late_ms) == len(split.ready_ms) == len(shown) == len(split.token_ids)
+        assert all(0.0 <= lt <= t - r + 1e-6 for lt, t, r in zip(split.late_ms, shown, split.ready_ms)), \
+            (split.late_ms, shown, split.ready_ms)
 
 
 def test_gguf_q8_device_takes_over_where_the_cloud_stopped(cloud, model_path, chat_prompt_ids, reference):
