@@ -19,8 +19,51 @@ from relayinfer.protocol.errors import RelayInferError
 from relayinfer.sdk.cli_common import bench_module, fail, serve_for  # noqa: F401  (also this module's API)
 from relayinfer.sdk.server_opts import server_tls as _server_tls
 
-app = typer.Typer(help="relayinfer: split inference between cloud and devices.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+class _App(typer.Typer):
+    """The `relayinfer` command. Run as a program (the console script), a usage error (an unknown
+    option, a value out of range) is one line on stderr, `error: ... (see relayinfer CMD --help)`,
+    or with `--json` among the arguments one object on stdout, {"error": {"message", "code":
+    "bad_request", "type"}}; exit status 2 either way, as `fail` does for errors found later."""
+
+    def __call__(self, *args, **kwargs):
+        import importlib
+
+        # typer raises its own vendored click's exceptions (typer._click) or click's, by version
+        mods = [m for m in (_try_import(importlib, n) for n in ("typer._click.exceptions", "click.exceptions")) if m]
+        usage = tuple(m.UsageError for m in mods)
+        no_args = tuple(m.NoArgsIsHelpError for m in mods if hasattr(m, "NoArgsIsHelpError"))
+        abort = (typer.Abort,) + tuple(m.Abort for m in mods if hasattr(m, "Abort"))
+        if kwargs.get("standalone_mode", True) is False:
+            return super().__call__(*args, **kwargs)
+        argv = list(kwargs.get("args") or (args[0] if args else sys.argv[1:]))
+        try:
+            code = super().__call__(*args, standalone_mode=False, **kwargs)
+        except no_args as e:  # `relayinfer` alone: the help, as click shows it
+            e.show()
+            sys.exit(e.exit_code)
+        except usage as e:
+            message = e.format_message()
+            if "--json" in argv:
+                print(json.dumps({"error": {"message": message, "code": "bad_request", "type": type(e).__name__}}))
+            else:
+                where = e.ctx.command_path if e.ctx is not None else "relayinfer"
+                typer.secho(f"error: {message} (see {where} --help)", err=True, fg=typer.colors.RED)
+            sys.exit(2)
+        except abort:
+            typer.echo("Aborted.", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _try_import(importlib, name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+app = _App(help="relayinfer: split inference between cloud and devices.", no_args_is_help=True,
+           pretty_exceptions_enable=False, add_completion=False)
 
 
 CLOUD_EXTRA_HINT = "pip install torch==2.13.0, then pip install 'relayinfer[cloud]'"

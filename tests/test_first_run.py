@@ -356,7 +356,7 @@ def _cli_flags() -> set[str]:
 
     walk(typer.main.get_command(cli.app))
     walk(typer.main.get_command(relay_cli.relay_app))
-    return names
+    return names | {"--help"}  # click's help option, on every command (not among the params)
 
 
 def test_every_flag_a_message_names_exists():
@@ -444,3 +444,31 @@ def test_a_bad_quantize_is_refused_by_name(bad):
     for cmd in (["demo"], ["export"], ["generate", "--engine", "onnx", "hi"], ["chat"]):
         res = run_cli(*cmd, "--quantize", bad)
         assert res.exit_code == 2 and "--quantize: unknown device weights" in res.stderr, (cmd, res.output)
+
+
+def test_console_script_usage_errors_are_one_line_or_one_json_object():
+    """Run as a program, a usage error (an unknown option, a value out of range, a value of the wrong
+    type) is one line on stderr naming it, or with --json one object on stdout; exit 2, and nothing
+    loads first (each call returns within seconds)."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("relayinfer") or f"{sys.prefix}/bin/relayinfer"
+
+    def run(*argv):
+        return subprocess.run([exe, *argv], capture_output=True, text=True, timeout=60)
+
+    out = run("demo", "--max-new-tokens", "0")
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.strip().splitlines() == [
+        "error: Invalid value for '--max-new-tokens': Input should be greater than or equal to 1 "
+        "(see relayinfer demo --help)"], out.stderr
+    out = run("demo", "--no-such-flag", "--json")
+    assert out.returncode == 2 and out.stderr == "", out
+    assert json.loads(out.stdout) == {"error": {"message": "No such option: --no-such-flag", "code": "bad_request",
+                                                "type": "NoSuchOption"}}
+    out = run("cloud", "serve", "--port", "abc")
+    assert out.returncode == 2 and "'--port'" in out.stderr and "relayinfer cloud serve --help" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert run("--help").returncode == 0
