@@ -505,8 +505,8 @@ def _outcome(res) -> str:
         return f"fault {res.fault}: {res.error}  (planned {res.plan})"
     if res.mode == "split" and res.handoff_index:
         n = len(res.token_ids)
-        ext = (f"; the device extended the cloud's budget {res.budget_extensions} time"
-               f"{'s' if res.budget_extensions > 1 else ''} (its prefill ran later than planned)"
+        times = "once" if res.budget_extensions == 1 else f"{res.budget_extensions} times"
+        ext = (f"; the device extended the cloud's budget {times} (its prefill ran later than planned)"
                if res.budget_extensions else "")
         return (f"split: the cloud streamed tokens 0-{res.handoff_index - 1}, the device took over at token "
                 f"{res.handoff_index} and decoded {n - res.handoff_index} of the {n} (planned {res.plan}){ext}")

@@ -392,7 +392,7 @@ def test_outcome_line_counts_the_budget_extensions():
 
     assert _outcome(res(0)) == ("split: the cloud streamed tokens 0-50, the device took over at token 51 and "
                                 "decoded 45 of the 96 (planned split)")
-    assert _outcome(res(1)).endswith("(planned split); the device extended the cloud's budget 1 time (its prefill "
+    assert _outcome(res(1)).endswith("(planned split); the device extended the cloud's budget once (its prefill "
                                      "ran later than planned)")
     assert "budget 2 times" in _outcome(res(2))
 
