@@ -552,9 +552,9 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
         # shows up as upstream delay (cloud or link), never in the device's interpreter or on its core;
         # the device-model HTTP side goes through the same link profile (its own proxy: one more radio
         # bucket), so that each client measures its link as a real one does (`Client.measure_link`) and
-        # can choose the KV hand-off where the transfer beats its own prefill
-        # A profile that shapes nothing (`loopback`, the control) connects directly: through a proxy on a
-        # shared core its only effect would be the proxy's own copying of the float16 KV at loopback speed
+        # can choose the KV hand-off where the transfer beats its own prefill. A profile that shapes
+        # nothing (`loopback`, the control) connects directly: through a proxy on a shared core its
+        # only effect would be the proxy's own copying of the float16 KV at loopback speed
         link_core = cores[2] if len(cores) > 2 else cores[0]
         shaped = {n: lp for n, lp in link_profiles.items() if lp.shapes}
         links_proc = LinkProxyProcess({**{("ws", n): (url, lp) for n, lp in shaped.items()},

@@ -16,7 +16,7 @@ if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped he
 
 from relayinfer.device.profiles import available as _profiles
 from relayinfer.protocol.errors import RelayInferError
-from relayinfer.sdk.cli_common import bench_module, fail, serve_for  # noqa: F401  (also this module's API)
+from relayinfer.sdk.cli_common import bench_module, fail, print_error, serve_for  # noqa: F401  (also this module's API)
 from relayinfer.sdk.server_opts import server_tls as _server_tls
 
 class _App(typer.Typer):
@@ -26,15 +26,12 @@ class _App(typer.Typer):
     "bad_request", "type"}}; exit status 2 either way, as `fail` does for errors found later."""
 
     def __call__(self, *args, **kwargs):
-        import importlib
-
-        # typer raises its own vendored click's exceptions (typer._click) or click's, by version
-        mods = [m for m in (_try_import(importlib, n) for n in ("typer._click.exceptions", "click.exceptions")) if m]
+        if kwargs.get("standalone_mode", True) is False:
+            return super().__call__(*args, **kwargs)
+        mods = _click_exception_modules()
         usage = tuple(m.UsageError for m in mods)
         no_args = tuple(m.NoArgsIsHelpError for m in mods if hasattr(m, "NoArgsIsHelpError"))
         abort = (typer.Abort,) + tuple(m.Abort for m in mods if hasattr(m, "Abort"))
-        if kwargs.get("standalone_mode", True) is False:
-            return super().__call__(*args, **kwargs)
         argv = list(kwargs.get("args") or (args[0] if args else sys.argv[1:]))
         try:
             code = super().__call__(*args, standalone_mode=False, **kwargs)
@@ -42,12 +39,8 @@ class _App(typer.Typer):
             e.show()
             sys.exit(e.exit_code)
         except usage as e:
-            message = e.format_message()
-            if "--json" in argv:
-                print(json.dumps({"error": {"message": message, "code": "bad_request", "type": type(e).__name__}}))
-            else:
-                where = e.ctx.command_path if e.ctx is not None else "relayinfer"
-                typer.secho(f"error: {message} (see {where} --help)", err=True, fg=typer.colors.RED)
+            where = e.ctx.command_path if e.ctx is not None else "relayinfer"
+            print_error(e.format_message(), "bad_request", type(e).__name__, "--json" in argv, f" (see {where} --help)")
             sys.exit(2)
         except abort:
             typer.echo("Aborted.", err=True)
@@ -55,11 +48,18 @@ class _App(typer.Typer):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-def _try_import(importlib, name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
+def _click_exception_modules() -> list:
+    """The modules whose exceptions typer raises: its vendored click's (`typer._click`, newer
+    typer) and click's, whichever import."""
+    import importlib
+
+    mods = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return mods
 
 
 app = _App(help="relayinfer: split inference between cloud and devices.", no_args_is_help=True,

@@ -20,12 +20,17 @@ def fail(e: Exception, as_json: bool = False) -> None:
     for name in _OPTION_FIELDS:  # 'max_new_tokens must be ...' -> '--max-new-tokens must be ...'
         if message.startswith(name + " "):
             message = "--" + name.replace("_", "-") + message[len(name):]
-    if as_json:
-        code = e.code.value if isinstance(e, RelayInferError) else "bad_request"
-        print(json.dumps({"error": {"message": message, "code": code, "type": type(e).__name__}}))
-    else:
-        typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    print_error(message, e.code.value if isinstance(e, RelayInferError) else "bad_request", type(e).__name__, as_json)
     raise typer.Exit(2)
+
+
+def print_error(message: str, code: str, kind: str, as_json: bool, hint: str = "") -> None:
+    """An error as the command line reports it: with `as_json` one object on stdout, {"error":
+    {"message", "code", "type": kind}}; else one line on stderr, `error: <message><hint>`."""
+    if as_json:
+        print(json.dumps({"error": {"message": message, "code": code, "type": kind}}))
+    else:
+        typer.secho(f"error: {message}{hint}", err=True, fg=typer.colors.RED)
 
 
 def serve_for(svc, duration_s: float | None, up) -> None:
