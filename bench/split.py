@@ -382,6 +382,36 @@ def _in_bucket(n: int, lo: int, hi: int | None) -> bool:
     return n >= lo and (hi is None or n < hi)
 
 
+class _GCPauses:
+    """This process's garbage-collection pauses of at least `min_ms` (ms), recorded from `gc.callbacks`
+    while installed (a context manager): `within(t0, t1)` gives those that overlap [t0, t1]
+    (`time.perf_counter` s) as [start ms since t0, duration ms, generation]. The hand-off bench
+    puts them in each row, to tell a display held by a collection from one held by something else."""
+
+    def __init__(self, min_ms: float = 2.0):
+        self.min_ms, self.pauses, self._t = min_ms, [], 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif (d := (time.perf_counter() - self._t) * 1e3) >= self.min_ms:
+            self.pauses.append((self._t, d, info["generation"]))
+
+    def __enter__(self) -> "_GCPauses":
+        import gc
+
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._cb)
+
+    def within(self, t0: float, t1: float) -> list[list]:
+        return [[round((t - t0) * 1e3, 1), round(d, 1), g] for t, d, g in self.pauses if t <= t1 and t + d / 1e3 >= t0]
+
+
 LATE_TOL_MS = 20.0  # a cloud token shown this much later than the speed controller would have shown it: the device's loop held it
 
 
@@ -390,18 +420,27 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
     the hand-off) the speed controller's release time is recomputed from the row's own arrival times
     and the previous token's real shown time (`speed.release_ms`, its interval, following the
     source): a gap the controller asks for too is 'upstream' (the cloud or the link delivered late,
-    or the floor followed their pace; which of cloud and link is not recorded); one whose token was
-    shown more than `tol_ms` after that time is 'device_loop' (the device's event loop or core held a
-    token that was there). A row with `late_ms` (the device's own record: how long after the release
-    its speed controller had set, with the pace in force then, each token was shown) is classified
-    by that instead of the recomputation (which knows only the row's last interval, not a display
-    the plan slowed for a while). Gaps ending at or after the hand-off are 'device_decode' (the
-    device's own tokens). Returns the three counts and device_late_ms_max, the largest such
-    lateness (ms)."""
+    or the floor followed their pace); one whose token was shown more than `tol_ms` after that time is
+    'device_loop' (the device's event loop or core held a token that was there). A row with `late_ms`
+    (the device's own record: how long after the release its speed controller had set, with the pace
+    in force then, each token was shown) is classified by that instead of the recomputation (which
+    knows only the row's last interval, not a display the plan slowed for a while). Gaps ending at or
+    after the hand-off are 'device_decode' (the device's own tokens).
+
+    A row with `cloud_sent_ms` (the cloud's send stamp per cloud token) splits each upstream gap
+    further: its arrival gap is the cloud's own gap between the two sends plus the rest, the link's
+    share (the link, and the device's loop before it read the frame; the two clocks' offset cancels
+    in the difference). The gap is 'upstream_cloud' when the cloud's share is the larger, else
+    'upstream_link'; upstream_link_ms_max is the largest link share of a slow gap (ms).
+
+    Returns the counts and device_late_ms_max, the largest lateness of a device_loop or upstream
+    gap's token (ms)."""
     shown, late_ms = row["shown_ms"], row.get("late_ms") or None
     h = row["handoff_index"] if row["handoff_index"] is not None else len(shown)
     ready = list(row["ready_ms"][:h])  # the cloud tokens' arrivals
-    out = {"upstream": 0, "device_loop": 0, "device_decode": 0, "device_late_ms_max": 0.0}
+    sent = row.get("cloud_sent_ms") or None
+    out = {"upstream": 0, "upstream_cloud": 0, "upstream_link": 0, "device_loop": 0, "device_decode": 0,
+           "device_late_ms_max": 0.0, "upstream_link_ms_max": 0.0}
     for k in range(1, len(shown)):
         if shown[k] - shown[k - 1] <= over_ms:
             continue
@@ -410,7 +449,15 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
             continue
         late = late_ms[k] if late_ms else shown[k] - release_ms(k, ready, shown[k - 1], row["interval_ms"], True)
         out["device_late_ms_max"] = max(out["device_late_ms_max"], late)
-        out["device_loop" if late > tol_ms else "upstream"] += 1
+        if late > tol_ms:
+            out["device_loop"] += 1
+            continue
+        out["upstream"] += 1
+        if sent and k < len(sent):
+            cloud = sent[k] - sent[k - 1]
+            link = ready[k] - ready[k - 1] - cloud
+            out["upstream_cloud" if cloud >= link else "upstream_link"] += 1
+            out["upstream_link_ms_max"] = max(out["upstream_link_ms_max"], link)
     return out
 
 
@@ -418,7 +465,8 @@ def _gaps_cell(g: dict | None) -> str:
     """A `slow_gaps` total as a table cell."""
     if not g:
         return "-"
-    return f"{g['upstream']} / {g['device_loop']} ({g['device_late_ms_max']:.0f} ms) / {g['device_decode']}"
+    split = f" ({g.get('upstream_cloud', 0)} / {g.get('upstream_link', 0)})" if g["upstream"] else ""
+    return f"{g['upstream']}{split} / {g['device_loop']} ({g['device_late_ms_max']:.0f} ms) / {g['device_decode']}"
 
 
 def bucket_summary(rows: list[dict], target_tpot_ms: float) -> dict:
@@ -522,7 +570,9 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     that shapes nothing (`loopback`, the control) connects directly (one `Client` per link and
     profile, each prompt on every link in turn; device-only runs once per prompt and profile, it
     needs no link, and its row stands for every link; the capacity sweep stays on the loopback).
-    Bounded: prompts are skipped (and counted) once `time_limit_s` has passed. Writes `out` (JSON).
+    Bounded: prompts are skipped (and counted) once `time_limit_s` has passed. Writes `out` (JSON):
+    one row per request under "requests" (the `GenerationResult` fields, the shown times, and
+    `gc_pauses`: this process's collections of >= 2 ms during the request, `_GCPauses`).
 
     Raises:
         ValueError: fewer than 2 cores to pin to, an unknown profile or link."""
@@ -546,7 +596,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     mp = resolve_model_path(model)
     cloud = _CloudProcess(mp, cores[0], kv_cache_mb, life_s=time_limit_s + 1800.0)
     rows, skipped, cap, link_counters = [], 0, {}, {}
-    with cloud as (url, http_url, fingerprint), contextlib.ExitStack() as stack:
+    with cloud as (url, http_url, fingerprint), contextlib.ExitStack() as stack, _GCPauses() as gc_pauses:
         # the link emulator in a process of its own (forked before this one loads a model or starts a
         # thread), on a third core where there is one, else on the cloud's: its per-segment work then
         # shows up as upstream delay (cloud or link), never in the device's interpreter or on its core;
@@ -603,10 +653,12 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                         rows += [{**r, "link": name} for r in rows if r["bench_mode"] == mode and r["prompt_idx"] == pi
                                  and r["profile"] == prof and r["link"] == link_names[0]]
                         continue
+                    t_call = time.perf_counter()
                     r, events, busy, cpre = _run_one(client, None, ids, mode,
                                                       max_new_tokens if mode == "split" else ref_new_tokens, None)
                     rows.append({"link": name, "profile": prof, "bench_mode": mode, "prompt_idx": pi, "target_len": target,
                                  "prompt_tokens": len(ids), "cloud_busy_ms": busy, "cloud_prefill_ms": cpre,
+                                 "gc_pauses": gc_pauses.within(t_call, time.perf_counter()),
                                  "shown_ms": [e.shown_at_ms for e in events], "sources": "".join(e.source[0] for e in events),
                                  "device_timing": list(client.device_timing()),
                                  **{k: v for k, v in r.to_dict().items() if k not in ("prompt_ids", "text")}})
@@ -674,7 +726,7 @@ def handoff_markdown(res: dict) -> str:
     f = lambda x, p=0: "-" if x is None else f"{x:,.{p}f}"  # noqa: E731
     lines = ["| profile | bucket | n | prompt tokens | answer tokens | handed off | cloud tok/req | split TTFT p50 / p99 |"
              " device-only p50 / p99 | cloud-only p50 / p99 | split / device-only p50 | split / cloud-only p50 |"
-             " TPOT p50 / max | gaps > 2x target: upstream / device loop (late max) / device decode | interval | stalls |"
+             " TPOT p50 / max | gaps > 2x target: upstream (cloud / link) / device loop (late max) / device decode | interval | stalls |"
              " result modes | plans (re-planned) | fallbacks |",
              "|" + "---|" * 19]
     for b in res["buckets"].values():
@@ -720,19 +772,18 @@ class _CloudProcess:
     """The bench cloud in a forked child process pinned to `core` (no GIL shared with the device;
     closer to a cloud on its own machine): `CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine,
     1 thread, kv_cache_mb MiB, no prefix cache)))` on 127.0.0.1, its HTTP side serving the device-model
-    files. A context manager yielding (ws URL, HTTP URL, fingerprint); it stops the child on exit, and the child stops by itself after `life_s` s.
-    Fork it before this process loads a model or starts a thread.
+    files. A context manager yielding (ws URL, HTTP URL, fingerprint); it stops the child on exit,
+    and the child stops by itself after `life_s` s. Fork it before this process loads a model or
+    starts a thread.
 
     Raises:
-        RuntimeError: the child did not report its URL within 600 s."""
+        RuntimeError: the child did not report its URL within 600 s, or exited first."""
 
     def __init__(self, model_path, core: int, kv_cache_mb: int, life_s: float):
-        import multiprocessing
+        from relayinfer.sdk.forked import ForkedChild
 
-        ctx = multiprocessing.get_context("fork")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=self._serve, args=(child, str(model_path), core, kv_cache_mb, life_s),
-                                 daemon=True, name="bench-cloud")
+        self._child = ForkedChild(self._serve, (str(model_path), core, kv_cache_mb, life_s), name="bench-cloud",
+                                  start_timeout_s=600.0)
 
     @staticmethod
     def _serve(conn, model_path: str, core: int, kv_cache_mb: int, life_s: float) -> None:
@@ -755,24 +806,13 @@ class _CloudProcess:
     @property
     def pid(self) -> int | None:
         """The child's process id (None before it started)."""
-        return self._proc.pid
+        return self._child.pid
 
-    def __enter__(self) -> tuple[str, str]:
-        self._proc.start()
-        if not self._conn.poll(600):
-            self.__exit__()
-            raise RuntimeError("the bench cloud process did not start within 600 s")
-        return self._conn.recv()
+    def __enter__(self) -> tuple[str, str, str]:
+        return self._child.start()
 
     def __exit__(self, *exc) -> None:
-        try:
-            self._conn.send("stop")
-        except OSError:
-            pass
-        self._proc.join(30)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(10)
+        self._child.stop()
 
 
 def _git_commit() -> str | None:

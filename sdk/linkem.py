@@ -463,19 +463,17 @@ class LinkProxyProcess:
         life_s: the child stops by itself after this many seconds (s), or when this process goes.
 
     Raises:
-        RuntimeError: the child did not report its proxies within 30 s.
+        RuntimeError: the child did not report its proxies within 30 s, or exited first.
         ValueError: a bad target or profile (raised here, before the fork).
     """
 
     def __init__(self, targets: dict[str, tuple], core: int | None = None, *, seed: int = 0, life_s: float = 3600.0):
-        import multiprocessing
+        from relayinfer.sdk.forked import ForkedChild
 
         for target, profile in targets.values():
             LinkProxy(target, profile)  # a bad target or profile -> ValueError in this process
-        ctx = multiprocessing.get_context("fork")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=self._serve, args=(child, dict(targets), core, seed, life_s), daemon=True,
-                                 name="link-proxies")
+        self._child = ForkedChild(self._serve, (dict(targets), core, seed, life_s), name="link-proxies",
+                                  start_timeout_s=30.0)
         self.counters: dict[str, dict] = {}
 
     @staticmethod
@@ -500,21 +498,13 @@ class LinkProxyProcess:
 
         asyncio.run(main())
 
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before `__enter__`)."""
+        return self._child.pid
+
     def __enter__(self) -> dict[str, str]:
-        self._proc.start()
-        if not self._conn.poll(30):
-            self.__exit__()
-            raise RuntimeError("the link-proxy process did not start within 30 s")
-        return self._conn.recv()
+        return self._child.start()
 
     def __exit__(self, *exc) -> None:
-        try:
-            self._conn.send("stop")
-            if self._conn.poll(30):
-                self.counters = self._conn.recv()
-        except (OSError, EOFError):
-            pass
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(10)
+        self.counters = self._child.stop() or {}

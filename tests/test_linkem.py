@@ -358,7 +358,7 @@ def test_proxies_in_their_own_process_shape_the_link_and_report_counters():
                              "plain": (("127.0.0.1", port), "loopback")}, core, life_s=60.0)
     with up, proc as urls:
         assert set(urls) == {"slow", "plain"} and urls["slow"] != urls["plain"]
-        assert proc._proc.pid != os.getpid() and os.sched_getaffinity(proc._proc.pid) == {core}
+        assert proc.pid != os.getpid() and os.sched_getaffinity(proc.pid) == {core}
         rtt = {}
         for name, url in urls.items():
             with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as c:
@@ -377,7 +377,8 @@ def test_proxies_in_their_own_process_shape_the_link_and_report_counters():
                     rtt[name] = (time.perf_counter() - t) * 1e3
                     assert back == b"x" * 100
     assert rtt["slow"] >= 80.0 and rtt["plain"] < rtt["slow"], rtt
-    assert not proc._proc.is_alive()
+    with pytest.raises(ProcessLookupError):  # stopped and reaped on exit
+        os.kill(proc.pid, 0)
     for name in urls:
         assert (proc.counters[name]["bytes_up"], proc.counters[name]["bytes_down"]) == (100, 100), proc.counters
         assert proc.counters[name]["connections"] == 1

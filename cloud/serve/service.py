@@ -1060,6 +1060,7 @@ def _unauthorized(request: web.Request) -> web.Response:
     else:
         msg = "Incorrect API key provided"
         challenge = 'Bearer realm="relayinfer", error="invalid_token"'
-    return web.json_response({"error": {"message": msg, "type": "invalid_request_error", "param": None,
-                                        "code": "invalid_api_key"}}, status=401,
+    from relayinfer.cloud.serve.openai.protocol import error_body
+
+    return web.json_response(error_body(msg, code="invalid_api_key"), status=401,
                              headers={"WWW-Authenticate": challenge})

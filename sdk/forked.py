@@ -1,0 +1,78 @@
+"""A service in a forked child process, started and stopped over one pipe.
+
+The child runs `serve(conn, *args)`: it sends one message when it is ready (what it serves, e.g.
+its URLs), then waits on `conn` for the parent's "stop" (or the parent going away), may send one
+last message (e.g. counters), and returns. The parent closes its copy of the child's pipe end right
+after the fork, so a child that exits or dies shows up at once as the pipe's end, not as a wait
+that runs to its bound. Benchmarks use it to keep a cloud or a link emulator off the measured
+process's interpreter and core (`bench.split`, `sdk.linkem.LinkProxyProcess`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+
+class ForkedChild:
+    """`serve(conn, *args)` in a forked daemon child named `name`.
+
+    Fork before this process starts a thread or loads a model (a fork copies only the forking
+    thread; a lock another thread held stays held in the child).
+
+    Args:
+        serve: the child's body, called as serve(conn, *args); see the module docstring.
+        args: its arguments after the pipe end.
+        name: the child process's name (shown by `ps` and in errors).
+        start_timeout_s: how long `start` waits for the ready message (s).
+    """
+
+    def __init__(self, serve: Callable[..., None], args: tuple = (), *, name: str, start_timeout_s: float):
+        ctx = multiprocessing.get_context("fork")
+        self._conn, self._child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(self._child_conn, *args), daemon=True, name=name)
+        self.name = name
+        self.start_timeout_s = start_timeout_s
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before `start`)."""
+        return self._proc.pid
+
+    def start(self) -> Any:
+        """Fork the child and return its ready message.
+
+        Raises:
+            RuntimeError: the child exited before it was ready, or sent nothing within
+                `start_timeout_s` (the child is stopped first).
+        """
+        self._proc.start()
+        self._child_conn.close()  # the child holds its own copy; ours would hide the child's exit
+        try:
+            if self._conn.poll(self.start_timeout_s):
+                return self._conn.recv()
+        except (EOFError, OSError):
+            self.stop(0.0)
+            code = self._proc.exitcode
+            raise RuntimeError(f"the {self.name} process exited before it was ready (exit code {code})") from None
+        self.stop(0.0)
+        raise RuntimeError(f"the {self.name} process did not start within {self.start_timeout_s:g} s")
+
+    def stop(self, result_timeout_s: float = 30.0) -> Any | None:
+        """Tell the child to stop and return its last message, or None when it sent none (it exited
+        without one, or sent nothing within `result_timeout_s`). The child is then joined, and
+        terminated if it is still alive 10 s later. Safe to call twice."""
+        result = None
+        try:
+            self._conn.send("stop")
+            if self._conn.poll(result_timeout_s):
+                result = self._conn.recv()
+        except (EOFError, OSError):
+            pass
+        if self._proc.pid is not None:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(10)
+        return result
