@@ -191,6 +191,7 @@ class GenerationResult:
     prefill_left_at_fault: int | None = None
     ready_ms: list[float] = field(default_factory=list)
     late_ms: list[float] = field(default_factory=list)
+    cloud_sent_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -208,6 +209,10 @@ class GenerationResult:
 # device token when sampled), before the speed controller; late_ms: per shown token, how long after the
 # release the speed controller had set it was shown (ms, >= 0: the display's own loop was busy or not
 # scheduled; a token late for the cloud or the link is not late here: its release waits for its arrival);
+# cloud_sent_ms: per cloud token of the answer (the first `cloud_tokens`), the cloud's own stamp
+# (`Token.t_cloud_ms`: ms since the cloud received the Generate, when it handed the token to its
+# websocket), so that a gap between two arrivals splits into the cloud's gap and the rest (the link, and
+# the device's loop before it read the frame), whatever the two clocks' offset;
 # prefill_left_at_fault: tokens (prompt + cloud tokens received) the device still had to prefill when the
 # cloud fault came (None without a cloud fault, or after the hand-off); under the cloud-to-the-end plan the
 # background prefill makes it less than the prompt.
@@ -391,13 +396,15 @@ class SplitSession:
 @dataclass
 class _Answer:
     """The answer as committed, token by token: `ids`, each token's `source` ('cloud' or 'device')
-    and `ready_ms` (ms since the request started, when it was committed); `finish_reason` once it
+    and `ready_ms` (ms since the request started, when it was committed); `cloud_sent_ms`: each cloud
+    token's `Token.t_cloud_ms` (the cloud's clock); `finish_reason` once it
     ended; `events`: the tokens shown; `changed`: set on every commit and at the end (wakes the
     display)."""
 
     ids: list[int] = field(default_factory=list)
     source: list[str] = field(default_factory=list)
     ready_ms: list[float] = field(default_factory=list)
+    cloud_sent_ms: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     events: list[TokenEvent] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -927,6 +934,7 @@ class _Run:
             if msg.index == 0:
                 self.cloud.cached = msg.cached_tokens
             if self.phases.takes_cloud_tokens:  # the table checked the index: it is len(answer.ids)
+                self.answer.cloud_sent_ms.append(msg.t_cloud_ms)
                 self.append(msg.token_id, "cloud", msg.finish_reason)
         elif isinstance(msg, KVTransfer):
             self.cloud.kv_parts.append(msg)
@@ -1186,7 +1194,7 @@ class _Run:
             kv_imported_tokens=d.kv_imported, kv_wire=self.cloud.kv_wire if self.cloud.kv_from is not None else None,
             device_prompt_ms=d.prompt_ms, cloud_cached_tokens=self.cloud.cached,
             request_id=self.request_id, prefill_left_at_fault=self.fault.prefill_left, ready_ms=list(a.ready_ms),
-            late_ms=list(self.speed.late_ms))
+            late_ms=list(self.speed.late_ms), cloud_sent_ms=list(a.cloud_sent_ms))
 
 
 class _KeepKV:

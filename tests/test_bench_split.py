@@ -61,18 +61,50 @@ def test_bucket_summary_counts_handoffs_fallbacks_and_ratios():
 def test_slow_gaps_name_where_each_came_from():
     """Cloud tokens arriving every 120 ms give gaps the speed controller asks for too ('upstream'); a
     token there 150 ms before it was shown is the device's ('device_loop'); a gap after the
-    hand-off is the device's own decode."""
+    hand-off is the device's own decode. The cloud's send stamps split an upstream gap into the
+    cloud's share and the link's."""
+    def counts(g: dict) -> dict:
+        return {k: g[k] for k in ("upstream", "device_loop", "device_decode", "device_late_ms_max")}
+
     row = {"ready_ms": [0.0, 120.0, 240.0, 360.0, 560.0], "shown_ms": [0.0, 120.0, 390.0, 510.0, 620.0],
            "handoff_index": 4, "interval_ms": 50.0}
     g = _split.slow_gaps(row, 100.0)
-    assert g == {"upstream": 2, "device_loop": 1, "device_decode": 1, "device_late_ms_max": 150.0}
+    assert counts(g) == {"upstream": 2, "device_loop": 1, "device_decode": 1, "device_late_ms_max": 150.0}
+    assert g["upstream_cloud"] == g["upstream_link"] == 0  # no send stamps: not split
     on_time = {**row, "shown_ms": [0.0, 120.0, 240.0, 360.0, 620.0]}
-    assert _split.slow_gaps(on_time, 100.0) == {"upstream": 3, "device_loop": 0, "device_decode": 1,
-                                                "device_late_ms_max": 0.0}
+    assert counts(_split.slow_gaps(on_time, 100.0)) == {"upstream": 3, "device_loop": 0, "device_decode": 1,
+                                                        "device_late_ms_max": 0.0}
     assert _split.slow_gaps(on_time, 300.0)["upstream"] == 0  # only gaps over the bound count
+    # sent 110 ms apart, arrived 120 apart: the cloud's gap; sent 20 ms apart, arrived 120: the link's 100
+    # (the stamps are on the cloud's clock, offset by 1,000 ms: only differences count)
+    stamped = _split.slow_gaps({**on_time, "cloud_sent_ms": [1000.0, 1110.0, 1130.0, 1240.0]}, 100.0)
+    assert (stamped["upstream"], stamped["upstream_cloud"], stamped["upstream_link"]) == (3, 2, 1)
+    assert stamped["upstream_link_ms_max"] == pytest.approx(100.0)
     # the device's own lateness record (`GenerationResult.late_ms`) decides where there is one: a display
     # the plan slowed to 150 ms shows the 120 ms arrivals late by the recomputation, on time by the record
     slowed = {**row, "shown_ms": [0.0, 150.0, 300.0, 450.0, 620.0], "late_ms": [0.0, 0.0, 0.0, 35.0, 0.0]}
     assert _split.slow_gaps({**slowed, "late_ms": None}, 100.0)["device_loop"] == 3  # against the last 50 ms
-    assert _split.slow_gaps(slowed, 100.0) == {"upstream": 2, "device_loop": 1, "device_decode": 1,
-                                               "device_late_ms_max": 35.0}
+    assert counts(_split.slow_gaps(slowed, 100.0)) == {"upstream": 2, "device_loop": 1, "device_decode": 1,
+                                                       "device_late_ms_max": 35.0}
+
+
+def test_gc_pauses_are_recorded_with_their_time_in_the_window():
+    """`_GCPauses`: a collection while installed is recorded with its generation and placed in a
+    request's window ([start ms since t0, ms, generation]); none outside the window or after exit."""
+    import gc
+    import time
+
+    with _split._GCPauses(min_ms=0.0) as rec:
+        t0 = time.perf_counter()
+        junk = [[i] for i in range(200_000)]  # objects for a full collection to walk
+        gc.collect()
+        t1 = time.perf_counter()
+        n = len(rec.pauses)
+    gc.collect()  # after exit: not recorded
+    del junk
+    assert len(rec.pauses) == n
+    inside = rec.within(t0, t1)
+    assert inside and all(g in (0, 1, 2) for _, _, g in inside)
+    full = [p for p in inside if p[2] == 2]
+    assert full and 0.0 <= full[-1][0] <= (t1 - t0) * 1e3 and full[-1][1] > 0.0
+    assert rec.within(t1 + 1.0, t1 + 2.0) == []

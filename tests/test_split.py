@@ -68,6 +68,12 @@ def test_split_equals_cloud_only_and_device_only(cloud, onnx_engine, chat_prompt
         assert len(split.late_ms) == len(split.ready_ms) == len(shown) == len(split.token_ids)
         assert all(0.0 <= lt <= t - r + 1e-6 for lt, t, r in zip(split.late_ms, shown, split.ready_ms)), \
             (split.late_ms, shown, split.ready_ms)
+        # the cloud's send stamp of every cloud token the answer holds, in its order; a token sent
+        # earlier arrived earlier (one websocket, in order), so the stamps ascend as the arrivals do
+        sent = split.cloud_sent_ms
+        assert len(sent) == split.cloud_tokens and sent == sorted(sent) and sent[0] > 0.0
+        assert cloud_only.cloud_sent_ms == sorted(cloud_only.cloud_sent_ms) and len(cloud_only.cloud_sent_ms) == len(ref)
+        assert device_only.cloud_sent_ms == []
 
 
 def test_gguf_q8_device_takes_over_where_the_cloud_stopped(cloud, model_path, chat_prompt_ids, reference):
