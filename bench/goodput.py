@@ -598,6 +598,9 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
         zero_ttft = _mean([p["zero_load_ttft_ms"] for p in pool])
         kw = dict(duration_s=duration_s, max_requests=max_requests, warmup_s=warmup_s, max_new_tokens=max_new_tokens,
                   target_tpot_ms=target_tpot_ms, timeout_s=timeout_s, cloud_pid=cloud.pid, refine=refine)
+        from relayinfer.sdk import freeze_heap
+
+        frozen = freeze_heap()  # the dataset and model: no full collection in the driver walks them during a sweep
         sweeps = {}
         zero = Timing(0, 0, 0, 0, 0)
         if rates:
@@ -636,6 +639,7 @@ def run_goodput_bench(profiles: Sequence[str], out: str, seed: int = 0, max_new_
                     "driver": f"virtual devices (bench.goodput.timed_request), one asyncio thread pinned to core {cores[1]}",
                     "validation_device": "sdk.Client + OnnxEngine 1 thread + PacedEngine(profile), pinned to core "
                                          f"{cores[1]}" if val else None,
+                    "gc_frozen_objects": frozen,
                     "git_commit": _git_commit(), "cores": os.cpu_count(), "load_avg_start": list(load0),
                     "load_avg_end": list(os.getloadavg()), "wall_s": time.perf_counter() - t_start, "priority": prio,
                     "shared_machine": "other processes ran on this machine: see load_avg_* and each point's load_avg_1m"}

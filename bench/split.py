@@ -584,7 +584,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
     from relayinfer.device.calibrate import calibrated
     from relayinfer.device.profiles import load_profile
     from relayinfer.protocol.model.model_file import resolve_model_path
-    from relayinfer.sdk import Client
+    from relayinfer.sdk import Client, freeze_heap
     from relayinfer.sdk.engines import load_engine
 
     for p in profiles:
@@ -643,6 +643,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
                       flush=True)
                 client.complete(plist[0][1], max_new_tokens=8)  # warm-up: first cloud estimates
                 client.complete(plist[-1][1], max_new_tokens=8, mode="cloud-only")  # a second prompt length for the fit
+        frozen = freeze_heap()  # the dataset, model and clients: no full collection walks them during a request
         for pi, (target, ids) in enumerate(plist):
             for (name, prof), client in clients.items():
                 if time.perf_counter() - t_start > time_limit_s:
@@ -702,6 +703,7 @@ def run_handoff_bench(profiles: list[str], per_bucket: int, out: str, seed: int 
            "setup": {"cloud": f"CloudService(llm=AsyncLLMEngine(LLMEngine(TorchEngine cpu, 1 thread), {kv_cache_mb} MiB "
                               f"KV, no prefix cache)) in its own (forked) process pinned to core {cores[0]}",
                      "device": f"OnnxEngine ({quantize or 'gguf'}) 1 thread via Client + PacedEngine(profile), pinned to core {cores[1]}",
+                     "gc_frozen_objects": frozen,
                      "link": (f"LinkProxy per shaped link ({', '.join(shaped) or 'none'}) on loopback (emulated, "
                               f"sdk.linkem), in its own process pinned to core {link_core}"
                               + (" (the cloud's: no third core)" if link_core == cores[0] else "")

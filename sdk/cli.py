@@ -567,6 +567,7 @@ def demo(
     from relayinfer.cloud.serve.service import ServiceThread
     from relayinfer.sdk.client import Client
     from relayinfer.sdk.datasets import chitchat_prompt
+    from relayinfer.sdk.heap import freeze_heap
 
     try:
         say("loading the cloud model (torch) and the device model (ONNX)...")
@@ -584,6 +585,7 @@ def demo(
             say(f"cloud {running.url}  device profile {profile}  target TPOT {target_tpot_ms:.0f} ms")
             say(_choice_line(choice))
             say(_sampling_line(sampling))
+            freeze_heap()  # both models, the dataset: no full collection walks them while the answer is shown
             stream = client.generate(messages, **sampling)
             if as_json:
                 res = stream.collect()
@@ -705,6 +707,7 @@ def chat(
         fail(e)
     _log_to_stderr()
     from relayinfer.sdk.client import Client
+    from relayinfer.sdk.heap import freeze_heap
 
     import urllib.error
 
@@ -734,6 +737,7 @@ def chat(
     client.check_cloud()  # an unreachable cloud is announced once: "warning: cloud unreachable at ..."
     typer.echo(_sampling_line(sampling) + "; an empty line or Ctrl-D ends the chat", err=True)
     conv = client.conversation(**sampling)
+    freeze_heap()  # start-up's objects: no full collection walks them while a turn is shown
     tty = sys.stdin.isatty()  # from a pipe or file: no "> " prompts in the output
     while True:
         try:
