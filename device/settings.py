@@ -113,8 +113,10 @@ class CloudEstimate:
     """Running estimates of the cloud as this device sees it (ms): TTFT = ttft_base_ms +
     prefill_ms_per_token * prompt tokens (round trip included), fitted by least squares over the
     last `window` requests (base and slope together), TPOT and the KV hand-off rate (bytes/s, None
-    until one came) by exponential averaging. The defaults, used until two prompt lengths were
-    seen, are deliberately pessimistic."""
+    until one came) by exponential averaging from the first measurement on. The defaults are
+    deliberately pessimistic and hold only until measured: with one prompt length seen, the TTFT
+    line passes through that length's mean (the default slope kept, or lowered so that the base is
+    not negative); with two, it is the fit."""
 
     ttft_base_ms: float = 150.0
     prefill_ms_per_token: float = 1.0
@@ -124,6 +126,7 @@ class CloudEstimate:
     samples: list = field(default_factory=list)
     retry_at: float = 0.0  # time.monotonic() before which the cloud asked not to be called (OVERLOADED)
     kv_bytes_per_s: float | None = None  # KV hand-offs as they came: bytes / ms from token 0 to the last piece
+    tpot_measured: bool = False  # tpot_ms is a measurement (else the default, replaced by the first one)
 
     def update_kv(self, nbytes: int, ms: float) -> None:
         """Fold in one whole KV hand-off: `nbytes` bytes of pieces that took `ms` from the first
@@ -151,10 +154,14 @@ class CloudEstimate:
             ys = np.array([y for _, y in self.samples], float)
             if np.ptp(xs) > 0:
                 self.ttft_base_ms, self.prefill_ms_per_token = cost_line(xs, ys)
-            else:  # one prompt length so far: keep the slope, move the base
-                self.ttft_base_ms = max(0.0, float(ys.mean()) - self.prefill_ms_per_token * xs[0])
+            else:  # one prompt length so far: the line through its mean, the slope lowered if the base would be < 0
+                mean, n = float(ys.mean()), float(xs[0])
+                if n > 0:
+                    self.prefill_ms_per_token = min(self.prefill_ms_per_token, mean / n)
+                self.ttft_base_ms = max(0.0, mean - self.prefill_ms_per_token * n)
         if tpot_ms is not None:
-            self.tpot_ms += self.alpha * (tpot_ms - self.tpot_ms)
+            self.tpot_ms = self.tpot_ms + self.alpha * (tpot_ms - self.tpot_ms) if self.tpot_measured else tpot_ms
+            self.tpot_measured = True
 
 
 def device_fit(local: tuple[float, float, float], profile: tuple[float, float, float] | None,

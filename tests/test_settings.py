@@ -86,6 +86,23 @@ def test_cloud_estimate_fits_base_and_slope():
     assert abs(est.ttft_ms(1000) - 4300.0) < 1e-6 and 25.0 <= est.tpot_ms < 40.0
 
 
+def test_cloud_estimate_holds_its_first_measurements():
+    """One request measured: the estimate at its prompt length is its TTFT (a fast cloud, 80 ms at
+    114 tokens, is below the default slope of 1 ms/token: the slope is lowered, not the base
+    clamped to 0, which gave 114 ms) and its TPOT is the measured one, not half the default."""
+    from relayinfer.device.settings import CloudEstimate
+
+    est = CloudEstimate()
+    est.update(114, 80.0, 54.0)
+    assert est.ttft_ms(114) == pytest.approx(80.0) and est.ttft_base_ms >= 0.0 and est.tpot_ms == 54.0
+    est.update(114, 100.0, 60.0)  # the same length again: through the mean; TPOT averaged from here on
+    assert est.ttft_ms(114) == pytest.approx(90.0) and est.tpot_ms == pytest.approx(57.0)
+    slow = CloudEstimate()
+    slow.update(100, 900.0, None)  # above the default line: the slope stays, the base moves
+    assert slow.prefill_ms_per_token == 1.0 and slow.ttft_ms(100) == pytest.approx(900.0)
+    assert not slow.tpot_measured and slow.tpot_ms == 40.0
+
+
 def test_stalls_judged_against_the_interval_in_force():
     """A gap is a stall against the pace when it was shown: cloud-paced gaps of 180 ms under a
     180 ms interval are not stalls after the interval drops to the device's 40 ms."""
