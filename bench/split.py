@@ -431,7 +431,9 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
     further: its arrival gap is the cloud's own gap between the two sends plus the rest, the link's
     share (the link, and the device's loop before it read the frame; the two clocks' offset cancels
     in the difference). The gap is 'upstream_cloud' when the cloud's share is the larger, else
-    'upstream_link'; upstream_link_ms_max is the largest link share of a slow gap (ms).
+    'upstream_link'; upstream_link_ms_max is the largest link share of a slow gap (ms). The cloud
+    stamps a token when it hands it to its websocket, after the previous token's send returned: a
+    send held by the link's back-pressure (a full socket buffer) therefore counts as the cloud's.
 
     Returns the counts and device_late_ms_max, the largest lateness of a device_loop or upstream
     gap's token (ms)."""

@@ -31,9 +31,11 @@ class ForkedChild:
     def __init__(self, serve: Callable[..., None], args: tuple = (), *, name: str, start_timeout_s: float):
         ctx = multiprocessing.get_context("fork")
         self._conn, self._child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=serve, args=(self._child_conn, *args), daemon=True, name=name)
+        self._proc = ctx.Process(target=_child_main, args=(self._conn, serve, self._child_conn, *args), daemon=True,
+                                 name=name)
         self.name = name
         self.start_timeout_s = start_timeout_s
+        self._started = False
 
     @property
     def pid(self) -> int | None:
@@ -47,6 +49,9 @@ class ForkedChild:
             RuntimeError: the child exited before it was ready, or sent nothing within
                 `start_timeout_s` (the child is stopped first).
         """
+        if self._started:
+            raise RuntimeError(f"the {self.name} process was started already")
+        self._started = True
         self._proc.start()
         self._child_conn.close()  # the child holds its own copy; ours would hide the child's exit
         try:
@@ -59,20 +64,31 @@ class ForkedChild:
         self.stop(0.0)
         raise RuntimeError(f"the {self.name} process did not start within {self.start_timeout_s:g} s")
 
-    def stop(self, result_timeout_s: float = 30.0) -> Any | None:
+    def stop(self, result_timeout_s: float = 30.0, grace_s: float = 10.0) -> Any | None:
         """Tell the child to stop and return its last message, or None when it sent none (it exited
-        without one, or sent nothing within `result_timeout_s`). The child is then joined, and
-        terminated if it is still alive 10 s later. Safe to call twice."""
+        without one, or sent nothing within `result_timeout_s`). The child is then joined, sent
+        SIGTERM if it is still alive `grace_s` later and SIGKILL `grace_s` after that. Safe to call
+        twice, and a no-op before `start`."""
         result = None
+        if not self._started:
+            return None
         try:
             self._conn.send("stop")
             if self._conn.poll(result_timeout_s):
                 result = self._conn.recv()
         except (EOFError, OSError):
             pass
-        if self._proc.pid is not None:
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(10)
+        for end in (None, self._proc.terminate, self._proc.kill):
+            if end is not None and self._proc.is_alive():
+                end()
+            self._proc.join(grace_s)
+        self._conn.close()
         return result
+
+
+def _child_main(parent_end, serve: Callable[..., None], conn, *args) -> None:
+    """The child's entry: close its inherited copy of the parent's pipe end first, so that the
+    parent's exit (however it ends) reaches `serve` as the pipe's end (`conn.poll` returns, `recv`
+    raises EOFError), then run `serve(conn, *args)`."""
+    parent_end.close()
+    serve(conn, *args)

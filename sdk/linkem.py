@@ -494,7 +494,10 @@ class LinkProxyProcess:
             counters = {name: p.counters() for name, p in proxies.items()}
             for p in proxies.values():
                 await p.close()
-            conn.send(counters)
+            try:
+                conn.send(counters)
+            except OSError:  # the parent is gone (the pipe's end woke the wait): nobody to tell
+                pass
 
         asyncio.run(main())
 

@@ -60,3 +60,62 @@ def test_a_child_that_never_gets_ready_is_stopped_after_the_bound():
     with pytest.raises(RuntimeError, match=r"the slow process did not start within 0.5 s"):
         child.start()
     assert not child._proc.is_alive()
+
+
+def _ignore_sigterm(conn) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn.send("ready")
+    time.sleep(60)
+
+
+def test_a_child_that_ignores_stop_and_sigterm_is_killed():
+    child = ForkedChild(_ignore_sigterm, name="stubborn", start_timeout_s=10)
+    assert child.start() == "ready"
+    t0 = time.monotonic()
+    assert child.stop(result_timeout_s=0.2, grace_s=0.5) is None
+    assert time.monotonic() - t0 < 5 and child._proc.exitcode == -9  # SIGKILL after SIGTERM did nothing
+
+
+def test_stop_before_start_is_a_no_op_and_start_twice_is_an_error():
+    child = ForkedChild(_serve_pid_then_count, (0,), name="counter", start_timeout_s=10)
+    t0 = time.monotonic()
+    assert child.stop() is None and time.monotonic() - t0 < 1  # nothing queued for a later start
+    assert isinstance(child.start(), int)
+    with pytest.raises(RuntimeError, match="started already"):
+        child.start()
+    assert child.stop() == {"count": 0}
+
+
+PARENT = """
+import os, sys, time
+from relayinfer.sdk.forked import ForkedChild
+
+def serve(conn):
+    conn.send(os.getpid())
+    conn.poll(60)  # returns at once when the parent goes: the pipe's end
+
+child = ForkedChild(serve, name="orphan", start_timeout_s=10)
+print(child.start(), flush=True)
+os.kill(os.getpid(), 9)  # the parent dies without stopping it
+"""
+
+
+def test_the_child_stops_when_its_parent_is_killed():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -9
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError(f"the child {pid} outlived its killed parent by 10 s")
