@@ -35,7 +35,6 @@ class ForkedChild:
                                  name=name)
         self.name = name
         self.start_timeout_s = start_timeout_s
-        self._started = False
 
     @property
     def pid(self) -> int | None:
@@ -49,9 +48,8 @@ class ForkedChild:
             RuntimeError: the child exited before it was ready, or sent nothing within
                 `start_timeout_s` (the child is stopped first).
         """
-        if self._started:
+        if self._proc.pid is not None:
             raise RuntimeError(f"the {self.name} process was started already")
-        self._started = True
         self._proc.start()
         self._child_conn.close()  # the child holds its own copy; ours would hide the child's exit
         try:
@@ -70,7 +68,7 @@ class ForkedChild:
         SIGTERM if it is still alive `grace_s` later and SIGKILL `grace_s` after that. Safe to call
         twice, and a no-op before `start`."""
         result = None
-        if not self._started:
+        if self._proc.pid is None:  # never started
             return None
         try:
             self._conn.send("stop")
