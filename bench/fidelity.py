@@ -15,7 +15,9 @@ greedy tokens, for each runtime on the same GGUF:
 Runtimes: `onnx-gguf` (the device default: the GGUF's blocks, fp32 activations), `onnx-gguf-q8`
 (the MLP blocks, 8-bit blocks and head on int8 activations), `onnx-fp32`, the cloud engine in half
 precision (`torch-bf16`, `torch-fp16`: `TorchEngine(dtype=...)`, weights and KV cache rounded from
-the dequantized fp32), and `llama.cpp` (its `llama-server`
+the dequantized fp32), the cloud engine on the file's 4-bit blocks (`torch-gguf`:
+`TorchEngine(weights='gguf')`, torch's int4 kernel, bf16 activations into those matmuls only), and
+`llama.cpp` (its `llama-server`
 built by `bench/llamacpp.sh`, the same vendored source as llama-cpp-python's sdist, `/completion`
 with the prompt as token ids, temperature 0, one slot, 1 thread; its Q4/Q8 matmuls quantize the
 activations to Q8_1). A variant is *acceptable* when its median first divergence is at least
@@ -40,7 +42,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling drivers: split (mean_logprob), runtimes, serve_compare
-RUNTIMES = ("onnx-gguf", "onnx-gguf-q8", "onnx-fp32", "torch-bf16", "torch-fp16", "llama.cpp")
+RUNTIMES = ("onnx-gguf", "onnx-gguf-q8", "onnx-fp32", "torch-bf16", "torch-fp16", "torch-gguf", "llama.cpp")
 
 
 def prompts(tok, n: int) -> list[list[int]]:
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
             finally:
                 srv.stop()
         elif name.startswith("torch-"):
-            half = TorchEngine(model, device="cpu", threads=1, dtype=name.split("-", 1)[1])
+            kind = name.split("-", 1)[1]
+            half = TorchEngine(model, device="cpu", threads=1, **({"weights": kind} if kind == "gguf" else {"dtype": kind}))
             answers[name] = [half.generate(p, greedy).token_ids for p in ps]
             del half
         else:

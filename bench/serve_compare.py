@@ -11,6 +11,9 @@ length through `ignore_eos` (both servers implement vLLM's field) and `max_token
   * `relayinfer-bf16` - the same with `--dtype bfloat16` (weights and KV cache in bfloat16: oneDNN's
     AMX / AVX512-BF16 kernels where the CPU has them; its closeness to fp32 is bench/fidelity.py's
     `torch-bf16` row);
+  * `relayinfer-gguf` - the same with `--weights gguf` (the file's Q4_1 layers run on their blocks,
+    torch's int4 kernel, bf16 activations into those matmuls; fp32 KV cache and head; its closeness
+    to fp32 is bench/fidelity.py's `torch-gguf` row);
   * `llama-f32`  - `llama-server` on an F32 GGUF made from the shipped file by
     `llama-quantize --allow-requantize ... F32` (the same fp32 arithmetic as relayinfer);
   * `llama-q4_1` - `llama-server` on the shipped Q4_1 GGUF.
@@ -54,10 +57,11 @@ from machine import cpu_isa, cpu_name  # bench/machine.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
-SERVERS = ("relayinfer", "relayinfer-bf16", "llama-f32", "llama-q4_1")
-OURS = ("relayinfer", "relayinfer-bf16")
+SERVERS = ("relayinfer", "relayinfer-bf16", "relayinfer-gguf", "llama-f32", "llama-q4_1")
+OURS = ("relayinfer", "relayinfer-bf16", "relayinfer-gguf")
 BASELINES = ("llama-f32", "llama-q4_1")
 WEIGHTS = {"relayinfer": "fp32 (GGUF dequantized)", "relayinfer-bf16": "bf16 (GGUF dequantized)",
+           "relayinfer-gguf": "Q4_1 blocks (torch int4), fp32 head",
            "llama-f32": "F32 GGUF", "llama-q4_1": "Q4_1 GGUF"}
 
 
@@ -159,12 +163,13 @@ class Server:
 
 
 def start_relayinfer(name: str, threads: int, cpus: set[int], kv_mb: int, lifetime_s: float, logdir: Path) -> Server:
-    """`relayinfer cloud serve` as server `name` of `OURS` (-bf16: `--dtype bfloat16`)."""
+    """`relayinfer cloud serve` as server `name` of `OURS` (-bf16: `--dtype bfloat16`; -gguf: `--weights gguf`)."""
     port = free_port()
     argv = [str(REPO / ".venv" / "bin" / "relayinfer"), "cloud", "serve", "--host", "127.0.0.1", "--port", "0",
             "--http-port", str(port), "--threads", str(threads), "--kv-cache-mb", str(kv_mb),
             "--duration-s", str(int(lifetime_s)), "--device", "cpu",
-            "--dtype", "bfloat16" if name.endswith("-bf16") else "float32"]
+            "--dtype", "bfloat16" if name.endswith("-bf16") else "float32",
+            "--weights", "gguf" if name.endswith("-gguf") else "fp32"]
     return Server(name, argv, port, "/healthz", cpus, logdir / f"{name}.log",
                   env={"OMP_NUM_THREADS": str(threads)})
 

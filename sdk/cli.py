@@ -274,15 +274,17 @@ app.add_typer(cloud_app, name="cloud")
 
 
 def _cloud_service(model, device: str, threads: int | None, token: str | None, export: bool = True,
-                   kv_cache_mb: int | None = None, metrics_public: bool = False, dtype: str = "auto", **limits):
+                   kv_cache_mb: int | None = None, metrics_public: bool = False, dtype: str = "auto",
+                   weights: str = "fp32", **limits):
     """A CloudService; with `kv_cache_mb` it batches requests in an LLMEngine (continuous batching,
     paged KV cache of that many MiB) and serves the OpenAI-compatible API too. `device` / `dtype`:
-    `torch_engine.pick_device` / `pick_dtype` ('auto': cuda and bfloat16 when torch sees a GPU)."""
+    `torch_engine.pick_device` / `pick_dtype` ('auto': cuda and bfloat16 when torch sees a GPU);
+    `weights`: `llama.WEIGHTS`."""
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.export import ensure_device_model
     from relayinfer.cloud.serve.service import CloudService
 
-    engine = TorchEngine(model, device=device, threads=threads, dtype=dtype)
+    engine = TorchEngine(model, device=device, threads=threads, dtype=dtype, weights=weights)
     model_dir = ensure_device_model(model) if export else None
     _warm_grammar(engine)
     llm = None
@@ -328,6 +330,9 @@ def cloud_serve(
     device: str = typer.Option("auto", help="torch device: auto (cuda when torch sees one, else cpu), cpu, cuda[:i], npu."),
     dtype: str = typer.Option("auto", help="Weights and KV cache: auto (bfloat16 on cuda/npu, float32 on cpu), "
                               "float32, bfloat16, float16."),
+    weights: str = typer.Option("fp32", help="Weight format: fp32 (every tensor dequantized: the reference) or "
+                                "gguf (CPU, float32: the file's 4-bit block layers run on their blocks, torch's "
+                                "int4 kernel; faster decode, bf16 activations into those matmuls)."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch intra-op threads."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN",
                                         help="Bearer token every client must send (devices and HTTP)."),
@@ -372,6 +377,7 @@ def cloud_serve(
     if memory_mb is not None and memory_mb < (kv_cache_mb or 0):
         fail(ValueError(f"--memory-mb {memory_mb} is below --kv-cache-mb {kv_cache_mb}: the budget holds the KV pool"))
     from relayinfer.cloud.engine.torch_engine import check_dtype_fits, pick_device, pick_dtype
+    from relayinfer.cloud.models.llama import check_weights_fit
     from relayinfer.protocol.model.model_file import resolve_model_path
 
     flag = "--device"
@@ -383,6 +389,8 @@ def cloud_serve(
             check_dtype_fits(dt, model_path=resolve_model_path(model))
         except RelayInferError:  # a bad --model is reported where the model loads
             pass
+        flag = "--weights"
+        check_weights_fit(weights, dev, dt)
     except ValueError as e:
         fail(ValueError(f"{flag}: {e}"))
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
@@ -394,7 +402,7 @@ def cloud_serve(
         if page is not None:  # the page runs model.fp32.onnx on WASM (MatMulNBits is ~8x slower there)
             _ensure_device_model(model, "fp32")
         svc = _cloud_service(model, device, threads, token, kv_cache_mb=kv_cache_mb or None, dtype=dtype,
-                             metrics_public=metrics_public, max_sessions=max_sessions,
+                             weights=weights, metrics_public=metrics_public, max_sessions=max_sessions,
                              max_requests_per_session=max_requests_per_session, retry_after_ms=retry_after_ms,
                              max_queued_tokens=max_queued_tokens, max_queue_wait_ms=max_queue_wait_ms,
                              limits=limits, memory_bytes=None if memory_mb is None else memory_mb << 20,

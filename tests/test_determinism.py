@@ -2,7 +2,9 @@
 same token for token whatever else runs beside it and however its work is cut and shared: alone,
 beside 3-7 other requests of other lengths joining at other steps, as one of n choices of a
 prompt, after a prefix-cache hit, under a small chunked-prefill budget, and when preempted.
-Answers are short (20 tokens, EOS ignored) to keep the real model cheap on CPU."""
+Answers are short (20 tokens, EOS ignored) to keep the real model cheap on CPU. Every test runs on
+both weight formats of the engine: the dequantized fp32 weights and the file's 4-bit blocks
+(`weights='gguf'`, torch's int4 kernel)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +17,16 @@ BS = 16
 N = 20
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_new_tokens=N)
 GREEDY = SamplingParams(max_new_tokens=N)
+
+
+@pytest.fixture(scope="module", params=["fp32", "gguf"])
+def torch_engine(request, torch_engine):
+    """The session's fp32 engine, then one on the file's 4-bit blocks."""
+    if request.param == "fp32":
+        return torch_engine
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+
+    return TorchEngine(torch_engine.model_path, threads=1, weights="gguf")
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,13 @@ cache object handed to the model: `PagedKV.attend` writes the step's K/V to thei
 each query over its own sequence's keys, gathered from the paged cache through the block tables
 (PagedAttention, Kwon et al. SOSP 2023, done here by `index_select` instead of a fused kernel):
 
-* the decode tokens of the step (one query each) attend in ONE call per layer: their keys are
-  gathered by one `index_select` into a padded [B, kv_heads, max_len, head_dim] batch with a
-  key-padding mask;
+* the decode tokens of the step (one query each) attend in one call per layer and padded length:
+  a row's keys are gathered by `index_select` and padded (masked) to a multiple of
+  `DECODE_BUCKET` tokens, and rows are batched only with rows of the same padded length, so a
+  row's attention is the same bits alone or in any batch (padding it to the batch's longest row
+  changed it by ~6e-8, which the bf16-rounded matmul inputs of `weights='gguf'` turned into other
+  tokens; "batch invariance", He et al., Thinking Machines 2025, "Defeating Nondeterminism in LLM
+  Inference");
 * a prefill chunk (several queries, causal mask over cached + new keys) attends per sequence.
 
 Both go through `llama.gqa_attention` (grouped-query attention without expanding K/V).
@@ -33,6 +37,10 @@ from relayinfer.protocol.model.model_file import ModelConfig
 
 from .scheduler import ScheduledSeq
 
+DECODE_BUCKET = 64
+"""tokens: a decode row's keys are padded to a multiple of this, and batched with rows of the same
+padded length only (see the module docstring)."""
+
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
     """K and V of one token over all layers in `dtype` (bytes; `protocol.kvhandoff.kv_bytes_per_token`)."""
@@ -51,21 +59,20 @@ class PagedKV:
     Args:
         kv: per-layer cache tensors [2, kv_heads, slots, head_dim].
         slots: int64 [N], the cache slot of each token of the step.
-        dec_rows: int64 [B] rows (token indices) of the step's single-query tokens; dec_gather:
-            int64 [B * L] slots of their keys, padded to L = max length with slot 0;
-            dec_mask: bool [B, 1, 1, L] key-padding mask, or None when nothing is padded;
-            dec_lens: int64 [B] their sequence lengths (sliding-window layers mask by them).
+        dec_rows: int64 [B] rows (token indices) of the step's single-query tokens, or None.
+        dec_groups: those rows grouped by padded key length L (a multiple of `DECODE_BUCKET`): per
+            group (index int64 [Bg] into dec_rows, gather int64 [Bg * L] the slots of their keys
+            padded with slot 0, L, mask bool [Bg, 1, 1, L] key-padding mask, lens int64 [Bg] their
+            sequence lengths, for sliding-window layers).
         spans: (first row, end row, key count, slots int64 [key count], causal mask bool
             [rows, key count], or `llama.CAUSAL` for a chunk from position 0) of each multi-token
             chunk.
     """
 
     def __init__(self, kv: list[torch.Tensor], slots: torch.Tensor, dec_rows: torch.Tensor | None,
-                 dec_gather: torch.Tensor | None, dec_len: int, dec_mask: torch.Tensor | None, spans: list,
-                 dec_lens: torch.Tensor | None = None):
+                 dec_groups: list, spans: list):
         self.kv, self.slots = kv, slots
-        self.dec_rows, self.dec_gather, self.dec_len, self.dec_mask = dec_rows, dec_gather, dec_len, dec_mask
-        self.dec_lens, self._windows = dec_lens, {}
+        self.dec_rows, self.dec_groups, self._windows = dec_rows, dec_groups, {}
         self.spans = spans
 
     def attend(self, layer, q, k, v, mask=None, obs=None, window: int = 0):
@@ -89,20 +96,29 @@ class PagedKV:
         `window` > 0: each query sees only its sequence's last `window` keys."""
         b, h, hd = q.shape
         kvh = cache.shape[1]
-        kv = cache.index_select(2, self.dec_gather).view(2, kvh, b, self.dec_len, hd).transpose(1, 2)
-        return gqa_attention(q.reshape(b, h, 1, hd), kv[0], kv[1], self._dec_window(window)).view(b, h, hd)
+        out = None if len(self.dec_groups) == 1 else q.new_empty(b, h, hd)
+        for gi, (idx, gather, length, _, _) in enumerate(self.dec_groups):
+            n = gather.numel() // length
+            kv = cache.index_select(2, gather).view(2, kvh, n, length, hd).transpose(1, 2)
+            qg = q if out is None else q[idx]
+            o = gqa_attention(qg.reshape(n, h, 1, hd), kv[0], kv[1], self._dec_mask(gi, window)).view(n, h, hd)
+            if out is None:
+                return o
+            out[idx] = o
+        return out
 
-    def _dec_window(self, window: int):
-        """The decode rows' key mask [B, 1, 1, L] for a layer with `window` (0: the padding mask):
-        key p of a sequence of length n is visible iff p < n and n - 1 - p < window (computed
-        once per step and window)."""
-        if not window or self.dec_len <= window:
-            return self.dec_mask
-        if window not in self._windows:
-            p = torch.arange(self.dec_len, device=self.dec_lens.device)[None, :]
-            n = self.dec_lens[:, None]
-            self._windows[window] = ((p < n) & (n - 1 - p < window))[:, None, None]
-        return self._windows[window]
+    def _dec_mask(self, group: int, window: int = 0):
+        """Decode group `group`'s key mask [Bg, 1, 1, L] for a layer with `window` (0: the padding
+        mask): key p of a sequence of length n is visible iff p < n and n - 1 - p < window
+        (computed once per step, group and window)."""
+        _, _, length, mask, lens = self.dec_groups[group]
+        if not window or int(lens.max()) <= window:
+            return mask
+        if (group, window) not in self._windows:
+            p = torch.arange(length, device=lens.device)[None, :]
+            n = lens[:, None]
+            self._windows[group, window] = ((p < n) & (n - 1 - p < window))[:, None, None]
+        return self._windows[group, window]
 
 
 class ModelRunner:
@@ -200,15 +216,17 @@ class ModelRunner:
             row += s.n
             if s.sample:
                 last_rows.append(row - 1)
-        dec = dict(dec_rows=None, dec_gather=None, dec_len=0, dec_mask=None)
-        if dec_rows:
-            L = max(dec_lens)
-            lens = torch.tensor(dec_lens, device=dev)
-            dec = dict(dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev), dec_lens=lens,
-                       dec_gather=self._table_slots(dec_tables, L).reshape(-1), dec_len=L,
-                       dec_mask=None if min(dec_lens) == L else
-                       (torch.arange(L, device=dev)[None, :] < lens[:, None])[:, None, None])
-        cache = PagedKV(self.kv, torch.tensor(slot, dtype=torch.long, device=dev), spans=spans, **dec)
+        groups: dict[int, list[int]] = {}  # padded key length -> indices into dec_rows
+        for i, n in enumerate(dec_lens):
+            groups.setdefault(-(-n // DECODE_BUCKET) * DECODE_BUCKET, []).append(i)
+        dec_groups = []
+        for length, idx in sorted(groups.items()):
+            lens = torch.tensor([dec_lens[i] for i in idx], device=dev)
+            dec_groups.append((torch.tensor(idx, dtype=torch.long, device=dev),
+                               self._table_slots([dec_tables[i] for i in idx], length).reshape(-1), length,
+                               (torch.arange(length, device=dev)[None, :] < lens[:, None])[:, None, None], lens))
+        cache = PagedKV(self.kv, torch.tensor(slot, dtype=torch.long, device=dev), spans=spans, dec_groups=dec_groups,
+                        dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev) if dec_rows else None)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 cache, last_rows)
 

@@ -8,7 +8,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from relayinfer.cloud.models.llama import Llama, ObservationScores, StaticKV, load_llama, pack_linears
+from relayinfer.cloud.models.llama import (BlockLinear, Llama, ObservationScores, StaticKV, check_weights_fit,
+                                           load_llama, pack_linears)
 from relayinfer.protocol.model.decoding import GenerationOutput, SamplingParams, generate
 from relayinfer.protocol.model.model_file import ModelConfig, fingerprint, open_gguf, read_config, resolve_model_path
 
@@ -94,6 +95,11 @@ def check_dtype_fits(dtype: torch.dtype, cfg: ModelConfig | None = None,
                          f"(every logit NaN); choose bfloat16 or float32")
 
 
+def _weights_of(model: Llama) -> str:
+    """'gguf' when some linear of `model` runs on GGUF blocks (`BlockLinear`), else 'fp32'."""
+    return "gguf" if any(isinstance(m, BlockLinear) for m in model.modules()) else "fp32"
+
+
 class TorchEngine:
     """Llama on PyTorch with an explicit KV cache (`StaticKV`).
 
@@ -110,15 +116,22 @@ class TorchEngine:
     weights (`llama.PackedLinear`: faster at 4-16 rows); False keeps `nn.Linear` (a model passed
     in is packed in place).
 
+    `weights` (`llama.WEIGHTS`): 'fp32' (default: every tensor dequantized, the reference the
+    device's fp32 model equals) or 'gguf' (CPU, float32: the file's 4-bit block layers run on
+    their blocks through torch's int4 kernel, `llama.BlockLinear`; 5.3x fewer bytes per weight,
+    bfloat16 activations into those matmuls; bench/results/fidelity-cloud.md). It applies when the
+    engine loads the model; a model passed in keeps its own.
+
     Raises:
         ValueError: the device is not available, the dtype is unknown, or float16 for a model
-            whose activations overflow it (`check_dtype_fits`).
+            whose activations overflow it (`check_dtype_fits`), a weight format the device or
+            dtype cannot run (`llama.check_weights_fit`), or `weights` with a model passed in.
         ModelFileError / UnsupportedModelError: from `load_llama`.
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, device: str | None = "cpu",
                  threads: int | None = None, model: Llama | None = None, pack_weights: bool = True,
-                 dtype: str | torch.dtype | None = None):
+                 dtype: str | torch.dtype | None = None, weights: str = "fp32"):
         if threads:
             torch.set_num_threads(threads)
         self.model_path = resolve_model_path(model_path)
@@ -128,8 +141,15 @@ class TorchEngine:
         else:
             self.device = pick_device(device)
             self.dtype = pick_dtype(dtype, self.device)
+        if model is not None and weights != "fp32":
+            raise ValueError(f"weights {weights!r} applies when the engine loads the model; a model passed in "
+                             f"keeps its own (load it with load_llama(weights=...))")
         check_dtype_fits(self.dtype, model.cfg if model is not None else None, self.model_path)  # before the load
-        self.model = model if model is not None else load_llama(self.model_path, device=self.device, dtype=self.dtype)
+        if model is None:
+            check_weights_fit(weights, self.device, self.dtype)
+        self.weights = weights if model is None else _weights_of(model)
+        self.model = model if model is not None else load_llama(self.model_path, device=self.device, dtype=self.dtype,
+                                                                weights=weights)
         if pack_weights:
             pack_linears(self.model)
         self.model.model_path = self.model_path  # an engine built on the bare model finds its tokenizer

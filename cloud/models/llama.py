@@ -431,6 +431,65 @@ class GemvLinear(nn.Linear):
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
 
 
+class BlockLinear(nn.Module):
+    """A linear layer over the GGUF file's own 4-bit blocks (Q4_0, Q4_1, Q4_K: `cloud.ggml_blocks.Blocks`
+    with bits 4, block 32), run by torch's int4 weight-only kernel `aten._weight_int4pack_mm_for_cpu`
+    (the kernel of gpt-fast's / torchao's int4 weight-only quantization). `ggml_blocks` writes every
+    such block as w = scale * (q - 8) + offset, which is the kernel's `(q - 8) * scale + zero` with the
+    file's own q: the weights are not re-quantized.
+
+    The kernel's fast path takes bfloat16 activations and scales (its float32 path is a slow reference
+    loop, 5-65x slower than fp32 `F.linear`, bench/results/matmul_paths.md): x is rounded to bfloat16
+    on the way in (8 bits of mantissa per element, finer than llama.cpp's Q8_1 activation blocks), the
+    scales and offsets to bfloat16 (the file's are float16); the kernel accumulates in float32 and
+    rounds its output to bfloat16, which comes back as float32. Everything around the linears (norms,
+    RoPE, attention, the KV cache, the residual stream) stays float32. bench/results/fidelity-cloud.md measures the result
+    against the fp32 model and llama.cpp. One kernel at every row count, whose rows are computed
+    independently of the batch (a request's numbers do not depend on what it is batched with).
+
+    x float32 [..., in_features] -> float32 [..., out_features]. Bytes per weight: 0.5 + 4 / 32 (bf16
+    scale and offset per block), 5.3x fewer than float32.
+
+    Raises:
+        ValueError: blocks other than 4-bit blocks of 32.
+    """
+
+    GROUP = 32
+
+    def __init__(self, blocks, bias: torch.Tensor | None = None):
+        super().__init__()
+        if blocks.bits != 4 or blocks.block != self.GROUP:
+            raise ValueError(f"BlockLinear runs 4-bit blocks of {self.GROUP}, got {blocks.bits}-bit blocks of {blocks.block}")
+        n, nb, g = blocks.q.shape
+        self.in_features, self.out_features = nb * g, n
+        q = torch.from_numpy(np.ascontiguousarray(blocks.q.reshape(n, nb * g)).astype(np.int32))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), persistent=False)
+        scale = torch.from_numpy(np.ascontiguousarray(blocks.scale, dtype=np.float32))
+        offset = torch.zeros_like(scale) if blocks.offset is None else torch.from_numpy(
+            np.ascontiguousarray(blocks.offset, dtype=np.float32))
+        self.register_buffer("scales_and_zeros", torch.stack((scale.t(), offset.t()), -1).contiguous().bfloat16(),
+                             persistent=False)  # [K / 32, N, 2]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` / `.float()` leave the kernel's operands as they are (bf16 scales, the int4 pack)."""
+        super()._apply(fn, recurse)
+        self.scales_and_zeros = self.scales_and_zeros.bfloat16()  # exact: bf16 -> fp32 -> bf16
+        return self
+
+    @staticmethod
+    def available() -> bool:
+        """True when this torch has the CPU int4 kernel."""
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+            torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).bfloat16(), self.packed,
+                                                      self.GROUP, self.scales_and_zeros).float()
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 def can_pack(model: nn.Module) -> bool:
     """True when `pack_linears` applies: a float32 model on the CPU and a torch built with oneDNN."""
     p = next(model.parameters())
@@ -505,16 +564,46 @@ _NAMES = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "attn_q": "attn.wq",
           "post_ffw_norm": "post_ffn_norm"}
 
 
+WEIGHTS = ("fp32", "gguf")
+"""The cloud engine's weight formats: 'fp32' (every tensor dequantized to the model dtype) and 'gguf'
+(the file's 4-bit block layers as `BlockLinear`, the rest float32; CPU, float32 only)."""
+
+
+def check_weights_fit(weights: str, device: str, dtype: torch.dtype) -> None:
+    """Refuse a weight format this device, dtype or torch cannot run.
+
+    Raises:
+        ValueError: naming the format and why ('gguf' needs the CPU, float32 and torch's int4 kernel).
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r} is not supported; choose one of {', '.join(WEIGHTS)}")
+    if weights == "gguf":
+        if not str(device).startswith("cpu"):
+            raise ValueError(f"weights 'gguf' runs on the CPU only (torch's CPU int4 kernel), not on {device}; "
+                             f"use weights 'fp32' with a bfloat16 dtype there")
+        if dtype != torch.float32:
+            raise ValueError(f"weights 'gguf' keeps float32 activations around the block linears; dtype {dtype} "
+                             f"is not supported with it (choose float32 or weights 'fp32')")
+        if not BlockLinear.available():
+            raise ValueError(f"weights 'gguf' needs torch's CPU int4 kernel, which torch {torch.__version__} lacks")
+
+
 def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Llama:
+               dtype: torch.dtype = torch.float32, weights: str = "fp32") -> Llama:
     """Read a GGUF of a supported architecture (default model when None), dequantize every tensor
     to float32 with `gguf.quants.dequantize` (any type gguf knows: F32, F16, BF16, Q4_0, Q4_1,
     Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, ...), and return the model in eval mode on `device`.
 
+    `weights` 'gguf' (`WEIGHTS`): then every layer linear stored as 4-bit blocks (Q4_0, Q4_1, Q4_K)
+    runs on those blocks (`BlockLinear`); the others (8-bit types, the output head, F16/F32
+    tensors) stay dequantized.
+
     Raises:
         ModelFileError: missing, truncated or corrupt file, or a tensor missing/misshapen.
         UnsupportedModelError: an architecture outside `model_file.SUPPORTED_ARCHITECTURES`.
+        ValueError: a weight format the device / dtype cannot run (`check_weights_fit`).
     """
+    check_weights_fit(weights, device, dtype)
     import gguf
 
     from relayinfer.protocol.model.errors import ModelFileError
@@ -558,4 +647,31 @@ def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_bases(cfg)
+    if weights == "gguf":
+        _block_linears(model, reader, cfg)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _block_linears(model: Llama, reader, cfg: ModelConfig) -> None:
+    """Replace each layer linear whose GGUF tensor has 4-bit blocks by a `BlockLinear` over them
+    (Q/K rows un-permuted as `load_llama` does for the dense weights)."""
+    from relayinfer.cloud.ggml_blocks import decompose
+
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        key = _NAMES.get(parts[2]) if parts[0] == "blk" and parts[-1] == "weight" else None
+        if key is None or not key.startswith(("attn.w", "gate", "up", "down")):
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        blocks = decompose(np.asarray(t.data).reshape(n, -1), t.tensor_type.name, k)
+        if blocks is None or blocks.bits != 4 or blocks.block != BlockLinear.GROUP:
+            continue
+        if cfg.rope_permuted and parts[2] in ("attn_q", "attn_k"):
+            heads = cfg.n_heads if parts[2] == "attn_q" else cfg.n_kv_heads
+            blocks = type(blocks)(blocks.bits, blocks.block, _unpermute(blocks.q, heads), _unpermute(blocks.scale, heads),
+                                  None if blocks.offset is None else _unpermute(blocks.offset, heads))
+        parent = model.layers[int(parts[1])]
+        *path, leaf = key.split(".")
+        for p in path:
+            parent = getattr(parent, p)
+        setattr(parent, leaf, BlockLinear(blocks, getattr(parent, leaf).bias))
