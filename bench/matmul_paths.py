@@ -9,6 +9,8 @@ Paths, each over the same GGUF tensors:
   the file's own Q4_1 blocks: Q4_1's `w = d q + m` is the kernel's `(q - 8) scale + zero` with
   scale d and zero m + 8 d (`cloud.ggml_blocks`), exact in the algebra (checked: max abs error
   against the fp32 product printed);
+* ``torch-int4-bf16``: the same kernel on bf16 activations and bf16 scales (its fast path, AVX512-BF16
+  / AMX where the CPU has them): what the engine's `weights='gguf'` runs (`llama.BlockLinear`);
 * ``torch-bf16``: `F.linear` on bf16 copies (not the file's numbers; rounding of 8 bits of mantissa);
 * ``ort-nbits-L0`` / ``ort-nbits-L4``: ONNX Runtime's `MatMulNBits` (the device graph's kernel) on the
   same blocks at accuracy level 0 (fp32 activations) and 4 (int8 activations), one session holding
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
         n, k = d.shape
         q = torch.from_numpy(b.q.reshape(n, k).astype(np.int32))
         sz = torch.from_numpy(np.stack([b.scale, b.offset], -1).transpose(1, 0, 2).copy())  # [K/32, N, 2]
-        int4.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz))
+        int4.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz, sz.bfloat16()))
     sessions = {lvl: ort_session(mats, lvl) for lvl in (0, 4)}
     linear_sessions = [per_linear_session(b, d) for b, d in mats]
     rows = [int(r) for r in a.rows.split(",")]
@@ -137,7 +139,9 @@ def main(argv=None) -> int:
         paths = {
             "torch-fp32": lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
             "torch-int4": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[d.shape[1]], p, 32, sz)
-                                   for (p, sz), d in zip(int4, dense)],
+                                   for (p, sz, _), d in zip(int4, dense)],
+            "torch-int4-bf16": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xb[d.shape[1]], p, 32, szb)
+                                        for (p, _, szb), d in zip(int4, dense)],
             "torch-bf16": lambda: [F.linear(xb[w.shape[1]], w) for w in bf16],
         }
         for lvl, (sess, ks) in sessions.items():

@@ -240,16 +240,18 @@ def make_transformers(model_path):
         str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32).eval()
 
 
-def llama_bench_binary() -> Path | None:
-    """build/llamacpp/bin/llama-bench when `bench/llamacpp.sh` built it, else None."""
-    r = subprocess.run([str(ROOT / "llamacpp.sh"), "--print"], capture_output=True, text=True)
+def llama_bench_binary(isa: str = "avx2") -> Path | None:
+    """llama-bench of `bench/llamacpp.sh`'s `isa` build (avx2: build/llamacpp/bin, avx512:
+    build/llamacpp-avx512/bin) when it was built, else None."""
+    r = subprocess.run([str(ROOT / "llamacpp.sh"), "--print"], capture_output=True, text=True,
+                       env={**os.environ, "LLAMACPP_ISA": isa})
     if r.returncode != 0:
         return None
     b = Path(r.stdout.strip().splitlines()[-1]) / "llama-bench"
     return b if b.is_file() else None
 
 
-def build_rows(wanted, model_path, log) -> tuple[list[Row], dict]:
+def build_rows(wanted, model_path, log, llama_isa: str = "avx2") -> tuple[list[Row], dict]:
     """Load the asked engines (rows); returns (rows, {family: note}) for engines that could not load
     (plus '_model': facts about the GGUF)."""
     from relayinfer.protocol.model.model_file import open_gguf, read_config
@@ -281,15 +283,15 @@ def build_rows(wanted, model_path, log) -> tuple[list[Row], dict]:
                                                       if w == "gguf-q8" else "fp32 activations"))
                 rows.append(EngineRow(family, threads, desc, nbytes, kv32, eng))
             elif family == "llama.cpp":
-                b = llama_bench_binary()
+                b = llama_bench_binary(llama_isa)
                 if b is None:
-                    notes[family] = "not built (run bench/llamacpp.sh)"
+                    notes[family] = f"not built (run LLAMACPP_ISA={llama_isa} bench/llamacpp.sh)"
                     log(f"llama.cpp: {notes[family]}")
                     continue
                 src = ROOT.parent / "build" / "llamacpp" / "SOURCE"
                 ver = src.read_text().strip() if src.is_file() else "vendored source"
                 rows.append(LlamaBenchRow(threads, gguf_bytes, kv32 // 2, f"GGUF as stored ({'/'.join(gguf_types)}), "
-                                          f"llama-bench from {ver}, F16 KV", model_path, b, timeout_s=1200))
+                                          f"llama-bench from {ver} ({llama_isa} build), F16 KV", model_path, b, timeout_s=1200))
             else:
                 raise SystemExit(f"unknown engine {family!r}; choose from {', '.join(FAMILIES)}")
         except (ImportError, ValueError, RuntimeError, OSError) as e:
@@ -416,6 +418,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-budget", type=float, default=5.0, help="wall seconds per decode measurement")
     ap.add_argument("--max-wall-s", type=float, default=3600.0, help="no new measurement after this (s)")
     ap.add_argument("--model", help="GGUF file or installed model name, e.g. gemma3-270m (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--llama-isa", default="avx2", choices=("avx2", "avx512"),
+                    help="which bench/llamacpp.sh build is the anchor (avx512: LLAMACPP_ISA=avx512, for hosts with AVX512)")
     args = ap.parse_args(argv)
     try:
         lengths = [128, 512] if args.quick else [int(x) for x in (args.lengths or ",".join(map(str, LENGTHS))).split(",")]
@@ -440,7 +444,7 @@ def main(argv=None) -> int:
     model_path = resolve_model_path(args.model)
     tok = Tokenizer.from_gguf(model_path)
     prompt = chitchat_ids(tok, max(lengths + contexts))
-    rows, notes = build_rows(wanted, model_path, log)
+    rows, notes = build_rows(wanted, model_path, log, args.llama_isa)
     model_info = notes.pop("_model")
     threads = sorted({r.threads for r in rows} | {1})
 
