@@ -147,9 +147,9 @@ class TorchEngine:
         check_dtype_fits(self.dtype, model.cfg if model is not None else None, self.model_path)  # before the load
         if model is None:
             check_weights_fit(weights, self.device, self.dtype)
-        self.weights = weights if model is None else _weights_of(model)
         self.model = model if model is not None else load_llama(self.model_path, device=self.device, dtype=self.dtype,
                                                                 weights=weights)
+        self.weights = _weights_of(self.model)  # 'gguf' when some linear runs on blocks
         if pack_weights:
             pack_linears(self.model)
         self.model.model_path = self.model_path  # an engine built on the bare model finds its tokenizer

@@ -652,17 +652,22 @@ def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _block_linears(model: Llama, reader, cfg: ModelConfig) -> None:
+def _block_linears(model: Llama, reader, cfg: ModelConfig) -> int:
     """Replace each layer linear whose GGUF tensor has 4-bit blocks by a `BlockLinear` over them
-    (Q/K rows un-permuted as `load_llama` does for the dense weights)."""
+    (Q/K rows un-permuted as `load_llama` does for the dense weights); returns how many.
+
+    Raises:
+        ValueError: the file has no layer linear in 4-bit blocks (nothing would run on blocks)."""
     from relayinfer.cloud.ggml_blocks import decompose
 
+    done, kinds = 0, set()
     for t in reader.tensors:
         parts = t.name.split(".")
         key = _NAMES.get(parts[2]) if parts[0] == "blk" and parts[-1] == "weight" else None
         if key is None or not key.startswith(("attn.w", "gate", "up", "down")):
             continue
         k, n = int(t.shape[0]), int(t.shape[1])
+        kinds.add(t.tensor_type.name)
         blocks = decompose(np.asarray(t.data).reshape(n, -1), t.tensor_type.name, k)
         if blocks is None or blocks.bits != 4 or blocks.block != BlockLinear.GROUP:
             continue
@@ -675,3 +680,8 @@ def _block_linears(model: Llama, reader, cfg: ModelConfig) -> None:
         for p in path:
             parent = getattr(parent, p)
         setattr(parent, leaf, BlockLinear(blocks, getattr(parent, leaf).bias))
+        done += 1
+    if not done:
+        raise ValueError(f"weights 'gguf': this file has no layer linear in 4-bit blocks (Q4_0, Q4_1, Q4_K); its "
+                         f"layer linears are {', '.join(sorted(kinds))}; use weights 'fp32'")
+    return done
