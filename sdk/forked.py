@@ -11,6 +11,7 @@ process's interpreter and core (`bench.split`, `sdk.linkem.LinkProxyProcess`).
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -45,16 +46,18 @@ class ForkedChild:
         """Fork the child and return its ready message.
 
         Raises:
-            RuntimeError: the child exited before it was ready, or sent nothing within
-                `start_timeout_s` (the child is stopped first).
+            RuntimeError: the child exited before it was ready, or did not send a whole message
+                within `start_timeout_s` (a message begun but not finished gets as long again);
+                the child is stopped first.
         """
         if self._proc.pid is not None:
             raise RuntimeError(f"the {self.name} process was started already")
         self._proc.start()
         self._child_conn.close()  # the child holds its own copy; ours would hide the child's exit
         try:
-            if self._conn.poll(self.start_timeout_s):
-                return self._conn.recv()
+            got, msg = self._recv(self.start_timeout_s)
+            if got:
+                return msg
         except (EOFError, OSError):
             self.stop(0.0)
             code = self._proc.exitcode
@@ -64,16 +67,15 @@ class ForkedChild:
 
     def stop(self, result_timeout_s: float = 30.0, grace_s: float = 10.0) -> Any | None:
         """Tell the child to stop and return its last message, or None when it sent none (it exited
-        without one, or sent nothing within `result_timeout_s`). The child is then joined, sent
-        SIGTERM if it is still alive `grace_s` later and SIGKILL `grace_s` after that. Safe to call
-        twice, and a no-op before `start`."""
+        without one, or sent no whole message within `result_timeout_s`, or as long again once
+        begun). The child is then joined, sent SIGTERM if it is still alive `grace_s` later and
+        SIGKILL `grace_s` after that. Safe to call twice, and a no-op before `start`."""
         result = None
         if self._proc.pid is None:  # never started
             return None
         try:
             self._conn.send("stop")
-            if self._conn.poll(result_timeout_s):
-                result = self._conn.recv()
+            result = self._recv(result_timeout_s)[1]
         except (EOFError, OSError):
             pass
         for end in (None, self._proc.terminate, self._proc.kill):
@@ -82,6 +84,31 @@ class ForkedChild:
             self._proc.join(grace_s)
         self._conn.close()
         return result
+
+    def _recv(self, timeout_s: float) -> tuple[bool, Any]:
+        """(True, the child's next message) when one starts within `timeout_s` and ends within as
+        long again; else (False, None), the child killed when it stalled inside a message (its
+        pipe end closes, which ends the read). EOFError / OSError: the pipe ended."""
+        if not self._conn.poll(timeout_s):
+            return False, None
+        box: dict = {}
+
+        def read():
+            try:
+                box["msg"] = self._conn.recv()
+            except BaseException as e:  # handed to the caller's thread
+                box["err"] = e
+
+        reader = threading.Thread(target=read, name=f"{self.name}-recv", daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if reader.is_alive():  # a message begun and not finished: the child is stuck mid-write
+            self._proc.kill()
+            reader.join(5.0)
+            return False, None
+        if "err" in box:
+            raise box["err"]
+        return True, box["msg"]
 
 
 def _child_main(parent_end, serve: Callable[..., None], conn, *args) -> None:

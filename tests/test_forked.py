@@ -119,3 +119,38 @@ def test_the_child_stops_when_its_parent_is_killed():
     else:
         os.kill(pid, 9)
         raise AssertionError(f"the child {pid} outlived its killed parent by 10 s")
+
+
+def _half_a_message(conn) -> None:
+    import struct
+
+    os.write(conn.fileno(), struct.pack("!i", 1000) + b"only part of it")  # a 1000-byte message, 15 sent
+    time.sleep(60)
+
+
+def test_a_child_stalled_inside_its_ready_message_is_an_error_in_bounded_time():
+    """A child that writes the start of its ready message and hangs: start fails within about
+    twice start_timeout_s (not forever in recv), the child killed."""
+    child = ForkedChild(_half_a_message, name="half", start_timeout_s=1)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="the half process did not start within 1 s"):
+        child.start()
+    assert time.monotonic() - t < 10
+    assert not child._proc.is_alive()
+
+
+def _ready_then_half_a_last_message(conn) -> None:
+    import struct
+
+    conn.send("ready")
+    conn.recv()  # "stop"
+    os.write(conn.fileno(), struct.pack("!i", 1000) + b"part")
+    time.sleep(60)
+
+
+def test_a_child_stalled_inside_its_last_message_is_stopped_in_bounded_time():
+    child = ForkedChild(_ready_then_half_a_last_message, name="half-last", start_timeout_s=10)
+    assert child.start() == "ready"
+    t = time.monotonic()
+    assert child.stop(result_timeout_s=1, grace_s=1) is None
+    assert time.monotonic() - t < 10 and not child._proc.is_alive()
