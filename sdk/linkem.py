@@ -215,6 +215,10 @@ class LinkProxy:
             if not u.hostname or not u.port:
                 raise ValueError(f"target needs a host and a port: {target!r}")
             target = (u.hostname, u.port)
+        if (not isinstance(target, tuple) or len(target) != 2 or not isinstance(target[0], str) or not target[0]
+                or isinstance(target[1], bool) or not isinstance(target[1], int) or not 0 < target[1] < 65536):
+            raise ValueError(f"target must be ws://host:port or a (host, port) pair with a port in 1..65535, "
+                             f"got {target!r}")
         if cut_direction not in DIRECTIONS:
             raise ValueError(f"cut_direction must be 'up' or 'down', got {cut_direction!r}")
         if cut_after_bytes is not None and cut_after_bytes < 0:

@@ -384,6 +384,10 @@ def test_proxies_in_their_own_process_shape_the_link_and_report_counters():
         assert proc.counters[name]["connections"] == 1
     with pytest.raises(ValueError, match="unknown link profile"):
         LinkProxyProcess({"x": (("127.0.0.1", port), "5g")})  # refused before any fork
+    for bad in (("127.0.0.1", 0), ("127.0.0.1", 70000), ("", port), ("127.0.0.1", "80"), ("127.0.0.1", True),
+                ["127.0.0.1", port], ("127.0.0.1",)):
+        with pytest.raises(ValueError, match="a \\(host, port\\) pair with a port in 1..65535"):
+            LinkProxyProcess({"x": (bad, "lte")})  # before the fork, not per connection in the child
 
 
 def test_bench_link_summary_counts_fallbacks_and_ratios():
