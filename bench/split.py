@@ -434,6 +434,8 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
     'upstream_link'; upstream_link_ms_max is the largest link share of a slow gap (ms). The cloud
     stamps a token when it hands it to its websocket, after the previous token's send returned: a
     send held by the link's back-pressure (a full socket buffer) therefore counts as the cloud's.
+    An upstream gap without both tokens' stamps (no `cloud_sent_ms`, or one shorter than the cloud
+    tokens) is 'upstream_unsplit': upstream = upstream_cloud + upstream_link + upstream_unsplit.
 
     Returns the counts and device_late_ms_max, the largest lateness of a device_loop or upstream
     gap's token (ms)."""
@@ -441,8 +443,8 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
     h = row["handoff_index"] if row["handoff_index"] is not None else len(shown)
     ready = list(row["ready_ms"][:h])  # the cloud tokens' arrivals
     sent = row.get("cloud_sent_ms") or None
-    out = {"upstream": 0, "upstream_cloud": 0, "upstream_link": 0, "device_loop": 0, "device_decode": 0,
-           "device_late_ms_max": 0.0, "upstream_link_ms_max": 0.0}
+    out = {"upstream": 0, "upstream_cloud": 0, "upstream_link": 0, "upstream_unsplit": 0, "device_loop": 0,
+           "device_decode": 0, "device_late_ms_max": 0.0, "upstream_link_ms_max": 0.0}
     for k in range(1, len(shown)):
         if shown[k] - shown[k - 1] <= over_ms:
             continue
@@ -460,6 +462,8 @@ def slow_gaps(row: dict, over_ms: float, tol_ms: float = LATE_TOL_MS) -> dict:
             link = ready[k] - ready[k - 1] - cloud
             out["upstream_cloud" if cloud >= link else "upstream_link"] += 1
             out["upstream_link_ms_max"] = max(out["upstream_link_ms_max"], link)
+        else:
+            out["upstream_unsplit"] += 1
     return out
 
 
@@ -467,7 +471,8 @@ def _gaps_cell(g: dict | None) -> str:
     """A `slow_gaps` total as a table cell."""
     if not g:
         return "-"
-    split = f" ({g.get('upstream_cloud', 0)} / {g.get('upstream_link', 0)})" if g["upstream"] else ""
+    unsplit = f" / {g['upstream_unsplit']} unstamped" if g.get("upstream_unsplit") else ""
+    split = f" ({g.get('upstream_cloud', 0)} / {g.get('upstream_link', 0)}{unsplit})" if g["upstream"] else ""
     return f"{g['upstream']}{split} / {g['device_loop']} ({g['device_late_ms_max']:.0f} ms) / {g['device_decode']}"
 
 

@@ -70,7 +70,7 @@ def test_slow_gaps_name_where_each_came_from():
            "handoff_index": 4, "interval_ms": 50.0}
     g = _split.slow_gaps(row, 100.0)
     assert counts(g) == {"upstream": 2, "device_loop": 1, "device_decode": 1, "device_late_ms_max": 150.0}
-    assert g["upstream_cloud"] == g["upstream_link"] == 0  # no send stamps: not split
+    assert g["upstream_cloud"] == g["upstream_link"] == 0 and g["upstream_unsplit"] == 2  # no send stamps
     on_time = {**row, "shown_ms": [0.0, 120.0, 240.0, 360.0, 620.0]}
     assert counts(_split.slow_gaps(on_time, 100.0)) == {"upstream": 3, "device_loop": 0, "device_decode": 1,
                                                         "device_late_ms_max": 0.0}
@@ -79,7 +79,10 @@ def test_slow_gaps_name_where_each_came_from():
     # (the stamps are on the cloud's clock, offset by 1,000 ms: only differences count)
     stamped = _split.slow_gaps({**on_time, "cloud_sent_ms": [1000.0, 1110.0, 1130.0, 1240.0]}, 100.0)
     assert (stamped["upstream"], stamped["upstream_cloud"], stamped["upstream_link"]) == (3, 2, 1)
-    assert stamped["upstream_link_ms_max"] == pytest.approx(100.0)
+    assert stamped["upstream_link_ms_max"] == pytest.approx(100.0) and stamped["upstream_unsplit"] == 0
+    short = _split.slow_gaps({**on_time, "cloud_sent_ms": [1000.0, 1110.0]}, 100.0)  # stamps of 2 of 4 tokens
+    assert (short["upstream"], short["upstream_cloud"], short["upstream_link"], short["upstream_unsplit"]) == (3, 1, 0, 2)
+    assert _split._gaps_cell(short) == "3 (1 / 0 / 2 unstamped) / 0 (0 ms) / 1"
     # the device's own lateness record (`GenerationResult.late_ms`) decides where there is one: a display
     # the plan slowed to 150 ms shows the 120 ms arrivals late by the recomputation, on time by the record
     slowed = {**row, "shown_ms": [0.0, 150.0, 300.0, 450.0, 620.0], "late_ms": [0.0, 0.0, 0.0, 35.0, 0.0]}
