@@ -140,3 +140,22 @@ def decompose(raw: np.ndarray, kind: str, k: int) -> Blocks | None:
     hi = (qh.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
     q6 = lo | (hi.reshape(n, nb, 8, 32) << 4)
     return Blocks(8, 16, (q6 + 96).reshape(n, nb * 16, 16).astype(np.uint8), (d * scales).reshape(n, -1), None)
+
+
+def split_nibbles(b: Blocks) -> tuple[Blocks, Blocks]:
+    """An 8-bit `Blocks` as the sum of two 4-bit ones over its high and low nibbles, exact in the
+    algebra: with u = 16 h + l (u the unsigned 8-bit q, h = u >> 4, l = u & 15),
+    s (u - 128) + o = 16 s (h - 8) + s (l - 8) + (8 s + o), so (h, scale 16 s, offset 8 s + o) and
+    (l, scale s, no offset). In float32 16 s and 8 s are exact (powers of two); 8 s + o rounds once
+    where o is not None. Lets an 8-bit matrix (the tied Q8_0 output head) run on MatMulNBits' 4-bit
+    kernel with float32 activations, which ORT 1.32 has and its 8-bit one at level 0 has not.
+
+    Raises:
+        ValueError: `b` is not 8-bit.
+    """
+    if b.bits != 8:
+        raise ValueError(f"split_nibbles takes 8-bit blocks, got {b.bits}-bit")
+    off = 8 * b.scale if b.offset is None else (8 * b.scale + b.offset).astype(np.float32)
+    return (Blocks(4, b.block, b.q >> 4, (16 * b.scale).astype(np.float32), off.astype(np.float32)),
+            Blocks(4, b.block, b.q & 15, b.scale, None))
+

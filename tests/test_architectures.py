@@ -36,6 +36,18 @@ def test_block_decomposition_is_the_files_weights(kind):
     np.testing.assert_allclose(b.dense(), ref, rtol=0, atol=np.abs(ref).max() * 2 ** -22)
     assert b.packed().shape == (n, k // b.block, b.block * b.bits // 8)
     assert decompose(raw, "F16", k) is None
+    if b.bits == 8:  # the 8-bit blocks as two 4-bit halves (the device's level-0 output head): the same weights
+        from relayinfer.cloud.ggml_blocks import split_nibbles
+
+        hi, lo = split_nibbles(b)
+        assert hi.bits == lo.bits == 4 and hi.q.max() < 16 and lo.q.max() < 16 and lo.offset is None
+        tol = 0 if b.offset is None else np.abs(ref).max() * 2 ** -22  # exact unless an offset is added to 8 s
+        np.testing.assert_allclose(hi.dense() + lo.dense(), b.dense(), rtol=0, atol=tol)
+    else:
+        from relayinfer.cloud.ggml_blocks import split_nibbles
+
+        with pytest.raises(ValueError, match="takes 8-bit blocks, got 4-bit"):
+            split_nibbles(b)
 
 
 CASES = [("llama", "Q4_K"), ("llama", "F16"), ("qwen2", "Q5_0"), ("qwen2", "BF16"), ("qwen2", "Q4_0"),

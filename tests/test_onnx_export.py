@@ -212,9 +212,16 @@ def _expected_layout(cfg, gguf: bool) -> tuple[list, list]:
                   (p + "ffn_norm", (dim,), "FLOAT"), *lin["gate_up"][1], (p + "gu.split", (2,), "INT64"),
                   *lin["down"][1]]
     nodes += [("Add", "final_residual"), ("Slice", "last_position"), ("Squeeze", "last_squeeze"),
-              ("SimplifiedLayerNormalization", "output_norm"), ("Gemm", "lm_head")]
+              ("SimplifiedLayerNormalization", "output_norm")]
     inits += [(n, (1,), "INT64") for n in ("slice.start", "slice.end", "slice.axis", "squeeze.axis")]
-    inits += [("output_norm", (dim,), "FLOAT")] + ([("embed.w", (v, dim), "FLOAT")] if gguf else [])
+    inits += [("output_norm", (dim,), "FLOAT")]
+    if gguf:  # the Q8_0 head as two 4-bit MatMulNBits over its nibbles, the high one with the 8 s offset
+        hi_nodes, hi_inits = _linear_layout("lm_head.hi", dim, v, True)
+        nodes += [("Unsqueeze", "lm_head.x3"), *hi_nodes, ("MatMulNBits", "lm_head.lo"), ("Add", "lm_head"),
+                  ("Squeeze", "lm_head.squeeze")]
+        inits += [*hi_inits, ("lm_head.lo.q", (v, dim // 32, 16), "UINT8"), ("lm_head.lo.scales", (v, dim // 32), "FLOAT")]
+    else:
+        nodes += [("Gemm", "lm_head")]
     return nodes, inits
 
 
@@ -230,8 +237,8 @@ def built_graph(request, model_path):
 
 def test_graph_layout(built_graph):
     """Every node (op type and name, in order), every initializer (name, shape, dtype, in order) and
-    the graph's inputs/outputs, for both weight formats; the level-0 gguf head is a fp32 Gemm over the
-    dequantized tied embedding."""
+    the graph's inputs/outputs, for both weight formats; the level-0 gguf head reads the tied Q8_0
+    embedding's blocks as two 4-bit halves (`ggml_blocks.split_nibbles`), the fp32 one is a Gemm."""
     from onnx import TensorProto
 
     from relayinfer.cloud.onnx_graph import io_names
@@ -244,7 +251,9 @@ def test_graph_layout(built_graph):
     ins, outs = io_names(cfg.n_layers)
     assert [i.name for i in g.input] == ins and [o.name for o in g.output] == outs
     head = g.node[-1]
-    assert list(head.input) == ["output_norm/out0", "embed.w"] and list(head.output) == ["logits"]
+    assert list(head.output) == ["logits"]
+    if weights == "fp32":
+        assert list(head.input) == ["output_norm/out0", "embed.w"]
     assert g.name == f"llama-{weights}" and model.ir_version == 10
 
 
@@ -296,12 +305,15 @@ def test_gguf_q8_levels_and_closeness(model_path, onnx_engine, chat_prompt_ids):
 
 
 def test_variant_revision_decides_reexport():
-    """A manifest entry is current only at its variant's revision (absent = 1): an older gguf-q8
-    export is re-made, the other variants' files are kept."""
+    """A manifest entry is current only at its variant's revision (absent = 1): an older gguf or
+    gguf-q8 export is re-made, the other variants' files are kept."""
     from relayinfer.cloud.export import _current
 
-    files = {"model.gguf.onnx": "a", "model.gguf-q8.onnx": "b"}
-    assert _current({"files": files}, "model.gguf.onnx")
+    files = {"model.gguf.onnx": "a", "model.gguf-q8.onnx": "b", "model.fp32.onnx": "c"}
+    assert _current({"files": files}, "model.fp32.onnx")
+    assert not _current({"files": files}, "model.gguf.onnx")
     assert not _current({"files": files}, "model.gguf-q8.onnx")
+    assert _current({"files": files, "revisions": {"model.gguf.onnx": 2}}, "model.gguf.onnx")
     assert _current({"files": files, "revisions": {"model.gguf-q8.onnx": 2}}, "model.gguf-q8.onnx")
-    assert not _current({"files": files, "revisions": {"model.gguf-q8.onnx": 2}}, "model.fp32.onnx")
+    assert not _current({"files": {"model.gguf.onnx": "a"}, "revisions": {"model.gguf-q8.onnx": 2}},
+                        "model.fp32.onnx")  # never exported

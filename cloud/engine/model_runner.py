@@ -67,13 +67,17 @@ class PagedKV:
         spans: (first row, end row, key count, slots int64 [key count], causal mask bool
             [rows, key count], or `llama.CAUSAL` for a chunk from position 0) of each multi-token
             chunk.
+        row_spans: instead of `spans` where rows must be computed as decode rows are (see
+            `ModelRunner.row_invariant`): (first row, end row, slots int64 [L] of one sequence's
+            keys padded to L, a multiple of `DECODE_BUCKET`, positions int64 [rows]) per run of a
+            chunk's rows in one padded length.
     """
 
     def __init__(self, kv: list[torch.Tensor], slots: torch.Tensor, dec_rows: torch.Tensor | None,
-                 dec_groups: list, spans: list):
+                 dec_groups: list, spans: list, row_spans: list | None = None):
         self.kv, self.slots = kv, slots
         self.dec_rows, self.dec_groups, self._windows = dec_rows, dec_groups, {}
-        self.spans = spans
+        self.spans, self.row_spans = spans, row_spans or []
 
     def attend(self, layer, q, k, v, mask=None, obs=None, window: int = 0):
         if obs is not None:
@@ -81,7 +85,7 @@ class PagedKV:
         cache = self.kv[layer]
         cache.index_copy_(2, self.slots, torch.stack((k[0], v[0])))  # [2, kv_heads, N, head_dim] to slots
         _, h, n, hd = q.shape
-        if self.dec_rows is not None and not self.spans and self.dec_rows.numel() == n:
+        if self.dec_rows is not None and not self.spans and not self.row_spans and self.dec_rows.numel() == n:
             return self._decode(cache, q[0].transpose(0, 1), window).transpose(0, 1)[None]  # decode-only step
         o = q.new_empty(1, h, n, hd)
         if self.dec_rows is not None:
@@ -89,6 +93,14 @@ class PagedKV:
         for r, e, t, g, m in self.spans:
             kv = cache.index_select(2, g)[:, None]                      # [2, 1, kv_heads, t, head_dim]
             o[:, :, r:e] = gqa_attention(q[:, :, r:e], kv[0], kv[1], with_window(m, e - r, t, window, q.device))
+        for r, e, g, pos in self.row_spans:  # each row as a decode row: one query over its sequence's padded keys
+            kv = cache.index_select(2, g)[:, None].expand(-1, e - r, -1, -1, -1)  # [2, rows, kv_heads, L, head_dim]
+            keys = torch.arange(g.numel(), device=g.device)[None, :]
+            seen = keys <= pos[:, None]
+            if window:
+                seen = seen & (pos[:, None] - keys < window)
+            rows = q[0, :, r:e].transpose(0, 1).reshape(e - r, h, 1, hd)
+            o[0, :, r:e] = gqa_attention(rows, kv[0], kv[1], seen[:, None, None]).view(e - r, h, hd).transpose(0, 1)
         return o
 
     def _decode(self, cache: torch.Tensor, q: torch.Tensor, window: int = 0) -> torch.Tensor:
@@ -139,6 +151,16 @@ class ModelRunner:
         self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.n_layers)]
         self.k = [t[0] for t in self.kv]  # views: [kv_heads, slots, head_dim]
         self.v = [t[1] for t in self.kv]
+        from relayinfer.cloud.models.llama import BlockLinear
+
+        self.row_invariant = any(isinstance(m, BlockLinear) for m in model.modules())
+        """True for a model on GGUF blocks: prefill rows attend exactly as decode rows do (one query
+        over its sequence's keys padded to a multiple of `DECODE_BUCKET`), so a token's K/V and
+        output are the same bits whether it was computed alone, in a chunk of any size, after a
+        prefix-cache hit or in decode. SDPA's causal kernel picks its blocking by the chunk's
+        length (~1e-5 differences in K), which the bf16-rounded matmul inputs of `BlockLinear`
+        turned into other tokens when a prefix was cached by a longer prompt. fp32 models keep the
+        causal kernel (2.3x faster at 2,048 tokens); those differences stay within fp32 rounding."""
 
     @property
     def nbytes(self) -> int:
@@ -196,7 +218,7 @@ class ModelRunner:
         rows whose logits are sampled (the last token of each sequence with `.sample`)."""
         bs, dev = self.block_size, self.device
         ids, pos, slot, last_rows = [], [], [], []
-        dec_rows, dec_tables, dec_lens, spans = [], [], [], []
+        dec_rows, dec_tables, dec_lens, spans, row_spans = [], [], [], [], []
         row = 0
         for s in batch:
             seq, a, b = s.seq, s.start, s.start + s.n
@@ -208,6 +230,14 @@ class ModelRunner:
                 dec_rows.append(row)
                 dec_tables.append(table)
                 dec_lens.append(b)
+            elif self.row_invariant:
+                p0 = a
+                while p0 < b:  # runs of rows sharing one padded key length
+                    length = (p0 // DECODE_BUCKET + 1) * DECODE_BUCKET
+                    p1 = min(b, length)
+                    row_spans.append((row + p0 - a, row + p1 - a, self._table_slots([table], length)[0],
+                                      torch.arange(p0, p1, device=dev)))
+                    p0 = p1
             else:
                 g = self._table_slots([table], b)[0]
                 mask = CAUSAL if a == 0 else \
@@ -225,7 +255,8 @@ class ModelRunner:
             dec_groups.append((torch.tensor(idx, dtype=torch.long, device=dev),
                                self._table_slots([dec_tables[i] for i in idx], length).reshape(-1), length,
                                (torch.arange(length, device=dev)[None, :] < lens[:, None])[:, None, None], lens))
-        cache = PagedKV(self.kv, torch.tensor(slot, dtype=torch.long, device=dev), spans=spans, dec_groups=dec_groups,
+        cache = PagedKV(self.kv, torch.tensor(slot, dtype=torch.long, device=dev), spans=spans, row_spans=row_spans,
+                        dec_groups=dec_groups,
                         dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev) if dec_rows else None)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 cache, last_rows)

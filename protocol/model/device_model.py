@@ -16,9 +16,10 @@ Q8_0 output head run on int8-quantized activations, as llama.cpp runs them on Q8
 accuracy level 4: about 2x faster decode, not fp32-equal, as close to fp32 as llama.cpp by
 bench/fidelity.py); 'fp32' dequantized."""
 DEFAULT_WEIGHTS = "gguf"
-WEIGHTS_REVISION = {"gguf": 1, "gguf-q8": 2, "fp32": 1}
+WEIGHTS_REVISION = {"gguf": 2, "gguf-q8": 2, "fp32": 1}
 """Revision of each variant's export, kept per file in manifest.json (absent = 1): a change of what a
-variant computes (gguf-q8 2: the 4-bit MLP blocks on int8 activations too) re-exports that file only;
+variant computes (gguf-q8 2: the 4-bit MLP blocks on int8 activations too; gguf 2: the tied Q8_0
+head as two exact 4-bit MatMulNBits instead of a dequantized fp32 Gemm) re-exports that file only;
 the graph's inputs and outputs, which a device checks, are `FORMAT_VERSION`."""
 
 
