@@ -70,12 +70,16 @@ def _ignore_sigterm(conn) -> None:
     time.sleep(60)
 
 
-def test_a_child_that_ignores_stop_and_sigterm_is_killed():
-    child = ForkedChild(_ignore_sigterm, name="stubborn", start_timeout_s=10)
+@pytest.mark.parametrize("serve", [_ignore_sigterm, "_ready_then_half_a_last_message"])
+def test_a_stuck_child_is_stopped_in_bounded_time(serve):
+    """A child that ignores "stop" and SIGTERM is killed (SIGKILL); one stalled inside its last
+    message does not block `stop` in recv: both end within a few seconds, with no last message."""
+    serve = globals()[serve] if isinstance(serve, str) else serve
+    child = ForkedChild(serve, name="stuck", start_timeout_s=10)
     assert child.start() == "ready"
     t0 = time.monotonic()
-    assert child.stop(result_timeout_s=0.2, grace_s=0.5) is None
-    assert time.monotonic() - t0 < 5 and child._proc.exitcode == -9  # SIGKILL after SIGTERM did nothing
+    assert child.stop(result_timeout_s=0.5, grace_s=0.5) is None
+    assert time.monotonic() - t0 < 10 and child._proc.exitcode == -9  # killed: it would not end by itself
 
 
 def test_stop_before_start_is_a_no_op_and_start_twice_is_an_error():
@@ -146,11 +150,3 @@ def _ready_then_half_a_last_message(conn) -> None:
     conn.recv()  # "stop"
     os.write(conn.fileno(), struct.pack("!i", 1000) + b"part")
     time.sleep(60)
-
-
-def test_a_child_stalled_inside_its_last_message_is_stopped_in_bounded_time():
-    child = ForkedChild(_ready_then_half_a_last_message, name="half-last", start_timeout_s=10)
-    assert child.start() == "ready"
-    t = time.monotonic()
-    assert child.stop(result_timeout_s=1, grace_s=1) is None
-    assert time.monotonic() - t < 10 and not child._proc.is_alive()
