@@ -408,7 +408,8 @@ def cloud_serve(
                              limits=limits, memory_bytes=None if memory_mb is None else memory_mb << 20,
                              kv_piece_bytes=kv_piece_kib << 10)
     except (RelayInferError, ValueError) as e:
-        fail(ValueError(f"--kv-piece-kib {kv_piece_kib}: {e}") if str(e).startswith("kv_piece_bytes") else e)
+        fail(ValueError(f"--kv-piece-kib {kv_piece_kib}: {e}") if str(e).startswith("kv_piece_bytes") else
+             ValueError(f"--weights: {e}") if str(e).startswith("weights ") else e)
     svc.http.web_dir = page
 
     async def up():

@@ -62,6 +62,10 @@ def test_block_linear_refuses_8bit_blocks(model_path):
     assert kind == "Q8_0"
     with pytest.raises(ValueError, match="4-bit blocks of 32, got 8-bit"):
         BlockLinear(blocks)
+    q4, _ = _file_blocks(model_path, "blk.0.ffn_up.weight")
+    odd = type(q4)(4, 32, q4.q[:17], q4.scale[:17], q4.offset[:17])  # 17 rows: the kernel packs 16 at a time
+    with pytest.raises(ValueError, match="output features a multiple of 16, got 17"):
+        BlockLinear(odd)
 
 
 def test_gguf_engine_is_close_to_float32_on_chat_prompts(torch_engine, gguf_engine, tokenizer):

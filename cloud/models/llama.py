@@ -451,7 +451,7 @@ class BlockLinear(nn.Module):
     scale and offset per block), 5.3x fewer than float32.
 
     Raises:
-        ValueError: blocks other than 4-bit blocks of 32.
+        ValueError: blocks other than 4-bit blocks of 32, or output features not a multiple of 16.
     """
 
     GROUP = 32
@@ -461,6 +461,8 @@ class BlockLinear(nn.Module):
         if blocks.bits != 4 or blocks.block != self.GROUP:
             raise ValueError(f"BlockLinear runs 4-bit blocks of {self.GROUP}, got {blocks.bits}-bit blocks of {blocks.block}")
         n, nb, g = blocks.q.shape
+        if n % 16:  # the kernel's packing takes 16 output rows at a time
+            raise ValueError(f"BlockLinear needs output features a multiple of 16, got {n}")
         self.in_features, self.out_features = nb * g, n
         q = torch.from_numpy(np.ascontiguousarray(blocks.q.reshape(n, nb * g)).astype(np.int32))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), persistent=False)
@@ -669,7 +671,7 @@ def _block_linears(model: Llama, reader, cfg: ModelConfig) -> int:
         k, n = int(t.shape[0]), int(t.shape[1])
         kinds.add(t.tensor_type.name)
         blocks = decompose(np.asarray(t.data).reshape(n, -1), t.tensor_type.name, k)
-        if blocks is None or blocks.bits != 4 or blocks.block != BlockLinear.GROUP:
+        if blocks is None or blocks.bits != 4 or blocks.block != BlockLinear.GROUP or n % 16:
             continue
         if cfg.rope_permuted and parts[2] in ("attn_q", "attn_k"):
             heads = cfg.n_heads if parts[2] == "attn_q" else cfg.n_kv_heads
