@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from relayinfer.cloud.models.llama import CAUSAL, Llama, gqa_attention, rope, with_window
+from relayinfer.cloud.models.llama import CAUSAL, Llama, gqa_attention, rope, runs_on_blocks, with_window
 from relayinfer.protocol.kvhandoff import kv_bytes_per_token as _kv_bytes_per_token
 from relayinfer.protocol.model.model_file import ModelConfig
 
@@ -40,6 +40,18 @@ from .scheduler import ScheduledSeq
 DECODE_BUCKET = 64
 """tokens: a decode row's keys are padded to a multiple of this, and batched with rows of the same
 padded length only (see the module docstring)."""
+
+
+def key_mask(length: int, lens: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """bool [B, 1, 1, length]: the padded key slots each of B single queries sees. Key p of a
+    sequence of length n (the query at position n - 1; `lens` int64 [B]) is visible iff p < n and,
+    for `window` > 0 (a sliding-window layer), n - 1 - p < window."""
+    p = torch.arange(length, device=lens.device)[None, :]
+    n = lens[:, None]
+    seen = p < n
+    if window:
+        seen = seen & (n - 1 - p < window)
+    return seen[:, None, None]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -62,15 +74,15 @@ class PagedKV:
         dec_rows: int64 [B] rows (token indices) of the step's single-query tokens, or None.
         dec_groups: those rows grouped by padded key length L (a multiple of `DECODE_BUCKET`): per
             group (index int64 [Bg] into dec_rows, gather int64 [Bg * L] the slots of their keys
-            padded with slot 0, L, mask bool [Bg, 1, 1, L] key-padding mask, lens int64 [Bg] their
-            sequence lengths, for sliding-window layers).
+            padded with slot 0, L, mask bool [Bg, 1, 1, L] key-padding mask (`key_mask`), lens int64
+            [Bg] their sequence lengths and the longest as an int, for sliding-window layers).
         spans: (first row, end row, key count, slots int64 [key count], causal mask bool
             [rows, key count], or `llama.CAUSAL` for a chunk from position 0) of each multi-token
             chunk.
         row_spans: instead of `spans` where rows must be computed as decode rows are (see
             `ModelRunner.row_invariant`): (first row, end row, slots int64 [L] of one sequence's
-            keys padded to L, a multiple of `DECODE_BUCKET`, positions int64 [rows]) per run of a
-            chunk's rows in one padded length.
+            keys padded to L, a multiple of `DECODE_BUCKET`, L, mask, lens (each row's position + 1)
+            and the longest, as in a decode group) per run of a chunk's rows in one padded length.
     """
 
     def __init__(self, kv: list[torch.Tensor], slots: torch.Tensor, dec_rows: torch.Tensor | None,
@@ -93,14 +105,11 @@ class PagedKV:
         for r, e, t, g, m in self.spans:
             kv = cache.index_select(2, g)[:, None]                      # [2, 1, kv_heads, t, head_dim]
             o[:, :, r:e] = gqa_attention(q[:, :, r:e], kv[0], kv[1], with_window(m, e - r, t, window, q.device))
-        for r, e, g, pos in self.row_spans:  # each row as a decode row: one query over its sequence's padded keys
+        for si, (r, e, g, *keys) in enumerate(self.row_spans):  # each row as a decode row: one query, padded keys
             kv = cache.index_select(2, g)[:, None].expand(-1, e - r, -1, -1, -1)  # [2, rows, kv_heads, L, head_dim]
-            keys = torch.arange(g.numel(), device=g.device)[None, :]
-            seen = keys <= pos[:, None]
-            if window:
-                seen = seen & (pos[:, None] - keys < window)
             rows = q[0, :, r:e].transpose(0, 1).reshape(e - r, h, 1, hd)
-            o[0, :, r:e] = gqa_attention(rows, kv[0], kv[1], seen[:, None, None]).view(e - r, h, hd).transpose(0, 1)
+            seen = self._mask(("row", si), *keys, window)
+            o[0, :, r:e] = gqa_attention(rows, kv[0], kv[1], seen).view(e - r, h, hd).transpose(0, 1)
         return o
 
     def _decode(self, cache: torch.Tensor, q: torch.Tensor, window: int = 0) -> torch.Tensor:
@@ -109,28 +118,26 @@ class PagedKV:
         b, h, hd = q.shape
         kvh = cache.shape[1]
         out = None if len(self.dec_groups) == 1 else q.new_empty(b, h, hd)
-        for gi, (idx, gather, length, _, _) in enumerate(self.dec_groups):
+        for gi, (idx, gather, *keys) in enumerate(self.dec_groups):
+            length = keys[0]
             n = gather.numel() // length
             kv = cache.index_select(2, gather).view(2, kvh, n, length, hd).transpose(1, 2)
             qg = q if out is None else q[idx]
-            o = gqa_attention(qg.reshape(n, h, 1, hd), kv[0], kv[1], self._dec_mask(gi, window)).view(n, h, hd)
+            o = gqa_attention(qg.reshape(n, h, 1, hd), kv[0], kv[1], self._mask(("dec", gi), *keys, window)).view(n, h, hd)
             if out is None:
                 return o
             out[idx] = o
         return out
 
-    def _dec_mask(self, group: int, window: int = 0):
-        """Decode group `group`'s key mask [Bg, 1, 1, L] for a layer with `window` (0: the padding
-        mask): key p of a sequence of length n is visible iff p < n and n - 1 - p < window
+    def _mask(self, key, length: int, mask: torch.Tensor, lens: torch.Tensor, longest: int, window: int = 0):
+        """The key mask of decode group / row span `key` for a layer with `window`: its padding mask
+        `mask` when no sequence is longer than the window, else `key_mask` with the window
         (computed once per step, group and window)."""
-        _, _, length, mask, lens = self.dec_groups[group]
-        if not window or int(lens.max()) <= window:
+        if not window or longest <= window:
             return mask
-        if (group, window) not in self._windows:
-            p = torch.arange(length, device=lens.device)[None, :]
-            n = lens[:, None]
-            self._windows[group, window] = ((p < n) & (n - 1 - p < window))[:, None, None]
-        return self._windows[group, window]
+        if (key, window) not in self._windows:
+            self._windows[key, window] = key_mask(length, lens, window)
+        return self._windows[key, window]
 
 
 class ModelRunner:
@@ -151,9 +158,7 @@ class ModelRunner:
         self.kv = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.n_layers)]
         self.k = [t[0] for t in self.kv]  # views: [kv_heads, slots, head_dim]
         self.v = [t[1] for t in self.kv]
-        from relayinfer.cloud.models.llama import BlockLinear
-
-        self.row_invariant = any(isinstance(m, BlockLinear) for m in model.modules())
+        self.row_invariant = runs_on_blocks(model)
         """True for a model on GGUF blocks: prefill rows attend exactly as decode rows do (one query
         over its sequence's keys padded to a multiple of `DECODE_BUCKET`), so a token's K/V and
         output are the same bits whether it was computed alone, in a chunk of any size, after a
@@ -235,8 +240,9 @@ class ModelRunner:
                 while p0 < b:  # runs of rows sharing one padded key length
                     length = (p0 // DECODE_BUCKET + 1) * DECODE_BUCKET
                     p1 = min(b, length)
-                    row_spans.append((row + p0 - a, row + p1 - a, self._table_slots([table], length)[0],
-                                      torch.arange(p0, p1, device=dev)))
+                    lens = torch.arange(p0 + 1, p1 + 1, device=dev)  # row at position p sees keys 0..p
+                    row_spans.append((row + p0 - a, row + p1 - a, self._table_slots([table], length)[0], length,
+                                      key_mask(length, lens), lens, p1))
                     p0 = p1
             else:
                 g = self._table_slots([table], b)[0]
@@ -254,7 +260,7 @@ class ModelRunner:
             lens = torch.tensor([dec_lens[i] for i in idx], device=dev)
             dec_groups.append((torch.tensor(idx, dtype=torch.long, device=dev),
                                self._table_slots([dec_tables[i] for i in idx], length).reshape(-1), length,
-                               (torch.arange(length, device=dev)[None, :] < lens[:, None])[:, None, None], lens))
+                               key_mask(length, lens), lens, max(dec_lens[i] for i in idx)))
         cache = PagedKV(self.kv, torch.tensor(slot, dtype=torch.long, device=dev), spans=spans, row_spans=row_spans,
                         dec_groups=dec_groups,
                         dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev) if dec_rows else None)

@@ -8,8 +8,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from relayinfer.cloud.models.llama import (BlockLinear, Llama, ObservationScores, StaticKV, check_weights_fit,
-                                           load_llama, pack_linears)
+from relayinfer.cloud.models.llama import (Llama, ObservationScores, StaticKV, load_llama, pack_linears,
+                                           runs_on_blocks)
 from relayinfer.protocol.model.decoding import GenerationOutput, SamplingParams, generate
 from relayinfer.protocol.model.model_file import ModelConfig, fingerprint, open_gguf, read_config, resolve_model_path
 
@@ -95,11 +95,6 @@ def check_dtype_fits(dtype: torch.dtype, cfg: ModelConfig | None = None,
                          f"(every logit NaN); choose bfloat16 or float32")
 
 
-def _weights_of(model: Llama) -> str:
-    """'gguf' when some linear of `model` runs on GGUF blocks (`BlockLinear`), else 'fp32'."""
-    return "gguf" if any(isinstance(m, BlockLinear) for m in model.modules()) else "fp32"
-
-
 class TorchEngine:
     """Llama on PyTorch with an explicit KV cache (`StaticKV`).
 
@@ -145,11 +140,9 @@ class TorchEngine:
             raise ValueError(f"weights {weights!r} applies when the engine loads the model; a model passed in "
                              f"keeps its own (load it with load_llama(weights=...))")
         check_dtype_fits(self.dtype, model.cfg if model is not None else None, self.model_path)  # before the load
-        if model is None:
-            check_weights_fit(weights, self.device, self.dtype)
         self.model = model if model is not None else load_llama(self.model_path, device=self.device, dtype=self.dtype,
                                                                 weights=weights)
-        self.weights = _weights_of(self.model)  # 'gguf' when some linear runs on blocks
+        self.weights = "gguf" if runs_on_blocks(self.model) else "fp32"
         if pack_weights:
             pack_linears(self.model)
         self.model.model_path = self.model_path  # an engine built on the bare model finds its tokenizer

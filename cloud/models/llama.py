@@ -492,6 +492,11 @@ class BlockLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def runs_on_blocks(model: nn.Module) -> bool:
+    """True when some linear of `model` runs on GGUF blocks (`BlockLinear`, `load_llama(weights='gguf')`)."""
+    return any(isinstance(m, BlockLinear) for m in model.modules())
+
+
 def can_pack(model: nn.Module) -> bool:
     """True when `pack_linears` applies: a float32 model on the CPU and a torch built with oneDNN."""
     p = next(model.parameters())
