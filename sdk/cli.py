@@ -975,6 +975,8 @@ def pd_serve(
     forwarding: str = typer.Option("on-demand", help="on-demand (instances accept or reject) or push (stale reports)."),
     kv_cache_mb: int = typer.Option(128, min=1, help="Paged KV cache per instance (MiB)."),
     threads: int = typer.Option(1, min=1, help="torch threads per instance."),
+    weights: str = typer.Option("fp32", help="Layer linears: fp32 (dequantized) or gguf (the file's own 4-bit "
+                                "blocks, as `cloud serve --weights`)."),
     actor_cpus: float = typer.Option(1.0, min=0, help="Ray CPUs each instance reserves."),
     spread: bool = typer.Option(False, help="Spread instances across the cluster's nodes."),
     ratio_control: bool = typer.Option(False, help="Move instances between P and D (and lend idle ones across "
@@ -1005,6 +1007,14 @@ def pd_serve(
     tls = server_policy(host, token, insecure_no_auth, certfile, keyfile)  # before Ray or any model starts
     limits = connection_limits(max_connections, max_connections_per_client, header_timeout_s, idle_timeout_s)
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # a busy port: one line, before any model loads
+    import torch
+
+    from relayinfer.cloud.models.llama import check_weights_fit
+
+    try:
+        check_weights_fit(weights, "cpu", torch.float32)
+    except ValueError as e:
+        fail(ValueError(f"--weights: {e}"))
     try:
         if transfer not in MODES:
             raise ValueError(f"--transfer {transfer!r}: choose contiguous or block-fixed")
@@ -1012,7 +1022,7 @@ def pd_serve(
         from relayinfer.cloud.engine.torch_engine import TorchEngine
         from relayinfer.cloud.export import ensure_device_model
 
-        engine = TorchEngine(model, device="cpu", threads=threads)
+        engine = TorchEngine(model, device="cpu", threads=threads, weights=weights)
         model_dir = ensure_device_model(model) if export else None
         _warm_grammar(engine)
         svc = make_pd_service(engine, specs, InstanceConfig(kv_cache_bytes=kv_cache_mb << 20, transfer=transfer),
@@ -1021,7 +1031,7 @@ def pd_serve(
                               auth_token=token,
                               device_model_dir=model_dir, limits=limits, memory_bytes=memory_mb << 20)
     except (RelayInferError, ValueError) as e:
-        fail(e)
+        fail(ValueError(f"--weights: {e}") if str(e).startswith("weights ") else e)
 
     async def up():
         await svc.start(host, port, http_port, ssl=tls)

@@ -107,7 +107,7 @@ def test_weight_formats_it_cannot_run_are_refused(torch_engine):
 
 def test_cloud_serve_refuses_gguf_weights_in_bfloat16_before_loading(monkeypatch):
     """`cloud serve --weights gguf --dtype bfloat16` exits 2 with one line naming --weights, before
-    the device model export or the weights load."""
+    the device model export or the weights load; an unknown format too, on `pd serve` as well."""
     from typer.testing import CliRunner
 
     import relayinfer.sdk.cli as cli
@@ -123,3 +123,36 @@ def test_cloud_serve_refuses_gguf_weights_in_bfloat16_before_loading(monkeypatch
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.stderr)
         assert lines[0].startswith(msg or "error: --weights: weights 'q4' is not supported"), lines[0]
+    # `pd serve` takes the same flag and refuses the same way, before Ray or the model starts
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(cli.app, ["pd", "serve", "--port", "0", "--http-port", "0",
+                                                             "--weights", "q4", "--duration-s", "0"])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.stderr)
+    assert lines[0].startswith("error: --weights: weights 'q4' is not supported; choose one of fp32, gguf"), lines[0]
+
+
+def test_what_ray_actors_rebuild_a_gguf_model_from_runs_the_same_blocks(model_path, gguf_engine, chat_prompt_ids):
+    """P/D actors rebuild the driver's model from `ray_pool.model_weights` (the kernel's operands
+    are not in `state_dict`): every `BlockLinear` comes back with the file's own q (read back from
+    the packed operand) and the same operands bit for bit, and the rebuilt engine's greedy tokens
+    equal the driver's."""
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.pd.ray_pool import build_model, model_weights
+    from relayinfer.protocol.model.decoding import SamplingParams
+
+    cfg, dense, blocks = model_weights(gguf_engine.model)
+    assert len(blocks) == 7 * cfg.n_layers and not any(k.endswith((".packed", ".scales_and_zeros")) for k in dense)
+    file_up, _ = _file_blocks(model_path, "blk.0.ffn_up.weight")  # not Q/K: those rows are un-permuted
+    assert np.array_equal(blocks["layers.0.up"].q, file_up.q)
+    rebuilt = build_model(cfg, dense, blocks)
+    old = {n: m for n, m in gguf_engine.model.named_modules() if isinstance(m, BlockLinear)}
+    new = {n: m for n, m in rebuilt.named_modules() if isinstance(m, BlockLinear)}
+    assert old.keys() == new.keys()
+    for n, m in old.items():
+        assert torch.equal(m.packed, new[n].packed) and torch.equal(m.scales_and_zeros, new[n].scales_and_zeros), n
+        assert (m.bias is None) == (new[n].bias is None)
+    again = TorchEngine(model=rebuilt, threads=1)
+    assert again.weights == "gguf"
+    params = SamplingParams(max_new_tokens=16)
+    for ids in chat_prompt_ids[:2]:
+        assert again.generate(ids, params).token_ids == gguf_engine.generate(ids, params).token_ids

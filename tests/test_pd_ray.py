@@ -107,3 +107,32 @@ def test_ray_actor_faults_are_retried_and_restarted(ray_pd, chat_prompt_ids, ref
     assert all(reports[n]["pid"] != pids[n] for n in ("chat-p0", "chat-p1"))  # restarted by Ray
     assert any(reports[n]["pid"] != pids[n] for n in ("chat-d0", "chat-d1"))
     assert all(r["kv_blocks_used"] == 0 and r["held"] == 0 and r["running"] == 0 for r in reports.values())
+
+
+def test_pools_of_a_gguf_engine_run_its_blocks(ray_pd, model_path, chat_prompt_ids):
+    """A service made from a `weights='gguf'` engine: its actors rebuild the model on the file's
+    4-bit blocks (not in `state_dict`, shipped as `ray_pool.model_weights`' blocks), and a request
+    through P -> KV -> D answers as that engine does alone."""
+    from relayinfer.cloud.engine.torch_engine import TorchEngine
+    from relayinfer.cloud.models.llama import BlockLinear
+
+    if not BlockLinear.available():
+        pytest.skip("this torch has no CPU int4 kernel")
+    engine = TorchEngine(model_path, threads=1, weights="gguf")
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    ref = engine.generate(chat_prompt_ids[1], params).token_ids
+    svc = make_pd_service(engine, [GroupSpec(Scenario("gguf", 10000, 1000), 1, 1)],
+                          InstanceConfig(kv_cache_bytes=16 << 20), actor_cpus=0)
+    try:
+        with ServiceThread(svc) as running:
+            gw = running.llm.gateway
+
+            async def collect():
+                return [o.token_id async for o in gw.generate("g", chat_prompt_ids[1], params)]
+
+            assert run(running, collect()) == ref
+            reports = run(running, wait_idle(gw))
+            assert sum(r["decodes"] for r in reports.values()) == 1
+            assert all(r["kv_blocks_used"] == 0 and r["held"] == 0 for r in reports.values()), reports
+    finally:
+        svc.llm.gateway.pool.shutdown()

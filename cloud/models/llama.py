@@ -485,6 +485,28 @@ class BlockLinear(nn.Module):
         return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
             torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
+    def blocks(self):
+        """The `ggml_blocks.Blocks` this layer runs (bits 4, block 32: q uint8 [N, K / 32, 32], scale and
+        offset float32 [N, K / 32] holding the kernel's bf16 values), for rebuilding it elsewhere
+        (`BlockLinear(layer.blocks(), bias)` computes the same bits). Why not the packed operand: its
+        layout is the packing CPU's (AVX512 and AVX2 block N differently), so it must not cross
+        machines. q is read back exactly through the kernel itself: identity rows with scale 1 and
+        offset 8 give (q - 8) * 1 + 8 = q, integers 0..15 that bfloat16 holds exactly. Costs K * K * N
+        multiply-adds (~1 s for all of SmolLM2-135M's layers on 2 cores)."""
+        from relayinfer.cloud.ggml_blocks import Blocks
+
+        k, n, g = self.in_features, self.out_features, self.GROUP
+        unit = torch.empty_like(self.scales_and_zeros)
+        unit[..., 0], unit[..., 1] = 1, 8
+        rows = []
+        for i in range(0, k, 512):  # [512, K] identity slices: bounded memory
+            eye = torch.zeros(min(512, k - i), k, dtype=torch.bfloat16, device=self.packed.device)
+            eye[:, i:i + 512].fill_diagonal_(1)
+            rows.append(torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, g, unit))
+        q = torch.cat(rows).t().to(torch.uint8).reshape(n, k // g, g).cpu().numpy()
+        sz = self.scales_and_zeros.float().transpose(0, 1).cpu().numpy()  # [N, K / 32, 2]
+        return Blocks(4, g, q, np.ascontiguousarray(sz[..., 0]), np.ascontiguousarray(sz[..., 1]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).bfloat16(), self.packed,
                                                       self.GROUP, self.scales_and_zeros).float()

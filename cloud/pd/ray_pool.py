@@ -67,27 +67,36 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, **kw) -> 
 
 
 def model_weights(model) -> tuple:
-    """(config, {name: numpy in the model's dtype}) of a loaded `Llama`: what actors rebuild the
-    model from (bfloat16 as `ml_dtypes.bfloat16`)."""
+    """(config, {name: numpy in the model's dtype}, {module name: `ggml_blocks.Blocks`}) of a loaded
+    `Llama`: what actors rebuild the model from (bfloat16 as `ml_dtypes.bfloat16`). The third part
+    holds the GGUF blocks of a model loaded with weights 'gguf' (`llama.BlockLinear.blocks`; empty
+    for fp32): their kernel operands are not in `state_dict`, and their packed layout is the packing
+    CPU's."""
+    from relayinfer.cloud.models.llama import BlockLinear
     from relayinfer.cloud.pd.kv import _numpy
 
-    return model.cfg, {k: _numpy(v) for k, v in model.state_dict().items()}
+    blocks = {name: m.blocks() for name, m in model.named_modules() if isinstance(m, BlockLinear)}
+    return model.cfg, {k: _numpy(v) for k, v in model.state_dict().items()}, blocks
 
 
-def build_model(cfg, weights: dict):
+def build_model(cfg, weights: dict, blocks: dict | None = None):
     """A `Llama` on `weights` (read-only zero-copy arrays from the object store are fine: inference
-    never writes them), its linears prepared as `TorchEngine`'s (`llama.pack_linears`: the same
-    arithmetic and speed as `cloud serve`'s engine; packed copies are the actor's own memory, the
-    dense weights stay shared)."""
+    never writes them) and `blocks` (`model_weights`' third part: those linears become `BlockLinear`s
+    again, the same bits as the driver's), its other linears prepared as `TorchEngine`'s
+    (`llama.pack_linears`: the same arithmetic and speed as `cloud serve`'s engine; packed copies
+    are the actor's own memory, the dense weights stay shared)."""
     import torch
 
-    from relayinfer.cloud.models.llama import Llama, pack_linears, rope_bases
+    from relayinfer.cloud.models.llama import BlockLinear, Llama, pack_linears, rope_bases
     from relayinfer.cloud.pd.kv import _tensor
 
     with torch.device("meta"):
         model = Llama(cfg)
     state = {k: _tensor(v) for k, v in weights.items()}
     model.load_state_dict(state, assign=True, strict=False)
+    for name, b in (blocks or {}).items():
+        parent, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        setattr(parent, leaf, BlockLinear(b, getattr(parent, leaf).bias))
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_bases(cfg)
@@ -102,8 +111,7 @@ class InstanceActor:
 
         if threads:
             torch.set_num_threads(threads)
-        cfg, weights = model_ref
-        self.model = build_model(cfg, weights)
+        self.model = build_model(*model_ref)
         self.inst = Instance(self.model, name, role, InstanceConfig(**config), in_process=False)
         self.inst.engine.generate([list(range(16, 48))], _warm_params())  # first steps allocate
         self.inst.engine.prefill_tok_s = None  # the warm-up's speed (allocation) is no estimate: back to the prior
