@@ -101,8 +101,9 @@ def test_torch_engine_and_onnx_device_agree(tiny, arch, kind):
 
 @pytest.mark.parametrize("arch,kind", [("llama", "Q4_1"), ("qwen2", "Q4_0"), ("gemma3", "Q4_K"), ("llama", "Q8_0")])
 def test_gguf_weights_run_every_4bit_layer_on_its_blocks(tiny, arch, kind):
-    """`weights='gguf'` on each architecture and 4-bit type: every layer linear (7 per layer) is a
-    `BlockLinear` over the file's blocks (Q/K rows un-permuted for Llama, Qwen2's Q/K/V biases kept)
+    """`weights='gguf'` on each architecture and 4-bit type: every layer linear runs on a
+    `BlockLinear` over the file's blocks, Q/K/V and gate/up each as one (4 per layer; Q/K rows
+    un-permuted for Llama, Qwen2's Q/K/V biases kept in order)
     and the first-step logits stay within 1 % of their range of the fp32 engine's (measured <= 0.25 %; bf16 inputs into
     the matmuls; a wrong row order would be far off); a file without 4-bit layers (Q8_0) is refused
     naming its types."""
@@ -119,9 +120,12 @@ def test_gguf_weights_run_every_4bit_layer_on_its_blocks(tiny, arch, kind):
         return
     fp32, blk = TorchEngine(path, threads=1), TorchEngine(path, threads=1, weights="gguf")
     assert blk.weights == "gguf" and fp32.weights == "fp32"
-    assert sum(isinstance(m, BlockLinear) for m in blk.model.modules()) == 7 * blk.cfg.n_layers
+    assert sum(isinstance(m, BlockLinear) for m in blk.model.modules()) == 4 * blk.cfg.n_layers  # Q/K/V, gate/up fused
+    attn, c = blk.model.layers[0].attn, blk.cfg
+    assert attn.wqkv.out_features == (c.n_heads + 2 * c.n_kv_heads) * c.head_dim and not hasattr(attn, "wq")
     if blk.cfg.qkv_bias:
-        assert blk.model.layers[0].attn.wq.bias is not None
+        assert attn.wqkv.bias is not None and torch.equal(attn.wqkv.bias[-c.n_kv_heads * c.head_dim:],
+                                                          fp32.model.layers[0].attn.wv.bias)
     ids = Tokenizer.from_gguf(path, use_cache=False).encode_prompt(PROMPT)
     a, b = fp32.prefill(ids)[0], blk.prefill(ids)[0]
     span = float(a.max() - a.min())

@@ -69,7 +69,7 @@ def test_block_linear_refuses_8bit_blocks(model_path):
 
 
 def test_gguf_engine_is_close_to_float32_on_chat_prompts(torch_engine, gguf_engine, tokenizer):
-    """Every layer linear of this Q4_1 file runs on its blocks (7 per layer), the Q8_0 head stays
+    """Every layer linear of this Q4_1 file runs on its blocks (4 per layer, fused), the Q8_0 head stays
     dense; on real chat prompts the logits at every position pick the fp32 model's top-1 token at
     >= 95 % of positions with a mean KL(fp32 || gguf) below 5e-3 nats (measured here: >= 0.97 and
     <= 1.5e-3); prompts of another model file's tensors are not needed for this."""
@@ -77,7 +77,7 @@ def test_gguf_engine_is_close_to_float32_on_chat_prompts(torch_engine, gguf_engi
 
     m = gguf_engine.model
     assert gguf_engine.weights == "gguf" and torch_engine.weights == "fp32"
-    assert sum(isinstance(x, BlockLinear) for x in m.modules()) == 7 * m.cfg.n_layers
+    assert sum(isinstance(x, BlockLinear) for x in m.modules()) == 4 * m.cfg.n_layers  # Q/K/V, gate/up fused
     assert not isinstance(m.lm_head, BlockLinear)
     for ids in chitchat_prompts_by_length(tokenizer, [40, 120, 300], per_length=1, seed=3):
         a = torch_engine.forward(ids, torch_engine.new_cache(len(ids)), last_only=False).double()
@@ -141,9 +141,9 @@ def test_what_ray_actors_rebuild_a_gguf_model_from_runs_the_same_blocks(model_pa
     from relayinfer.protocol.model.decoding import SamplingParams
 
     cfg, dense, blocks = model_weights(gguf_engine.model)
-    assert len(blocks) == 7 * cfg.n_layers and not any(k.endswith((".packed", ".scales_and_zeros")) for k in dense)
+    assert len(blocks) == 4 * cfg.n_layers and not any(k.endswith((".packed", ".scales_and_zeros")) for k in dense)
     file_up, _ = _file_blocks(model_path, "blk.0.ffn_up.weight")  # not Q/K: those rows are un-permuted
-    assert np.array_equal(blocks["layers.0.up"].q, file_up.q)
+    assert np.array_equal(blocks["layers.0.gate_up"].q[cfg.ffn_dim:], file_up.q)
     rebuilt = build_model(cfg, dense, blocks)
     old = {n: m for n, m in gguf_engine.model.named_modules() if isinstance(m, BlockLinear)}
     new = {n: m for n, m in rebuilt.named_modules() if isinstance(m, BlockLinear)}
@@ -156,3 +156,23 @@ def test_what_ray_actors_rebuild_a_gguf_model_from_runs_the_same_blocks(model_pa
     params = SamplingParams(max_new_tokens=16)
     for ids in chat_prompt_ids[:2]:
         assert again.generate(ids, params).token_ids == gguf_engine.generate(ids, params).token_ids
+
+
+def test_fused_block_linears_compute_the_separate_layers_bits(model_path, gguf_engine):
+    """Q/K/V and gate/up run as one `BlockLinear` each (`llama.FUSED`): at 1, 5 and 300 rows its
+    output columns are bit for bit those of the separate layers built from the file's tensors."""
+    from relayinfer.cloud.models.llama import _unpermute
+
+    layer, cfg = gguf_engine.model.layers[5], gguf_engine.model.cfg
+    sep = []
+    for name, heads in (("attn_q", cfg.n_heads), ("attn_k", cfg.n_kv_heads), ("attn_v", 0), ("ffn_gate", 0),
+                        ("ffn_up", 0)):
+        b, _ = _file_blocks(model_path, f"blk.5.{name}.weight")
+        if heads:  # the engine's rotary layout
+            b = type(b)(4, 32, _unpermute(b.q, heads), _unpermute(b.scale, heads), _unpermute(b.offset, heads))
+        sep.append(BlockLinear(b))
+    for rows in (1, 5, 300):
+        x = torch.randn(1, rows, cfg.dim, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            assert torch.equal(layer.attn.wqkv(x), torch.cat([lin(x) for lin in sep[:3]], -1)), rows
+            assert torch.equal(layer.gate_up(x), torch.cat([lin(x) for lin in sep[3:]], -1)), rows

@@ -321,7 +321,9 @@ def test_half_precision_engine_is_close_to_float32(torch_engine, prompts, dtype,
     logits at every position of the chat prompts pick the float32 model's top-1 token at >= `top1`
     of positions with a mean KL(fp32 || half) below `kl` nats (measured here: bf16 0.95-0.98 and
     0.0016-0.002, fp16 0.99-1.0 and 4e-5); the batching engine's KV pool holds half the bytes per token
-    and its greedy answers start as the float32 engine's."""
+    and its greedy answers start with the float32 engine's first token and go on with tokens in the
+    float32 model's top 3 (bf16 may take a near-tied second: its greedy tokens are not fp32's,
+    bench/results/fidelity-cloud.md)."""
     import torch
 
     from relayinfer.cloud.engine.torch_engine import TorchEngine
@@ -354,4 +356,8 @@ def test_half_precision_engine_is_close_to_float32(torch_engine, prompts, dtype,
     assert llm.runner.kv[0].dtype == half.dtype
     out = llm.generate(prompts[:2], SamplingParams(max_new_tokens=4))
     ref = LLMEngine(torch_engine, kv_cache_bytes=16 << 20).generate(prompts[:2], SamplingParams(max_new_tokens=4))
-    assert [o[:2] for o in out] == [r[:2] for r in ref]
+    for ids, o, r in zip(prompts[:2], out, ref):  # the half-precision answer is one the fp32 model ranks top
+        assert o[0] == r[0] and len(o) == len(r) == 4
+        logits = torch_engine.forward(ids + o[:-1], torch_engine.new_cache(len(ids) + 3), last_only=False)[len(ids) - 1:]
+        top3 = logits.topk(3, -1).indices.tolist()
+        assert all(t in top for t, top in zip(o, top3)), (o, r, top3)

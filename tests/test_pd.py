@@ -264,14 +264,17 @@ def test_instances_that_cannot_all_be_placed_are_refused_up_front(monkeypatch):
 def test_pd_moves_a_bfloat16_kv_cache_bit_for_bit(torch_engine, prompts):
     """An engine in bfloat16 (as on a GPU): the prefill instance's KV payload is bfloat16 (half the
     float32 bytes), it travels as "bfloat16" protocol frames and back bit for bit, and P/D answers
-    equal the same engine serving each prompt on its own, in both transfer modes."""
+    equal the same engine serving the prompts one after another, in both transfer modes. (In turn,
+    not each on a fresh engine: a prompt whose prefix is cached attends over the cached keys in
+    another kernel, and in bfloat16 that can flip a near-tied token, docs/SERVING.md.)"""
     import torch
 
     from relayinfer.cloud.engine.torch_engine import TorchEngine
     from relayinfer.cloud.pd.kv import _tensor
 
     half = TorchEngine(torch_engine.model_path, threads=1, dtype="bfloat16")
-    alone = [LLMEngine(half, kv_cache_bytes=16 << 20).generate([ids], GREEDY)[0] for ids in prompts[:3]]
+    one = LLMEngine(half, kv_cache_bytes=16 << 20)  # in turn, as the prefill instance gets them: prompt 1 reuses
+    alone = [one.generate([ids], GREEDY)[0] for ids in prompts[:3]]  # prompt 0's cached system turn there too
 
     async def main(mode):
         p, d = Instance(half, "p", "prefill", cfg(transfer=mode)), Instance(half, "d", "decode", cfg())

@@ -87,16 +87,16 @@ def build_model(cfg, weights: dict, blocks: dict | None = None):
     are the actor's own memory, the dense weights stay shared)."""
     import torch
 
-    from relayinfer.cloud.models.llama import BlockLinear, Llama, pack_linears, rope_bases
+    from relayinfer.cloud.models.llama import BlockLinear, Llama, pack_linears, rope_bases, set_block_linear
     from relayinfer.cloud.pd.kv import _tensor
 
     with torch.device("meta"):
         model = Llama(cfg)
     state = {k: _tensor(v) for k, v in weights.items()}
     model.load_state_dict(state, assign=True, strict=False)
-    for name, b in (blocks or {}).items():
-        parent, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-        setattr(parent, leaf, BlockLinear(b, getattr(parent, leaf).bias))
+    for name, b in (blocks or {}).items():  # "layers.3.attn.wqkv": a fused key replaces its parts
+        _, i, key = name.split(".", 2)
+        set_block_linear(model.layers[int(i)], key, BlockLinear(b, state.get(f"{name}.bias")))
     if cfg.tied_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_bases(cfg)
