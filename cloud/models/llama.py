@@ -689,7 +689,7 @@ def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
 # features, in order: they read the same input. Only `BlockLinear`s are fused (`_block_linears`):
 # the int4 kernel computes each output column on its own, so the fused columns are the separate
 # layers' bits (tests/test_block_weights.py), with one kernel call and one bf16 rounding of x
-# instead of three / two (~1 ms a decode step of SmolLM2-135M's 16-21).
+# instead of three / two (decode steps 1-11 % shorter, bench/results/fused_linears.md).
 FUSED = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"), "gate_up": ("gate", "up")}
 
 
