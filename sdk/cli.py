@@ -28,13 +28,20 @@ class _App(typer.Typer):
     def __call__(self, *args, **kwargs):
         if kwargs.get("standalone_mode", True) is False:
             return super().__call__(*args, **kwargs)
+        argv = list(kwargs.get("args") or (args[0] if args else sys.argv[1:]))
+        self.standalone(lambda: super(_App, self).__call__(*args, standalone_mode=False, **kwargs), argv)
+
+    @staticmethod
+    def standalone(run, argv: list[str]) -> None:
+        """Call `run()` (a click command in standalone_mode=False) and exit as `relayinfer` does:
+        usage errors as one line and exit 2, the command's own exit code otherwise. Also for the
+        sub-apps mounted by forwarding their arguments (`relayinfer relay ...`)."""
         mods = _click_exception_modules()
         usage = tuple(m.UsageError for m in mods)
         no_args = tuple(m.NoArgsIsHelpError for m in mods if hasattr(m, "NoArgsIsHelpError"))
         abort = (typer.Abort,) + tuple(m.Abort for m in mods if hasattr(m, "Abort"))
-        argv = list(kwargs.get("args") or (args[0] if args else sys.argv[1:]))
         try:
-            code = super().__call__(*args, standalone_mode=False, **kwargs)
+            code = run()
         except no_args as e:  # `relayinfer` alone: the help, as click shows it
             e.show()
             sys.exit(e.exit_code)
@@ -985,7 +992,7 @@ def pd_serve(
                                         "of its prompt (within a load slack); --no-prefix-routing: round-robin "
                                         "prefill, fewest-in-flight decode."),
     token: Optional[str] = typer.Option(None, envvar="RELAYINFER_TOKEN", help="Bearer token (devices and HTTP)."),
-    duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
+    duration_s: Optional[float] = typer.Option(None, min=0.0, help="Stop by itself after this many seconds."),
     export: bool = typer.Option(True, help="Serve the device model (exported once) on /v1/device-model."),
     certfile: Optional[str] = typer.Option(None, help="PEM certificate chain: serve wss:// and https:// (with --keyfile)."),
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
@@ -1111,7 +1118,8 @@ def _run_relay(args: list[str]) -> None:
     """Run `relayinfer relay ARGS` (sdk/relay_cli.py, loaded only now, after the cloud side it runs:
     it needs torch; its `bench` runs the driver bench/relay.py of a source checkout)."""
     mod = _need_cloud("`relayinfer relay`", "relayinfer.sdk.relay_cli", "relayinfer.cloud.relay.server")
-    typer.main.get_command(mod.relay_app).main(args=args, prog_name="relayinfer relay")
+    cmd = typer.main.get_command(mod.relay_app)
+    _App.standalone(lambda: cmd.main(args=args, prog_name="relayinfer relay", standalone_mode=False), args)
 
 
 @app.command("relay", context_settings=_FORWARD, add_help_option=False,

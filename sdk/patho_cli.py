@@ -131,7 +131,7 @@ def serve(
     threads: int = typer.Option(1, min=1, help="torch threads of the compute thread."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda."),
     max_tiles_per_slide: int = typer.Option(20000, min=1), max_slides_per_session: int = typer.Option(4, min=1),
-    duration_s: Optional[float] = typer.Option(None, help="Stop by itself after this many seconds."),
+    duration_s: Optional[float] = typer.Option(None, min=0.0, help="Stop by itself after this many seconds."),
     certfile: Optional[str] = typer.Option(None, help="PEM certificate chain: serve wss:// (with --keyfile)."),
     keyfile: Optional[str] = typer.Option(None, help="PEM private key of --certfile."),
     max_sessions: int = typer.Option(16, min=1, help="Open device connections at most (counted at the websocket "

@@ -37,7 +37,7 @@ def bench(out: Path = typer.Option(None, help="Results JSON (a P99 plot is writt
 
 
 @relay_app.command()
-def train(steps: int = typer.Option(500, help="training steps (64 users x 8 cut points x 31 negatives)"),
+def train(steps: int = typer.Option(500, min=1, help="training steps (64 users x 8 cut points x 31 negatives)"),
           quick: bool = typer.Option(False, help="150 steps instead of --steps"),
           attn_norm: int = typer.Option(None, min=1, help="attention normaliser n (default: the training window + 1 "
                                                           "= 101, sized to the data as the reference does; 8192 = the "

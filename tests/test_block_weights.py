@@ -171,6 +171,11 @@ def test_fused_block_linears_compute_the_separate_layers_bits(model_path, gguf_e
         if heads:  # the engine's rotary layout
             b = type(b)(4, 32, _unpermute(b.q, heads), _unpermute(b.scale, heads), _unpermute(b.offset, heads))
         sep.append(BlockLinear(b))
+    from relayinfer.cloud.models.llama import set_block_linear
+
+    with pytest.raises(ValueError, match="attn.wq is part of this layer's fused attn.wqkv; set attn.wqkv instead"):
+        set_block_linear(layer, "attn.wq", sep[0])  # the forward would never read it
+    set_block_linear(layer, "gate_up", layer.gate_up)  # setting a fused key again replaces it
     for rows in (1, 5, 300):
         x = torch.randn(1, rows, cfg.dim, generator=torch.Generator().manual_seed(rows))
         with torch.inference_mode():

@@ -471,4 +471,14 @@ def test_console_script_usage_errors_are_one_line_or_one_json_object():
     out = run("cloud", "serve", "--port", "abc")
     assert out.returncode == 2 and "'--port'" in out.stderr and "relayinfer cloud serve --help" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # the same for every command that runs until a duration or a count: a negative one is refused,
+    # and the forwarded `relay` sub-commands answer in the same one line
+    for argv, flag in ((("pd", "serve", "--duration-s", "-1"), "--duration-s"),
+                       (("patho", "serve", "--duration-s", "-1"), "--duration-s"),
+                       (("relay", "train", "--steps", "0"), "--steps")):
+        out = run(*argv)
+        assert out.returncode == 2 and out.stdout == "", (argv, out)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: Invalid value for '{flag}'"), (argv, out.stderr)
+        assert f"(see relayinfer {' '.join(argv[:2])} --help)" in lines[0], lines[0]
     assert run("--help").returncode == 0

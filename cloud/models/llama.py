@@ -695,13 +695,25 @@ FUSED = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"), "gate_up": ("gate", "up
 
 def set_block_linear(layer: Block, key: str, lin: BlockLinear) -> None:
     """Put `lin` at `key` ('attn.wo', 'down', a `FUSED` key, ...) of `layer`; a fused key removes
-    the linears it stands for."""
+    the linears it stands for (those still there: setting it again replaces it).
+
+    Raises:
+        ValueError: `key` is one part of a fused linear the layer already has (the forward would
+            never read it)."""
+    for fused, parts in FUSED.items():
+        if key in parts and _has(layer, fused):
+            raise ValueError(f"{key} is part of this layer's fused {fused}; set {fused} instead")
     for k in (key, *FUSED.get(key, ())):
         parent, _, leaf = k.rpartition(".")
         if k == key:
             setattr(layer.get_submodule(parent), leaf, lin)
-        else:
+        elif _has(layer, k):
             delattr(layer.get_submodule(parent), leaf)
+
+
+def _has(layer: nn.Module, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    return hasattr(layer.get_submodule(parent), leaf)
 
 
 def _concat_blocks(parts: list):
