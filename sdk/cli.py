@@ -16,7 +16,7 @@ if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped he
 
 from relayinfer.device.profiles import available as _profiles
 from relayinfer.protocol.errors import RelayInferError
-from relayinfer.sdk.cli_common import bench_module, fail, print_error, serve_for  # noqa: F401  (also this module's API)
+from relayinfer.sdk.cli_common import bench_module, fail, print_error, serve_for, sigterm_stops_startup  # noqa: F401  (also this module's API)
 from relayinfer.sdk.server_opts import server_tls as _server_tls
 
 class _App(typer.Typer):
@@ -328,6 +328,7 @@ from relayinfer.sdk.server_opts import (OPT_HEADER_TIMEOUT, OPT_IDLE_TIMEOUT, OP
 
 
 @cloud_app.command("serve")
+@sigterm_stops_startup("the cloud service")
 def cloud_serve(
     host: str = typer.Option("127.0.0.1", help="Listen address."),
     port: int = typer.Option(8765, help="Websocket (device stream) port; 0 = any free port."),
@@ -968,6 +969,7 @@ app.add_typer(pd_app, name="pd")
 
 
 @pd_app.command("serve")
+@sigterm_stops_startup("the P/D service")
 def pd_serve(
     host: str = typer.Option("127.0.0.1", help="Listen address of the gateway."),
     port: int = typer.Option(8765, help="Websocket (device stream) port; 0 = any free port."),

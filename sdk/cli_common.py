@@ -46,6 +46,40 @@ def serve_for(svc, duration_s: float | None, up) -> None:
         raise typer.Exit(code)
 
 
+def sigterm_stops_startup(what: str):
+    """Decorator of a serve command: a SIGTERM that comes while it starts (loading a model, starting
+    Ray and its actors, before `serve_for` takes the signals over) stops it as one once it is up
+    does: one line on stderr, exit 0, and what was started is stopped on the way out (Ray's atexit
+    shutdown ends a local Ray and the driver's actors). Without it a SIGTERM killed the process, or,
+    once Ray was up, Ray's failure handler dumped a stack and aborted (exit -6), which a supervisor
+    reads as a crash; that handler is switched off for this process (`RAY_DISABLE_FAILURE_SIGNAL_HANDLER`)."""
+    import functools
+    import os
+    import signal
+    import threading
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                return fn(*args, **kwargs)
+            os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+            def stop(signum, frame):
+                typer.echo(f"stopped by SIGTERM before {what} was up", err=True)
+                raise SystemExit(0)
+
+            prev = signal.signal(signal.SIGTERM, stop)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                signal.signal(signal.SIGTERM, prev)
+
+        return run
+
+    return wrap
+
+
 def bench_module(name: str):
     """Import the benchmark driver `bench.<name>` (drivers live in the `bench` package of a source
     checkout, not in the library): the checkout this library runs from, else a `bench` package

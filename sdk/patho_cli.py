@@ -15,7 +15,7 @@ import typer
 
 from relayinfer.protocol.errors import RelayInferError
 from relayinfer.sdk.server_opts import OPT_HEADER_TIMEOUT, OPT_INSECURE_NO_AUTH, OPT_MAX_CONNECTIONS, OPT_MAX_PER_CLIENT
-from relayinfer.sdk.cli_common import bench_module, serve_for
+from relayinfer.sdk.cli_common import bench_module, serve_for, sigterm_stops_startup
 
 patho_app = typer.Typer(help="Pathology split screening: WSI coarse screen on the device, fine screen in the cloud.",
                         no_args_is_help=True)
@@ -115,6 +115,7 @@ def screen(
 
 
 @patho_app.command("serve")
+@sigterm_stops_startup("the patho service")
 def serve(
     host: str = typer.Option("127.0.0.1", help="Listen address."),
     port: int = typer.Option(8770, help="Websocket port (0 = a free one)."),

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from relayinfer.sdk.cli_common import sigterm_stops_startup
+
 relay_app = typer.Typer(help="RelayGR: HSTU ranking on ML-100K with pre-inferred user prefixes.")
 
 BENCH_OUT = {"trained": "bench/results/relay.json", "production": "bench/results/relay_production.json"}
@@ -53,6 +55,7 @@ def train(steps: int = typer.Option(500, min=1, help="training steps (64 users x
 
 
 @relay_app.command()
+@sigterm_stops_startup("the relay service")
 def serve(port: int = typer.Option(0, min=0, max=65535, help="Listen port; 0 = any free port."),
           host: str = typer.Option("127.0.0.1", help="Listen address; beyond loopback it needs --token "
                                                      "(or --insecure-no-auth)."),

@@ -90,3 +90,61 @@ def test_relay_and_patho_serve_stop_on_sigterm_with_connections_open(server):
         proc.kill()
         raise
     assert code == 0, (code, exit_s, "".join(lines[-20:]))  # None: still running 60 s after the signal, killed
+
+
+def _descendants(pid: int) -> list[str]:
+    """Command lines of the processes below `pid` (from /proc)."""
+    import os
+
+    parent, cmd = {}, {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd[int(d)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += [cmd.get(c, "") for c in kids]
+        todo += kids
+    return out
+
+
+def test_cloud_serve_stops_on_sigterm_while_it_loads():
+    """A SIGTERM before the service is up (here: while the model loads) stops it as one after:
+    exit 0 and one line saying so, not death by the signal."""
+    proc, _, lines = sd.serve(["cloud", "serve", "--port", "0", "--http-port", "0"], ready="loading the model")
+    code, _ = sd.stop(proc, signal.SIGTERM, 60)
+    assert code == 0, (code, "".join(lines[-20:]))
+    assert any("stopped by SIGTERM before the cloud service was up" in ln for ln in lines), "".join(lines[-20:])
+
+
+@pytest.mark.slow
+def test_pd_serve_stops_on_sigterm_once_ray_runs_before_it_is_up():
+    """`pd serve` sent SIGTERM after its local Ray started, while its actors start: exit 0 with one
+    line (not Ray's stack dump and abort, not Ray's exit 15), and no Ray process left."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sd.BIN, "pd", "serve", "--port", "0", "--http-port", "0", "--no-export",
+                             "--duration-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t_end = time.monotonic() + 180
+        while not any("raylet" in c for c in _descendants(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < t_end, "no raylet came up"
+            time.sleep(0.2)
+        kids = _descendants(proc.pid)
+        code, _ = sd.stop(proc, signal.SIGTERM, 60)
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0 and "stopped by SIGTERM before the P/D service was up" in out, (code, out[-2000:])
+    assert "*** SIGTERM received" not in out, out[-2000:]
+    time.sleep(3)
+    assert not any("raylet" in c or "gcs_server" in c for c in _descendants(1) if c in kids), kids

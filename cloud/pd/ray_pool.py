@@ -51,7 +51,8 @@ def ray_init_kwargs(address: str | None = None, num_cpus: int | None = None, **k
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, **kw) -> None:
     """`ray.init` once: a local Ray when `address` is None (loopback only, no dashboard: see
-    `ray_init_kwargs`), else join that cluster ('auto' = the cluster this node belongs to)."""
+    `ray_init_kwargs`), else join that cluster ('auto' = the cluster this node belongs to). A
+    SIGTERM handler the process had installed stays in place (ray.init replaces it with its own)."""
     import sys
 
     kwargs, env = ray_init_kwargs(address, num_cpus, **kw)
@@ -63,7 +64,19 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, **kw) -> 
     consts = sys.modules.get("ray._private.ray_constants")
     if env and consts is not None:  # imported before the variable was set: the value it read at import
         consts.ENABLE_RAY_CLUSTER = False
-    ray.init(**kwargs)
+    import signal
+    import threading
+
+    mine = signal.getsignal(signal.SIGTERM)
+    ours = callable(mine) and threading.current_thread() is threading.main_thread()
+    try:
+        ray.init(**kwargs)  # first puts its own SIGTERM handler over the application's: sys.exit(15)
+    except SystemExit as e:
+        if ours and e.code == signal.SIGTERM:  # a SIGTERM during ray.init: the application's handler decides
+            mine(signal.SIGTERM, None)
+        raise
+    if ours:
+        signal.signal(signal.SIGTERM, mine)
 
 
 def model_weights(model) -> tuple:
