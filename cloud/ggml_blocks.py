@@ -36,6 +36,8 @@ QK_K = 256
 BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34),
                "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
 """Elements and bytes of one GGUF block per type kept as MatMulNBits blocks."""
+FOUR_BIT = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+"""The types `decompose` returns as 4-bit blocks of 32 (the others of `BLOCK_BYTES` as 8-bit)."""
 
 
 @dataclass

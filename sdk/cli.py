@@ -393,12 +393,17 @@ def cloud_serve(
         dev = pick_device(device)
         flag = "--dtype"
         dt = pick_dtype(dtype, dev)
-        try:
-            check_dtype_fits(dt, model_path=resolve_model_path(model))
-        except RelayInferError:  # a bad --model is reported where the model loads
-            pass
+        try:  # a bad --model (missing, corrupt) is reported where the model loads
+            path = resolve_model_path(model)
+            check_dtype_fits(dt, model_path=path)
+        except RelayInferError:
+            path = None
         flag = "--weights"
         check_weights_fit(weights, dev, dt)
+        try:
+            check_weights_fit(weights, dev, dt, model_path=path)  # before the device model's export, too
+        except RelayInferError:
+            pass
     except ValueError as e:
         fail(ValueError(f"{flag}: {e}"))
     _check_ports(host, ("--port", port), ("--http-port", http_port))  # so does a busy port
@@ -416,8 +421,7 @@ def cloud_serve(
                              limits=limits, memory_bytes=None if memory_mb is None else memory_mb << 20,
                              kv_piece_bytes=kv_piece_kib << 10)
     except (RelayInferError, ValueError) as e:
-        fail(ValueError(f"--kv-piece-kib {kv_piece_kib}: {e}") if str(e).startswith("kv_piece_bytes") else
-             ValueError(f"--weights: {e}") if str(e).startswith("weights ") else e)
+        fail(ValueError(f"--kv-piece-kib {kv_piece_kib}: {e}") if str(e).startswith("kv_piece_bytes") else e)
     svc.http.web_dir = page
 
     async def up():
@@ -1020,8 +1024,14 @@ def pd_serve(
 
     from relayinfer.cloud.models.llama import check_weights_fit
 
+    from relayinfer.protocol.model.model_file import resolve_model_path
+
     try:
         check_weights_fit(weights, "cpu", torch.float32)
+        try:  # a bad --model (missing, corrupt) is reported where the model loads
+            check_weights_fit(weights, "cpu", torch.float32, model_path=resolve_model_path(model))
+        except RelayInferError:
+            pass
     except ValueError as e:
         fail(ValueError(f"--weights: {e}"))
     try:
@@ -1040,7 +1050,7 @@ def pd_serve(
                               auth_token=token,
                               device_model_dir=model_dir, limits=limits, memory_bytes=memory_mb << 20)
     except (RelayInferError, ValueError) as e:
-        fail(ValueError(f"--weights: {e}") if str(e).startswith("weights ") else e)
+        fail(e)
 
     async def up():
         await svc.start(host, port, http_port, ssl=tls)

@@ -117,6 +117,24 @@ def test_gguf_weights_run_every_4bit_layer_on_its_blocks(tiny, arch, kind):
     if kind == "Q8_0":
         with pytest.raises(ValueError, match="no layer linear in 4-bit blocks.*Q8_0; use weights 'fp32'"):
             TorchEngine(path, threads=1, weights="gguf")
+        from typer.testing import CliRunner
+
+        import relayinfer.sdk.cli as cli
+
+        # the command line finds it from the file's tensor types, before any export or load
+        mp = pytest.MonkeyPatch()
+        mp.setattr(cli, "_ensure_device_model", lambda *a, **k: pytest.fail("exported before the check"))
+        mp.setattr(TorchEngine, "__init__", lambda *a, **k: pytest.fail("the model loaded before the check"))
+        try:
+            for cmd in ("cloud", "pd"):
+                res = CliRunner(env={"COLUMNS": "300"}).invoke(cli.app, [cmd, "serve", "--port", "0", "--http-port",
+                                                                         "0", "--weights", "gguf", "--model", str(path)])
+                lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+                assert res.exit_code == 2 and len(lines) == 1, (cmd, res.exit_code, res.stderr)
+                assert lines[0].startswith("error: --weights: weights 'gguf': this file has no layer linear") and \
+                    "its layer linears are Q8_0" in lines[0], lines[0]
+        finally:
+            mp.undo()
         return
     fp32, blk = TorchEngine(path, threads=1), TorchEngine(path, threads=1, weights="gguf")
     assert blk.weights == "gguf" and fp32.weights == "fp32"

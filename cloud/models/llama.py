@@ -602,11 +602,13 @@ WEIGHTS = ("fp32", "gguf")
 (the file's 4-bit block layers as `BlockLinear`, the rest float32; CPU, float32 only)."""
 
 
-def check_weights_fit(weights: str, device: str, dtype: torch.dtype) -> None:
-    """Refuse a weight format this device, dtype or torch cannot run.
+def check_weights_fit(weights: str, device: str, dtype: torch.dtype, model_path=None) -> None:
+    """Refuse a weight format this device, dtype, torch or the GGUF at `model_path` (when given;
+    its tensor types are read, not its data) cannot run.
 
     Raises:
-        ValueError: naming the format and why ('gguf' needs the CPU, float32 and torch's int4 kernel).
+        ValueError: naming the format and why ('gguf' needs the CPU, float32, torch's int4 kernel
+            and a file with layer linears in 4-bit blocks).
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r} is not supported; choose one of {', '.join(WEIGHTS)}")
@@ -619,6 +621,28 @@ def check_weights_fit(weights: str, device: str, dtype: torch.dtype) -> None:
                              f"is not supported with it (choose float32 or weights 'fp32')")
         if not BlockLinear.available():
             raise ValueError(f"weights 'gguf' needs torch's CPU int4 kernel, which torch {torch.__version__} lacks")
+        if model_path is not None:
+            _check_has_blocks(open_gguf(model_path))
+
+
+def _layer_linears(reader):
+    """(tensor, layer index, `Block` key) of each layer linear weight of a GGUF reader."""
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        key = _NAMES.get(parts[2]) if parts[0] == "blk" and parts[-1] == "weight" else None
+        if key is not None and key.startswith(("attn.w", "gate", "up", "down")):
+            yield t, int(parts[1]), key
+
+
+def _check_has_blocks(reader) -> None:
+    """Raise ValueError when no layer linear of the file is in 4-bit blocks (weights 'gguf' would
+    run nothing on blocks)."""
+    from relayinfer.cloud.ggml_blocks import FOUR_BIT
+
+    kinds = {t.tensor_type.name for t, _, _ in _layer_linears(reader)}
+    if not kinds & FOUR_BIT:
+        raise ValueError(f"weights 'gguf': this file has no layer linear in 4-bit blocks ({', '.join(sorted(FOUR_BIT))}); "
+                         f"its layer linears are {', '.join(sorted(kinds)) or 'none'}; use weights 'fp32'")
 
 
 def load_llama(path: str | os.PathLike | None = None, device: str = "cpu",
@@ -732,28 +756,23 @@ def _block_linears(model: Llama, reader, cfg: ModelConfig) -> int:
 
     Raises:
         ValueError: the file has no layer linear in 4-bit blocks (nothing would run on blocks)."""
-    from relayinfer.cloud.ggml_blocks import decompose
+    from relayinfer.cloud.ggml_blocks import FOUR_BIT, decompose
 
-    found, kinds = {}, set()  # (layer, key) -> (blocks, bias)
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        key = _NAMES.get(parts[2]) if parts[0] == "blk" and parts[-1] == "weight" else None
-        if key is None or not key.startswith(("attn.w", "gate", "up", "down")):
-            continue
+    _check_has_blocks(reader)
+    found = {}  # (layer, key) -> (blocks, bias)
+    for t, layer, key in _layer_linears(reader):
         k, n = int(t.shape[0]), int(t.shape[1])
-        kinds.add(t.tensor_type.name)
-        blocks = decompose(np.asarray(t.data).reshape(n, -1), t.tensor_type.name, k)
-        if blocks is None or blocks.bits != 4 or blocks.block != BlockLinear.GROUP or n % 16:
+        if t.tensor_type.name not in FOUR_BIT or n % 16:  # 8-bit, F16/F32: stay dense
             continue
-        if cfg.rope_permuted and parts[2] in ("attn_q", "attn_k"):
-            heads = cfg.n_heads if parts[2] == "attn_q" else cfg.n_kv_heads
+        blocks = decompose(np.asarray(t.data).reshape(n, -1), t.tensor_type.name, k)
+        if key in ("attn.wq", "attn.wk") and cfg.rope_permuted:
+            heads = cfg.n_heads if key == "attn.wq" else cfg.n_kv_heads
             blocks = type(blocks)(blocks.bits, blocks.block, _unpermute(blocks.q, heads), _unpermute(blocks.scale, heads),
                                   None if blocks.offset is None else _unpermute(blocks.offset, heads))
-        layer = int(parts[1])
         found[layer, key] = blocks, model.layers[layer].get_submodule(key).bias
     if not found:
-        raise ValueError(f"weights 'gguf': this file has no layer linear in 4-bit blocks (Q4_0, Q4_1, Q4_K); its "
-                         f"layer linears are {', '.join(sorted(kinds))}; use weights 'fp32'")
+        raise ValueError("weights 'gguf': no 4-bit layer linear of this file has output features a multiple of 16 "
+                         "(torch's int4 kernel packs 16 rows at a time); use weights 'fp32'")
     for i in sorted({i for i, _ in found}):
         mine = {key: v for (j, key), v in found.items() if j == i}
         for fused, parts in FUSED.items():
