@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runtimes", default=",".join(RUNTIMES), help=f"comma list of {', '.join(RUNTIMES)}")
     ap.add_argument("--out", type=Path, help="results JSON (.md beside it); default bench/results/fidelity.json")
+    ap.add_argument("--llama-isa", default="avx2", choices=("avx2", "avx512"),
+                    help="which bench/llamacpp.sh build serves llama.cpp's answers (LLAMACPP_ISA)")
     args = ap.parse_args(argv)
     wanted = [r.strip() for r in args.runtimes.split(",") if r.strip()]
     bad = [r for r in wanted if r not in RUNTIMES]
@@ -129,9 +131,9 @@ def main(argv=None) -> int:
             import serve_compare
             from runtimes import llama_bench_binary
 
-            b = llama_bench_binary()
+            b = llama_bench_binary(args.llama_isa)
             if b is None:
-                notes[name] = "not built (run bench/llamacpp.sh)"
+                notes[name] = f"not built (run LLAMACPP_ISA={args.llama_isa} bench/llamacpp.sh)"
                 continue
             logdir = Path(os.environ.get("TMPDIR", "/tmp"))
             srv = serve_compare.start_llama("llama-fid", b.parent, model, 1, 1, 4096, set(), logdir)
