@@ -399,10 +399,9 @@ def cloud_serve(
         except RelayInferError:
             path = None
         flag = "--weights"
-        check_weights_fit(weights, dev, dt)
-        try:
-            check_weights_fit(weights, dev, dt, model_path=path)  # before the device model's export, too
-        except RelayInferError:
+        try:  # the file's tensor types too, before the device model's export
+            check_weights_fit(weights, dev, dt, model_path=path)
+        except RelayInferError:  # a corrupt --model: reported where the model loads
             pass
     except ValueError as e:
         fail(ValueError(f"{flag}: {e}"))
@@ -1023,13 +1022,15 @@ def pd_serve(
     import torch
 
     from relayinfer.cloud.models.llama import check_weights_fit
-
     from relayinfer.protocol.model.model_file import resolve_model_path
 
+    try:  # a bad --model (missing, corrupt) is reported where the model loads
+        path = resolve_model_path(model)
+    except RelayInferError:
+        path = None
     try:
-        check_weights_fit(weights, "cpu", torch.float32)
-        try:  # a bad --model (missing, corrupt) is reported where the model loads
-            check_weights_fit(weights, "cpu", torch.float32, model_path=resolve_model_path(model))
+        try:  # the file's tensor types too, before any export or load
+            check_weights_fit(weights, "cpu", torch.float32, model_path=path)
         except RelayInferError:
             pass
     except ValueError as e:
